@@ -1,0 +1,519 @@
+"""The cache manager: joint KV + GDN-checkpoint prefix cache, pins, staging, eviction.
+
+Contract (DESIGN.md, "Cache model"):
+
+* ``admit`` finds the **joint hit** — the deepest boundary ``b <= len(prompt) - 1`` with
+  every block of ``[0, b)`` in the tree and a checkpoint at ``b`` (the checkpoint
+  condition is void for a model without GDN layers) — pins that path, takes a live
+  state slot and pins the checkpoint to restore from.
+* ``allocate`` grows a request's block table, evicting unpinned LRU leaves when needed.
+* ``plan_step`` stages this step's captures under the per-batch byte budget and the
+  free + evictable checkpoint slots; what does not fit is *skipped* (counted), never
+  failed. ``commit_step`` publishes computed blocks and captured checkpoints after the
+  step succeeded; ``abort_step`` releases the reservations of a failed step.
+* ``free`` ends a request (finish, abort, preemption, error): unpins, returns private
+  blocks and slots, and on a normal finish publishes its output checkpoint.
+* ``check_integrity`` proves the accounting (every block and slot in exactly one state).
+
+Block table layout of one request (``SeqCache``)::
+
+    block_table: [ n_0 ... n_{k-1} | p_k ... p_{m-1} ]
+                   ^ nodes[i].block_id   ^ private blocks, owned by the request
+                   (pinned tree nodes)     (the last may be partial; never shared)
+
+Torch-free: plain ints and lists, so it is fuzzed by the thousand and replayed by the
+simulator at full speed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cache.admission import CaptureContext, get_admission_policy
+from cache.block_pool import BlockPool
+from cache.hashing import hash_block
+from cache.radix_tree import Node, RadixTree
+from cache.state_pool import SlotState, StatePool
+
+GDN_CHUNK_SIZE = 64
+
+
+@dataclass
+class CacheManagerConfig:
+    block_size: int
+    num_kv_blocks: int
+    num_live_slots: int = 0
+    num_checkpoint_slots: int = 0
+    checkpoint_bytes: int = 0  # size of one checkpoint (all GDN layers)
+    staging_bytes: int | None = None  # per-step capture budget; None = unbounded
+    has_gdn: bool = True
+    checkpoint_interval: int = 0  # tokens; rounded up to the unit; 0 = off
+    checkpoint_policy: str = "default"
+    enable_prefix_caching: bool = True
+    gdn_chunk_size: int = GDN_CHUNK_SIZE
+
+
+@dataclass(eq=False)
+class SeqCache:
+    """One request's view of the cache. Owned by the manager, held by the request."""
+
+    request_id: str
+    salt: bytes
+    prompt_len: int
+    block_table: list[int] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)  # pinned path, one per leading block
+    state_slot: int = -1  # live GDN state slot (-1: model has no GDN layers)
+    restore_node: Node | None = None  # checkpoint to copy into state_slot before the first step
+    num_cached_tokens: int = 0  # hit length at admission
+    branch_boundary: int = 0
+    tracking_slot: int = -1  # output-checkpoint slot during decode
+    tracking_boundary: int = 0  # boundary the tracking slot holds (0: nothing valid)
+    pending_tracking_boundary: int = 0  # boundary being written by the in-flight step
+
+    @property
+    def num_private_blocks(self) -> int:
+        return len(self.block_table) - len(self.nodes)
+
+
+@dataclass
+class StepItem:
+    """One request's piece of a step: tokens ``[start, end)`` get computed."""
+
+    seq: SeqCache
+    token_ids: Sequence[int]  # the request's tokens (prompt + output so far)
+    start: int
+    end: int
+    is_decode: bool
+
+
+@dataclass
+class Capture:
+    item_index: int  # index into StepPlan.items
+    boundary: int  # absolute token boundary
+    slot: int
+    kind: str
+
+
+@dataclass
+class StepPlan:
+    items: list[StepItem]
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, live slot)
+    captures: list[Capture] = field(default_factory=list)  # written by the prefill kernels
+    decode_copies: list[tuple[int, int]] = field(default_factory=list)  # (live slot, tracking slot) after forward
+    restored: list[SeqCache] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)  # slots in RESERVED state for captures
+
+
+class CacheManager:
+    def __init__(self, config: CacheManagerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.has_gdn = config.has_gdn
+        self.unit = math.lcm(config.block_size, config.gdn_chunk_size) if config.has_gdn else config.block_size
+        interval = config.checkpoint_interval
+        self.interval = -(-interval // self.unit) * self.unit if interval > 0 else 0
+        self.enabled = config.enable_prefix_caching
+        self.policy = get_admission_policy(config.checkpoint_policy)
+        self.blocks = BlockPool(config.num_kv_blocks)
+        num_ckpt = config.num_checkpoint_slots if (self.has_gdn and self.enabled) else 0
+        self.slots = StatePool(config.num_live_slots if self.has_gdn else 0, num_ckpt)
+        self.tree = RadixTree()
+        self.active: dict[str, SeqCache] = {}
+        self._inflight: StepPlan | None = None
+        self.counters: dict[str, int] = {
+            "prefix_cache.queries": 0,
+            "prefix_cache.query_tokens": 0,
+            "prefix_cache.hit_tokens": 0,
+            "checkpoints.stored": 0,
+            "checkpoints.restored": 0,
+            "checkpoints.skipped_budget": 0,
+            "checkpoints.skipped_pool": 0,
+            "checkpoints.duplicate": 0,
+            "checkpoints.evicted": 0,
+            "kv.evicted_blocks": 0,
+        }
+
+    # ------------------------------------------------------------------ hashing / lookup
+    def extend_hashes(self, token_ids: Sequence[int], salt: bytes, hashes: list[int]) -> list[int]:
+        """Extend ``hashes`` (the chained hashes of the leading full blocks) in place."""
+        bs = self.block_size
+        for i in range(len(hashes), len(token_ids) // bs):
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash_block(parent, salt, token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _match(self, token_ids: Sequence[int], salt: bytes, hashes: list[int] | None) -> tuple[list[Node], int]:
+        """(matched path over the prompt's full blocks, joint-hit block count)."""
+        if not self.enabled or len(token_ids) == 0:
+            return [], 0
+        hashes = self.extend_hashes(token_ids, salt, hashes if hashes is not None else [])
+        path = self.tree.match(hashes[: len(token_ids) // self.block_size])
+        limit = (len(token_ids) - 1) // self.block_size  # at least one token is computed
+        hit = min(len(path), limit)
+        if self.has_gdn:
+            while hit > 0 and path[hit - 1].checkpoint_slot is None:
+                hit -= 1
+        return path, hit
+
+    def lookup(self, token_ids: Sequence[int], salt: bytes, hashes: list[int] | None = None) -> int:
+        """Joint-hit length in tokens, without side effects (for cache-aware policies)."""
+        return self._match(token_ids, salt, hashes)[1] * self.block_size
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def num_free_live_slots(self) -> int:
+        return self.slots.num_free_live if self.has_gdn else 1 << 30
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= self.blocks.num_blocks
+
+    def admit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        salt: bytes,
+        *,
+        prompt_len: int | None = None,
+        hashes: list[int] | None = None,
+        count_stats: bool = True,
+    ) -> SeqCache | None:
+        """Start caching for a request; None when no live state slot is free."""
+        if request_id in self.active:
+            raise RuntimeError(f"request {request_id!r} already admitted")
+        if self.has_gdn and self.slots.num_free_live == 0:
+            return None
+        path, hit = self._match(token_ids, salt, hashes)
+        seq = SeqCache(request_id=request_id, salt=salt, prompt_len=prompt_len or len(token_ids))
+        for node in path[:hit]:
+            self.tree.pin(node)
+            self.tree.touch(node)
+            seq.nodes.append(node)
+            seq.block_table.append(node.block_id)
+        hit_tokens = hit * self.block_size
+        seq.num_cached_tokens = hit_tokens
+        if self.has_gdn:
+            seq.state_slot = self.slots.allocate_live()
+            if hit > 0:
+                node = path[hit - 1]
+                self.tree.pin_checkpoint(node)
+                self.tree.touch_checkpoint(node)
+                seq.restore_node = node
+            shared = len(path) * self.block_size
+            branch = (shared // self.unit) * self.unit
+            if branch > hit_tokens:
+                seq.branch_boundary = branch
+        if count_stats:
+            self.counters["prefix_cache.queries"] += 1
+            self.counters["prefix_cache.query_tokens"] += len(token_ids)
+            self.counters["prefix_cache.hit_tokens"] += hit_tokens
+        self.active[request_id] = seq
+        return seq
+
+    # ------------------------------------------------------------------ KV blocks
+    def num_evictable_blocks(self) -> int:
+        return sum(1 for n in self.tree.nodes() if n.ref_count == 0)
+
+    def _evict_one_leaf(self) -> bool:
+        node = self.tree.peek_evictable_leaf()
+        if node is None:
+            return False
+        if node.checkpoint_slot is not None:
+            self.slots.free_checkpoint(self.tree.detach_checkpoint(node))
+            self.counters["checkpoints.evicted"] += 1
+        self.tree.remove_leaf(node)
+        self.blocks.free(node.block_id)
+        self.counters["kv.evicted_blocks"] += 1
+        return True
+
+    def allocate(self, seq: SeqCache, num_tokens: int) -> bool:
+        """Make ``seq.block_table`` cover ``num_tokens`` tokens; False if impossible now.
+
+        On False nothing is allocated (so a preempting caller loses nothing).
+        """
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        while self.blocks.num_free < need:
+            if not self._evict_one_leaf():
+                return False
+        for _ in range(need):
+            seq.block_table.append(self.blocks.allocate())
+        self.tree.compact()
+        return True
+
+    # ------------------------------------------------------------------ checkpoint slots
+    def _reserve_slot(self, state: SlotState) -> int:
+        """A checkpoint slot in ``state``, evicting an unpinned LRU checkpoint if needed; -1 if none."""
+        if self.slots.num_free_checkpoint == 0:
+            node = self.tree.peek_evictable_checkpoint()
+            if node is None:
+                return -1
+            self.slots.free_checkpoint(self.tree.detach_checkpoint(node))
+            self.counters["checkpoints.evicted"] += 1
+        return self.slots.allocate_checkpoint(state)
+
+    # ------------------------------------------------------------------ steps
+    def plan_step(self, items: list[StepItem]) -> StepPlan:
+        """Restores to run before the forward, captures to write, under the staging budget."""
+        if self._inflight is not None:
+            raise RuntimeError("a step is already in flight")
+        plan = StepPlan(items=items)
+        self._inflight = plan
+        if not self.has_gdn:
+            return plan
+        for item in items:
+            seq = item.seq
+            if seq.restore_node is not None:
+                plan.restores.append((seq.restore_node.checkpoint_slot, seq.state_slot))  # type: ignore[arg-type]
+                plan.restored.append(seq)
+        if not self.enabled:
+            return plan
+        budget = self.config.staging_bytes
+        cost = max(self.config.checkpoint_bytes, 1)
+        remaining = None if budget is None else budget // cost
+
+        # Candidates in value order: tail/branch/output of every item before any interval.
+        wanted: list[tuple[int, int, int, str]] = []  # (rank, item index, boundary, kind)
+        rank_of = {"tail": 0, "output": 1, "branch": 2, "step": 3, "unit": 3, "interval": 4}
+        for idx, item in enumerate(items):
+            ctx = CaptureContext(
+                start=item.start,
+                end=item.end,
+                target_len=len(item.token_ids),
+                prompt_len=item.seq.prompt_len,
+                unit=self.unit,
+                interval=self.interval,
+                hit=item.seq.num_cached_tokens,
+                branch=item.seq.branch_boundary,
+            )
+            boundaries = [] if item.is_decode else self.policy.prefill_boundaries(ctx)
+            for b, kind in boundaries:
+                wanted.append((rank_of.get(kind, 5), idx, b, kind))
+            ob = self.policy.output_boundary(ctx)
+            if ob and all(b != ob for b, _ in boundaries):
+                wanted.append((rank_of["output"], idx, ob, "output"))
+        wanted.sort(key=lambda w: (w[0], w[1]))
+        for _, idx, boundary, kind in wanted:
+            item = items[idx]
+            if remaining is not None and remaining <= 0:
+                self.counters["checkpoints.skipped_budget"] += 1
+                continue
+            if kind == "output":
+                slot = item.seq.tracking_slot
+                if slot < 0:
+                    slot = self._reserve_slot(SlotState.TRACKING)
+                    if slot < 0:
+                        self.counters["checkpoints.skipped_pool"] += 1
+                        continue
+                    item.seq.tracking_slot = slot
+                item.seq.tracking_boundary = 0  # being overwritten: invalid until commit
+                item.seq.pending_tracking_boundary = boundary
+                if item.is_decode:
+                    plan.decode_copies.append((item.seq.state_slot, slot))
+                else:
+                    plan.captures.append(Capture(idx, boundary, slot, kind))
+            else:
+                slot = self._reserve_slot(SlotState.RESERVED)
+                if slot < 0:
+                    self.counters["checkpoints.skipped_pool"] += 1
+                    continue
+                plan.reserved.append(slot)
+                plan.captures.append(Capture(idx, boundary, slot, kind))
+            if remaining is not None:
+                remaining -= 1
+        plan.captures.sort(key=lambda c: (c.item_index, c.boundary))
+        return plan
+
+    def commit_step(self, plan: StepPlan) -> None:
+        """The step succeeded: publish blocks computed and checkpoints captured."""
+        if plan is not self._inflight:
+            raise RuntimeError("commit of a plan that is not in flight")
+        self._inflight = None
+        for seq in plan.restored:
+            self._release_restore(seq)
+            self.counters["checkpoints.restored"] += 1
+        for item in plan.items:
+            self.publish(item.seq, item.token_ids, item.end)
+            if item.seq.pending_tracking_boundary:
+                item.seq.tracking_boundary = item.seq.pending_tracking_boundary
+                item.seq.pending_tracking_boundary = 0
+        for cap in plan.captures:
+            if cap.kind == "output":
+                continue
+            seq = plan.items[cap.item_index].seq
+            node = self._node_at(seq, cap.boundary)
+            if node is None or node.checkpoint_slot is not None or not self.enabled:
+                self.counters["checkpoints.duplicate"] += 1
+                self.slots.free_checkpoint(cap.slot)
+                continue
+            self.slots.set_state(cap.slot, SlotState.ATTACHED)
+            self.tree.attach_checkpoint(node, cap.slot)
+            self.counters["checkpoints.stored"] += 1
+
+    def abort_step(self, plan: StepPlan) -> None:
+        """The step failed: release its reservations. Its requests must then be freed."""
+        if plan is not self._inflight:
+            raise RuntimeError("abort of a plan that is not in flight")
+        self._inflight = None
+        for slot in plan.reserved:
+            self.slots.free_checkpoint(slot)
+        for item in plan.items:
+            item.seq.pending_tracking_boundary = 0
+
+    def _release_restore(self, seq: SeqCache) -> None:
+        if seq.restore_node is not None:
+            self.tree.unpin_checkpoint(seq.restore_node)
+            seq.restore_node = None
+
+    def _node_at(self, seq: SeqCache, boundary: int) -> Node | None:
+        depth = boundary // self.block_size
+        return seq.nodes[depth - 1] if 0 < depth <= len(seq.nodes) else None
+
+    def publish(self, seq: SeqCache, token_ids: Sequence[int], num_computed: int) -> None:
+        """Insert the request's newly full, computed blocks into the tree (and pin them)."""
+        if not self.enabled:
+            return
+        bs = self.block_size
+        for i in range(len(seq.nodes), num_computed // bs):
+            parent = seq.nodes[-1] if seq.nodes else self.tree.root
+            key = hash_block(parent.key if seq.nodes else 0, seq.salt, token_ids[i * bs : (i + 1) * bs])
+            node = parent.children.get(key)
+            if node is not None:
+                # Same prefix already cached (computed by another request): share it and
+                # return our duplicate block.
+                self.blocks.free(seq.block_table[i])
+                seq.block_table[i] = node.block_id
+                self.tree.touch(node)
+            else:
+                node = self.tree.insert(parent, key, seq.block_table[i])
+            self.tree.pin(node)
+            seq.nodes.append(node)
+
+    # ------------------------------------------------------------------ end of a request
+    def free(self, seq: SeqCache, *, publish_output: bool = True) -> None:
+        """Release everything the request holds; its published blocks stay cached."""
+        if self.active.get(seq.request_id) is not seq:
+            raise RuntimeError(f"free of unknown request {seq.request_id!r}")
+        if self._inflight is not None and any(it.seq is seq for it in self._inflight.items):
+            raise RuntimeError("free of a request in the in-flight step")
+        del self.active[seq.request_id]
+        self._release_restore(seq)
+        if seq.tracking_slot >= 0:
+            node = self._node_at(seq, seq.tracking_boundary) if publish_output else None
+            if node is not None and node.checkpoint_slot is None:
+                self.slots.set_state(seq.tracking_slot, SlotState.ATTACHED)
+                self.tree.attach_checkpoint(node, seq.tracking_slot)
+                self.counters["checkpoints.stored"] += 1
+            else:
+                self.slots.free_checkpoint(seq.tracking_slot)
+            seq.tracking_slot = -1
+        for node in seq.nodes:
+            self.tree.unpin(node)
+        for block_id in seq.block_table[len(seq.nodes) :]:
+            self.blocks.free(block_id)
+        seq.nodes = []
+        seq.block_table = []
+        if seq.state_slot >= 0:
+            self.slots.free_live(seq.state_slot)
+            seq.state_slot = -1
+
+    # ------------------------------------------------------------------ reporting
+    def usage(self) -> dict[str, int | float]:
+        nodes = list(self.tree.nodes())
+        total = self.blocks.num_blocks
+        free = self.blocks.num_free
+        used_ckpt = self.slots.num_checkpoint - self.slots.num_free_checkpoint
+        return {
+            "kv.total_blocks": total,
+            "kv.free_blocks": free,
+            "kv.cached_blocks": len(nodes),
+            "kv.pinned_blocks": sum(1 for n in nodes if n.ref_count > 0),
+            "kv.usage": (total - free) / total,
+            "checkpoints.slots": self.slots.num_checkpoint,
+            "checkpoints.used_slots": used_ckpt,
+            "checkpoints.attached": sum(1 for n in nodes if n.checkpoint_slot is not None),
+            "checkpoints.bytes_used": used_ckpt * self.config.checkpoint_bytes,
+            "live_slots.total": self.slots.num_live,
+            "live_slots.used": self.slots.num_live - self.slots.num_free_live,
+        }
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.counters)
+        q = self.counters["prefix_cache.query_tokens"]
+        out["prefix_cache.hit_rate"] = self.counters["prefix_cache.hit_tokens"] / q if q else 0.0
+        out.update(self.usage())
+        return out
+
+    # ------------------------------------------------------------------ invariants
+    def check_integrity(self) -> None:
+        """Assert every block, slot and ref count is accounted for exactly once."""
+        bs = self.block_size
+        nodes = list(self.tree.nodes())
+        assert len(nodes) == self.tree.num_nodes, "node count drift"
+        owner: dict[int, str] = {}
+
+        def claim(block_id: int, who: str) -> None:
+            assert 0 <= block_id < self.blocks.num_blocks, f"bad block id {block_id} ({who})"
+            assert block_id not in owner, f"block {block_id} owned by {owner[block_id]} and {who}"
+            owner[block_id] = who
+
+        for b in self.blocks.free_ids():
+            claim(b, "free")
+        refs: dict[int, int] = {}
+        ckpt_pins: dict[int, int] = {}
+        for node in nodes:
+            claim(node.block_id, "tree")
+            parent = node.parent
+            assert parent is not None and parent.children.get(node.key) is node, f"{node} detached"
+            assert node.depth == parent.depth + 1, f"{node} depth"
+            if node.checkpoint_slot is not None:
+                assert self.has_gdn, "checkpoint on a model without GDN layers"
+                assert (node.depth * bs) % self.unit == 0, f"{node} checkpoint off a unit boundary"
+        for seq in self.active.values():
+            assert len(seq.block_table) >= len(seq.nodes)
+            prev: Node = self.tree.root
+            for i, node in enumerate(seq.nodes):
+                assert node.parent is prev, f"{seq.request_id}: path broken at block {i}"
+                assert seq.block_table[i] == node.block_id, f"{seq.request_id}: block table != path"
+                refs[id(node)] = refs.get(id(node), 0) + 1
+                prev = node
+            for b in seq.block_table[len(seq.nodes) :]:
+                claim(b, f"request {seq.request_id}")
+            if seq.restore_node is not None:
+                ckpt_pins[id(seq.restore_node)] = ckpt_pins.get(id(seq.restore_node), 0) + 1
+                assert seq.restore_node.checkpoint_slot is not None, "restore source lost its checkpoint"
+        assert len(owner) == self.blocks.num_blocks, (
+            f"{self.blocks.num_blocks - len(owner)} KV blocks leaked (neither free, cached nor owned)"
+        )
+        for node in nodes:
+            assert node.ref_count == refs.get(id(node), 0), f"{node}: ref_count {node.ref_count} != pins"
+            assert node.ckpt_pins == ckpt_pins.get(id(node), 0), f"{node}: ckpt_pins drift"
+
+        # live slots: exactly the active requests'
+        live = sorted(s.state_slot for s in self.active.values() if s.state_slot >= 0)
+        assert live == sorted(self.slots.live_in_use()), f"live slots {live} != in use {self.slots.live_in_use()}"
+        if self.has_gdn:
+            assert all(s.state_slot >= 0 for s in self.active.values()), "active request without live slot"
+        # checkpoint slots: free / reserved / attached / tracking, each exactly once
+        attached = {n.checkpoint_slot for n in nodes if n.checkpoint_slot is not None}
+        assert len(attached) == sum(1 for n in nodes if n.checkpoint_slot is not None), "slot on two nodes"
+        tracking = [s.tracking_slot for s in self.active.values() if s.tracking_slot >= 0]
+        assert len(set(tracking)) == len(tracking), "tracking slot shared"
+        reserved = set(self._inflight.reserved) if self._inflight else set()
+        for slot, state in self.slots.ckpt_state.items():
+            expected = (
+                SlotState.ATTACHED
+                if slot in attached
+                else SlotState.TRACKING
+                if slot in tracking
+                else SlotState.RESERVED
+                if slot in reserved
+                else SlotState.FREE
+            )
+            assert state is expected, f"checkpoint slot {slot} is {state.value}, expected {expected.value}"
+        assert self.slots.num_free_checkpoint == self.slots.count(SlotState.FREE), "free list drift"

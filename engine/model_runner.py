@@ -1,0 +1,131 @@
+"""Model runner: the one place a ``SchedulerOutput`` becomes tensors.
+
+It owns the cache tensors (paged KV per attention layer, state slots per GDN layer), builds
+``BatchMetadata`` (docs/contracts.md), and runs one step:
+
+1. restore copies (checkpoint slot -> live slot) planned by the cache manager;
+2. the model forward (decodes first, then prefill segments; prefill captures are written
+   by the kernels straight into their reserved slots);
+3. decode-time output tracking copies (live slot -> tracking slot);
+4. sampling, only for sequences whose piece reaches the end of their known tokens.
+
+Only this module (and the models it calls) touch torch on the engine side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels import Ops
+from models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
+from scheduler.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerSizes:
+    num_kv_blocks: int
+    block_size: int
+    num_live_slots: int
+    num_checkpoint_slots: int
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.num_live_slots + self.num_checkpoint_slots
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, ops: Ops, sizes: RunnerSizes, device: torch.device) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.ops = ops
+        self.sizes = sizes
+        self.device = device
+        self.spec: CacheSpec = self.model.cache_spec()
+        self.caches: ModelCaches = self.spec.allocate(
+            sizes.num_kv_blocks, sizes.block_size, sizes.num_state_slots if self.spec.num_gdn_layers else 0, device
+        )
+        self.default_generator = torch.Generator(device=device)
+
+    def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def build_batch(self, out: SchedulerOutput) -> tuple[BatchMetadata, list[int]]:
+        """BatchMetadata for the step, and the scheduled-seq index of each logits row."""
+        bs = self.sizes.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        slot_mapping: list[int] = []
+        state_slots: list[int] = []
+        has_init: list[bool] = []
+        logits_rows: list[int] = []
+        sample_seq: list[int] = []
+        tables: list[list[int]] = []
+        for i, s in enumerate(out.seqs):
+            req = s.request
+            assert req.cache is not None
+            table = req.cache.block_table
+            input_ids.extend(req.token_ids[s.start : s.end])
+            positions.extend(range(s.start, s.end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.end))
+            cu.append(cu[-1] + s.end - s.start)
+            seq_lens.append(s.end)
+            state_slots.append(req.cache.state_slot)
+            has_init.append(s.start > 0)
+            tables.append(table[: -(-s.end // bs)])
+            if s.samples:
+                logits_rows.append(cu[-1] - 1)
+                sample_seq.append(i)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        cap_seq = [c.item_index for c in out.plan.captures]
+        cap_pos = [c.boundary - out.seqs[c.item_index].start for c in out.plan.captures]
+        cap_slot = [c.slot for c in out.plan.captures]
+        batch = BatchMetadata(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            cu_seqlens=self._tensor(cu),
+            seq_lens=self._tensor(seq_lens),
+            block_tables=self._tensor(padded).view(len(tables), width),
+            slot_mapping=self._tensor(slot_mapping),
+            num_decodes=out.num_decodes,
+            state_slots=self._tensor(state_slots),
+            has_initial_state=self._tensor(has_init, torch.bool),
+            capture_seq=self._tensor(cap_seq),
+            capture_pos=self._tensor(cap_pos),
+            capture_slots=self._tensor(cap_slot),
+            logits_indices=self._tensor(logits_rows),
+        )
+        return batch, sample_seq
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs and self.spec.num_gdn_layers:
+            src = self._tensor([p[0] for p in pairs])
+            dst = self._tensor([p[1] for p in pairs])
+            self.ops.copy_state_slots(self.caches.state_tensors(), src, dst)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        """Run one step; the sampled token per scheduled seq (None where none is due)."""
+        batch, sample_seq = self.build_batch(out)
+        self._copy_states(out.plan.restores)
+        logits = self.model.forward(batch, self.caches)
+        self._copy_states(out.plan.decode_copies)
+        sampled: list[int | None] = [None] * len(out.seqs)
+        if sample_seq:
+            params = [out.seqs[i].request.sampling_params for i in sample_seq]
+            gens: list[Any] = [out.seqs[i].request.extra.get("generator") or self.default_generator for i in sample_seq]
+            tokens = self.ops.sample(
+                logits,
+                torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+                torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
+                gens,
+            )
+            for i, t in zip(sample_seq, tokens.tolist(), strict=True):
+                sampled[i] = int(t)
+        return sampled

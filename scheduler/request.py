@@ -1,0 +1,74 @@
+"""Request: the scheduler's record of one generation. Torch-free.
+
+``token_ids`` is the prompt followed by the tokens generated so far; the first
+``num_computed_tokens`` of them have their KV and GDN state in the cache. A request is
+*in prefill* while more than one token is uncomputed (or nothing is computed yet) and
+*decoding* when exactly the last sampled token remains.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache.manager import SeqCache
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any  # engine.SamplingParams, opaque here
+    priority: int = 0
+    cache_salt: bytes = b""
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_step: int = 0
+
+    token_ids: list[int] = field(init=False)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from cache at first admission (-1: not yet)
+    cache: SeqCache | None = None
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # engine-side state (detokenizer, generator)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,309 @@
+"""Continuous-batching scheduler: decodes first, then prefill chunks, under a token budget.
+
+Per step (``schedule``):
+
+1. running requests that are decoding get their one token each (oldest first);
+2. running requests still in prefill get their next chunk;
+3. waiting requests are admitted in the policy's order while the token budget, the
+   sequence cap (``max_num_seqs``), the partial-prefill cap, live state slots and KV
+   blocks allow. Admission finds the joint prefix hit (``CacheManager.admit``).
+
+Every prefill chunk except a prompt's last ends on a checkpoint-unit boundary, so chunks
+line up with GDN chunks and checkpoint captures cost no extra compute. When KV blocks run
+out for a running request, the policy picks a victim among running requests not yet
+scheduled this step (possibly the request itself); the victim is freed and requeued, its
+published prefix stays cached, which makes the recompute cheap.
+
+``update`` applies a finished step; ``fail_step`` releases one that raised. The scheduler
+never touches torch; the engine decides stop conditions and calls ``finish``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cache.manager import CacheManager, StepItem, StepPlan
+from scheduler.policy import PolicyContext, SchedulingPolicy
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # num_computed_tokens before the step
+    end: int  # num_computed_tokens after the step
+    is_decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def samples(self) -> bool:
+        """A token is due when the piece reaches the end of the known tokens."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]  # decodes first, then prefills
+    plan: StepPlan
+    preempted: list[Request] = field(default_factory=list)
+    step: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: CacheManager,
+        policy: SchedulingPolicy,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_num_partial_prefills: int = 4,
+    ) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_partial_prefills = max_num_partial_prefills
+        self.unit = cache.unit
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self.num_preemptions = 0
+        self._inflight: SchedulerOutput | None = None
+
+    # ------------------------------------------------------------------ queue
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.arrival_step = self.step_count
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _ctx(self) -> PolicyContext:
+        def cached_prefix(r: Request) -> int:
+            return self.cache.lookup(r.token_ids, r.cache_salt, r.block_hashes)
+
+        return PolicyContext(step=self.step_count, now=time.monotonic(), cached_prefix=cached_prefix)
+
+    # ------------------------------------------------------------------ scheduling
+    def _chunk_end(self, start: int, target: int, budget: int) -> int:
+        """End of a prefill chunk from ``start``: the target, or a unit boundary."""
+        end = min(target, start + budget)
+        if end < target:
+            end = (end // self.unit) * self.unit
+        return end if end > start else start
+
+    def _preempt(self, victim: Request) -> None:
+        assert victim.cache is not None
+        self.cache.free(victim.cache, publish_output=True)
+        victim.cache = None
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(victim)
+        self.waiting.append(victim)
+
+    def _allocate_or_preempt(
+        self, req: Request, end: int, scheduled: set[int], ctx: PolicyContext, preempted: list[Request]
+    ) -> bool:
+        """Blocks for ``req`` up to ``end``; preempt others (or ``req``) if needed."""
+        assert req.cache is not None
+        while not self.cache.allocate(req.cache, end):
+            candidates = [r for r in self.running if id(r) not in scheduled]
+            victim = self.policy.preemption_victim(candidates, ctx) if candidates else req
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def schedule(self) -> SchedulerOutput | None:
+        if self._inflight is not None:
+            raise RuntimeError("schedule() while a step is in flight")
+        ctx = self._ctx()
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+        preempted: list[Request] = []
+
+        # 1. decodes of running requests, oldest admission first
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or not req.is_decoding or budget <= 0:
+                continue
+            if id(req) in scheduled:
+                continue
+            scheduled.add(id(req))
+            if not self._allocate_or_preempt(req, req.num_tokens, scheduled, ctx, preempted):
+                scheduled.discard(id(req))
+                continue
+            decodes.append(ScheduledSeq(req, req.num_computed_tokens, req.num_tokens, True))
+            budget -= 1
+
+        # 2. running requests still in prefill
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or id(req) in scheduled or req.is_decoding:
+                continue
+            end = self._chunk_end(req.num_computed_tokens, req.num_tokens, budget)
+            if end == req.num_computed_tokens:
+                continue
+            scheduled.add(id(req))
+            if not self._allocate_or_preempt(req, end, scheduled, ctx, preempted):
+                scheduled.discard(id(req))
+                continue
+            prefills.append(ScheduledSeq(req, req.num_computed_tokens, end, False))
+            budget -= end - req.num_computed_tokens
+
+        # 3. admit waiting requests in policy order
+        num_partial = sum(1 for r in self.running if not r.is_decoding)
+        if self.waiting and budget > 0:
+            for req in self.policy.order_waiting(self.waiting, ctx):
+                if len(self.running) >= self.max_num_seqs or budget <= 0:
+                    break
+                if num_partial >= self.max_num_partial_prefills or self.cache.num_free_live_slots == 0:
+                    break
+                if req in preempted:
+                    continue  # not again in the step that preempted it
+                hit = self.cache.lookup(req.token_ids, req.cache_salt, req.block_hashes)
+                if self._chunk_end(hit, req.num_tokens, budget) == hit:
+                    break  # not even one chunk fits this step: keep the order, wait
+                seq = self.cache.admit(
+                    req.request_id,
+                    req.token_ids,
+                    req.cache_salt,
+                    prompt_len=req.num_prompt_tokens,
+                    hashes=req.block_hashes,
+                    count_stats=req.num_preemptions == 0,
+                )
+                if seq is None:
+                    break
+                end = self._chunk_end(seq.num_cached_tokens, req.num_tokens, budget)
+                if not self.cache.allocate(seq, end):
+                    self.cache.free(seq, publish_output=False)
+                    break  # new requests never preempt running ones
+                req.cache = seq
+                req.num_computed_tokens = seq.num_cached_tokens
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = seq.num_cached_tokens
+                req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
+                self.waiting.remove(req)
+                self.running.append(req)
+                scheduled.add(id(req))
+                prefills.append(ScheduledSeq(req, seq.num_cached_tokens, end, False))
+                budget -= end - seq.num_cached_tokens
+                num_partial += 1
+
+        # a preempted request scheduled earlier in this step cannot be (victims exclude them)
+        seqs = decodes + prefills
+        if not seqs:
+            return None
+        items = [
+            StepItem(seq=s.request.cache, token_ids=s.request.token_ids, start=s.start, end=s.end, is_decode=s.is_decode)  # type: ignore[arg-type]
+            for s in seqs
+        ]
+        plan = self.cache.plan_step(items)
+        out = SchedulerOutput(seqs=seqs, plan=plan, preempted=preempted, step=self.step_count)
+        self._inflight = out
+        self.step_count += 1
+        return out
+
+    # ------------------------------------------------------------------ results
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
+        """Apply a successful step: computed counts, published cache, sampled tokens."""
+        if out is not self._inflight:
+            raise RuntimeError("update() of a step that is not in flight")
+        self._inflight = None
+        for s in out.seqs:
+            s.request.num_computed_tokens = s.end
+        self.cache.commit_step(out.plan)
+        for s, token in zip(out.seqs, sampled, strict=True):
+            if token is not None:
+                s.request.append_token(token)
+
+    def fail_step(self, out: SchedulerOutput) -> list[Request]:
+        """The step raised: release its reservations and end its requests (returned)."""
+        if out is not self._inflight:
+            raise RuntimeError("fail_step() of a step that is not in flight")
+        self._inflight = None
+        self.cache.abort_step(out.plan)
+        failed = [s.request for s in out.seqs]
+        for req in failed:
+            self.finish(req, "error", publish_output=False)
+        return failed
+
+    def finish(self, req: Request, reason: str, *, publish_output: bool = True) -> None:
+        """End a request (stop, length, abort, error); returns its blocks and slots."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.cache is not None:
+            self.cache.free(req.cache, publish_output=publish_output)
+            req.cache = None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if self._inflight is not None and any(s.request is req for s in self._inflight.seqs):
+            raise RuntimeError("abort of a request in the in-flight step")
+        self.finish(req, "abort", publish_output=False)
+        return req
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, float]:
+        now = time.monotonic()
+        oldest = max((now - r.arrival_time for r in self.waiting), default=0.0)
+        out: dict[str, float] = {
+            "scheduler.running": len(self.running),
+            "scheduler.waiting": len(self.waiting),
+            "scheduler.preemptions": self.num_preemptions,
+            "scheduler.oldest_waiting_s": oldest,
+            "scheduler.steps": self.step_count,
+        }
+        out.update({f"scheduler.policy.{k}": v for k, v in self.policy.stats().items()})
+        return out
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        active = {r.cache.request_id for r in self.running if r.cache is not None}
+        assert active == set(self.cache.active), "running requests != cache's active requests"
+        assert all(r.cache is None for r in self.waiting), "waiting request holds cache"
+        assert all(r.status is RequestStatus.RUNNING for r in self.running)
+        assert all(r.status is RequestStatus.WAITING for r in self.waiting)
+        assert len(self.running) <= self.max_num_seqs
+        for r in self.running:
+            assert r.cache is not None and len(r.cache.block_table) * self.cache.block_size >= r.num_computed_tokens

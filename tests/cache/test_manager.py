@@ -1,0 +1,211 @@
+"""CacheManager: joint hits, captures, staging, pinning, eviction, integrity."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache import CacheManager, CacheManagerConfig, SlotState, StepItem
+
+
+def make(**kw: object) -> CacheManager:
+    cfg = dict(block_size=16, num_kv_blocks=64, num_live_slots=4, num_checkpoint_slots=8, checkpoint_bytes=100)
+    cfg.update(kw)
+    return CacheManager(CacheManagerConfig(**cfg))  # type: ignore[arg-type]
+
+
+def run_prefill(cm: CacheManager, rid: str, toks: list[int], chunk: int = 10_000) -> None:
+    """Admit and compute all of ``toks`` in unit-aligned chunks, then free."""
+    seq = cm.admit(rid, toks, b"s")
+    assert seq is not None
+    start = seq.num_cached_tokens
+    while start < len(toks):
+        end = min(len(toks), start + chunk)
+        if end < len(toks):
+            end = end // cm.unit * cm.unit
+        assert cm.allocate(seq, end)
+        plan = cm.plan_step([StepItem(seq, toks, start, end, False)])
+        cm.commit_step(plan)
+        cm.check_integrity()
+        start = end
+    cm.free(seq)
+    cm.check_integrity()
+
+
+def test_unit_is_lcm_of_block_and_chunk() -> None:
+    assert make(block_size=16).unit == 64
+    assert make(block_size=48).unit == 192
+    assert make(block_size=16, has_gdn=False).unit == 16
+
+
+def test_tail_checkpoint_gives_next_turn_a_hit() -> None:
+    cm = make()
+    turn1 = list(range(300))
+    run_prefill(cm, "t1", turn1)
+    # tail = deepest unit boundary <= 299 -> 256
+    turn2 = turn1 + list(range(1000, 1100))
+    assert cm.lookup(turn2, b"s") == 256
+    assert cm.stats()["checkpoints.stored"] == 1
+
+
+def test_hit_never_covers_the_last_prompt_token() -> None:
+    cm = make()
+    toks = list(range(256))
+    run_prefill(cm, "a", toks)
+    # 256 tokens: tail = 192 (boundary <= 255); the hit for the same prompt is at most 255
+    assert cm.lookup(toks, b"s") == 192
+
+
+def test_kv_without_checkpoint_is_no_hybrid_hit_but_is_a_plain_hit() -> None:
+    toks = list(range(200))
+    hybrid = make(checkpoint_policy="none")
+    run_prefill(hybrid, "a", toks)
+    assert hybrid.lookup(toks + [1], b"s") == 0
+    plain = make(has_gdn=False)
+    run_prefill(plain, "a", toks)
+    assert plain.lookup(toks + [1], b"s") == 192  # 12 full blocks
+
+
+def test_salt_separates_caches() -> None:
+    cm = make()
+    run_prefill(cm, "a", list(range(300)))
+    assert cm.lookup(list(range(300)) + [7], b"other") == 0
+
+
+def test_branch_capture_at_divergence() -> None:
+    cm = make(checkpoint_interval=0)
+    shared = list(range(150))
+    run_prefill(cm, "a", shared + list(range(500, 700)))  # tail at 320, nothing at 128
+    b = cm.admit("b", shared + list(range(900, 1100)), b"s")
+    assert b is not None and b.num_cached_tokens == 0 and b.branch_boundary == 128
+    toks = shared + list(range(900, 1100))
+    assert cm.allocate(b, len(toks))
+    plan = cm.plan_step([StepItem(b, toks, 0, len(toks), False)])
+    assert sorted((c.boundary, c.kind) for c in plan.captures) == [(128, "branch"), (320, "tail")]
+    cm.commit_step(plan)
+    cm.free(b)
+    cm.check_integrity()
+    assert cm.lookup(shared + [4242] * 50, b"s") == 128
+
+
+def test_staging_budget_and_pool_skips_are_counted() -> None:
+    cm = make(staging_bytes=0)
+    run_prefill(cm, "a", list(range(300)))
+    assert cm.stats()["checkpoints.skipped_budget"] == 1
+    assert cm.stats()["checkpoints.stored"] == 0
+    cm = make(num_checkpoint_slots=0)
+    run_prefill(cm, "a", list(range(300)))
+    assert cm.stats()["checkpoints.skipped_pool"] == 1
+
+
+def test_checkpoint_lru_eviction_when_pool_is_short() -> None:
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=200)
+    run_prefill(cm, "a", list(range(300)))
+    run_prefill(cm, "b", list(range(1000, 1300)))
+    s = cm.stats()
+    assert s["checkpoints.stored"] == 2 and s["checkpoints.evicted"] == 1
+    assert cm.lookup(list(range(300)) + [1], b"s") == 0
+    assert cm.lookup(list(range(1000, 1300)) + [1], b"s") == 256
+
+
+def test_pinned_restore_source_survives_pool_pressure() -> None:
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=200)
+    run_prefill(cm, "a", list(range(300)))
+    seq = cm.admit("b", list(range(300)) + [9] * 20, b"s")
+    assert seq is not None and seq.restore_node is not None
+    # another request wants a capture; the only checkpoint is pinned by the pending restore
+    other = list(range(2000, 2300))
+    o = cm.admit("c", other, b"s")
+    assert o is not None and cm.allocate(o, 300) and cm.allocate(seq, 320)
+    plan = cm.plan_step([StepItem(seq, list(range(300)) + [9] * 20, 256, 320, False), StepItem(o, other, 0, 300, False)])
+    assert plan.restores == [(seq.restore_node.checkpoint_slot, seq.state_slot)]
+    assert cm.stats()["checkpoints.skipped_pool"] >= 1
+    cm.commit_step(plan)
+    cm.check_integrity()
+
+
+def test_kv_eviction_prefers_leaves_without_checkpoints() -> None:
+    cm = make(num_kv_blocks=40, checkpoint_interval=0)
+    run_prefill(cm, "a", list(range(300)))  # 18 blocks, checkpoint at 256 (block 16)
+    run_prefill(cm, "b", list(range(1000, 1100)), chunk=64)  # 6 blocks, checkpoint at 64
+    seq = cm.admit("c", list(range(5000, 5300)), b"s")
+    assert seq is not None
+    assert cm.allocate(seq, 300)  # needs 19, 16 free -> evicts 3 checkpoint-less leaves
+    assert cm.lookup(list(range(300)) + [1], b"s") == 256
+    assert cm.lookup(list(range(1000, 1100)) + [1], b"s") == 64
+    assert cm.stats()["kv.evicted_blocks"] == 3
+    cm.check_integrity()
+
+
+def test_allocate_fails_cleanly_when_everything_is_pinned() -> None:
+    cm = make(num_kv_blocks=10)
+    a = cm.admit("a", list(range(100)), b"s")
+    assert a is not None and cm.allocate(a, 100)  # 7 blocks
+    b = cm.admit("b", list(range(200, 300)), b"s")
+    assert b is not None and not cm.allocate(b, 100)
+    assert len(b.block_table) == 0
+    cm.check_integrity()
+
+
+def test_output_tracking_checkpoint_published_on_finish() -> None:
+    cm = make(checkpoint_interval=0)
+    toks = list(range(100))
+    seq = cm.admit("a", toks, b"s")
+    assert seq is not None and cm.allocate(seq, 100)
+    cm.commit_step(cm.plan_step([StepItem(seq, toks, 0, 100, False)]))
+    # decode until 130 tokens: crosses the unit boundary 128
+    for n in range(100, 130):
+        toks.append(n + 10_000)
+        assert cm.allocate(seq, n + 1)
+        plan = cm.plan_step([StepItem(seq, toks, n, n + 1, True)])
+        if n + 1 == 128:
+            assert plan.decode_copies == [(seq.state_slot, seq.tracking_slot)]
+            assert cm.slots.ckpt_state[seq.tracking_slot] is SlotState.TRACKING
+        else:
+            assert plan.decode_copies == []
+        cm.commit_step(plan)
+        cm.check_integrity()
+    cm.free(seq)
+    cm.check_integrity()
+    assert cm.lookup(toks + [1, 2, 3], b"s") == 128
+
+
+def test_failed_step_releases_reservations() -> None:
+    cm = make()
+    toks = list(range(300))
+    seq = cm.admit("a", toks, b"s")
+    assert seq is not None and cm.allocate(seq, 300)
+    plan = cm.plan_step([StepItem(seq, toks, 0, 300, False)])
+    assert plan.reserved
+    cm.check_integrity()
+    cm.abort_step(plan)
+    cm.free(seq, publish_output=False)
+    cm.check_integrity()
+    assert cm.slots.num_free_checkpoint == cm.slots.num_checkpoint
+    assert cm.blocks.num_free == cm.blocks.num_blocks
+
+
+def test_duplicate_blocks_are_shared() -> None:
+    cm = make()
+    toks = list(range(200))
+    a = cm.admit("a", toks, b"s")
+    b = cm.admit("b", toks, b"s")
+    assert a is not None and b is not None and cm.allocate(a, 200) and cm.allocate(b, 200)
+    cm.commit_step(cm.plan_step([StepItem(a, toks, 0, 200, False), StepItem(b, toks, 0, 200, False)]))
+    assert a.block_table[:12] == b.block_table[:12]
+    assert cm.stats()["checkpoints.duplicate"] == 1
+    cm.check_integrity()
+    cm.free(a)
+    cm.free(b)
+    cm.check_integrity()
+
+
+def test_disabled_cache_never_hits() -> None:
+    cm = make(enable_prefix_caching=False)
+    run_prefill(cm, "a", list(range(300)))
+    assert cm.lookup(list(range(300)), b"s") == 0
+    assert cm.blocks.num_free == cm.blocks.num_blocks
+
+
+def test_unknown_policy_names_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown checkpoint policy 'nope'; known: default, every-unit"):
+        make(checkpoint_policy="nope")
