@@ -34,15 +34,16 @@ class ScheduledSeq:
     start: int  # num_computed_tokens before the step
     end: int  # num_computed_tokens after the step
     is_decode: bool
+    samples: bool = False  # a token is due: the piece reaches the end of the known tokens
+
+    def __post_init__(self) -> None:
+        # Fixed at schedule time: after update() appends the sampled token, the request's
+        # length has moved on.
+        self.samples = self.end == self.request.num_tokens
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
-
-    @property
-    def samples(self) -> bool:
-        """A token is due when the piece reaches the end of the known tokens."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass

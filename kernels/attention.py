@@ -1,0 +1,94 @@
+"""Paged KV cache reference ops: ``store_kv`` and ``paged_attention`` (prefill with a cached prefix, decode).
+
+Contract (docs/contracts.md, "Cache tensors" and "Kernel ops"); the Triton path must match it exactly.
+
+* ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``; the flat KV slot of the token at position
+  ``p`` of a sequence is ``block_table[p // block_size] * block_size + p % block_size``.
+* ``store_kv(key, value, k_cache, v_cache, slot_mapping)``: ``key, value [T, Hkv, D]`` written to
+  their flat slots; slot ``-1`` means "do not store" (e.g. padding).
+* ``paged_attention(q [T, Hq, D], ..., block_tables [B, M], cu_seqlens_q [B+1], seq_lens [B], scale)``:
+  query token ``j`` of segment ``b`` sits at position ``seq_lens[b] - qlen_b + j`` and attends
+  causally to positions ``[0, that]``, all read from the paged cache (so ``store_kv`` this step's
+  keys first). Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Decode is ``qlen_b == 1``.
+  Softmax in float32; output ``[T, Hq, Dv]`` in ``q.dtype``.
+
+This is the oracle, so it is written for clarity: one sequence at a time, gather its K/V through
+its block table into a dense ``[seq_len, Hkv, D]`` tensor, masked softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["paged_attention", "store_kv"]
+
+# Query rows per score tile: bounds the [Hq, tile, seq_len] fp32 score matrix of a long prefill.
+_QUERY_TILE = 512
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key/value [T, Hkv, D]`` into the paged caches at ``slot_mapping [T]``; ``-1`` is skipped."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    # (block, offset) indexing instead of a flat view: works for any cache strides.
+    block, offset = slots // block_size, slots % block_size
+    k_cache[block, offset] = key.to(k_cache.device)[keep].to(k_cache.dtype)
+    v_cache[block, offset] = value.to(v_cache.device)[keep].to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each segment's queries over its whole paged context; see module docstring."""
+    num_tokens, num_q_heads, _ = q.shape
+    _, block_size, num_kv_heads, head_v_dim = v_cache.shape
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    bounds = [int(b) for b in cu_seqlens_q.tolist()]
+    context_lens = [int(n) for n in seq_lens.tolist()]
+    out = torch.zeros(num_tokens, num_q_heads, head_v_dim, dtype=q.dtype, device=q.device)
+
+    for b, context in enumerate(context_lens):
+        q_start, q_end = bounds[b], bounds[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > context:
+            raise ValueError(f"segment {b}: {q_len} query tokens but seq_len {context}")
+        num_blocks = -(-context // block_size)
+        blocks = block_tables[b, :num_blocks].to(device=k_cache.device, dtype=torch.long)
+        # Dense [context, Hq, D] view of the sequence: blocks in table order, tail of the last block cut.
+        keys = k_cache[blocks].flatten(0, 1)[:context].to(q.device).float()
+        values = v_cache[blocks].flatten(0, 1)[:context].to(q.device).float()
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        key_pos = torch.arange(context, device=q.device)
+
+        for tile_start in range(0, q_len, _QUERY_TILE):
+            tile_end = min(tile_start + _QUERY_TILE, q_len)
+            queries = q[q_start + tile_start : q_start + tile_end].float()  # [n, Hq, D]
+            query_pos = context - q_len + torch.arange(tile_start, tile_end, device=q.device)
+            scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+            # Every query sees at least position 0, so no row is fully masked (no NaN softmax).
+            visible = key_pos[None, :] <= query_pos[:, None]  # [n, context]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[q_start + tile_start : q_start + tile_end] = torch.einsum("hqk,khd->qhd", probs, values).to(
+                q.dtype
+            )
+    return out

@@ -1,0 +1,136 @@
+"""sample(): greedy, top-k, top-p, per-row generators, and distribution sanity checks."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampler import sample
+
+
+def _params(
+    rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.full((rows,), temperature),
+        torch.full((rows,), top_k, dtype=torch.long),
+        torch.full((rows,), top_p),
+    )
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_greedy_is_argmax_whatever_the_filters(rng: torch.Generator) -> None:
+    logits = torch.randn(6, 50, generator=rng)
+    temperature = torch.zeros(6)
+    top_k = torch.tensor([0, 1, 5, -1, 100, 3])
+    top_p = torch.tensor([1.0, 0.5, 0.1, 0.9, 1.0, 0.0])
+    gens = [torch.Generator().manual_seed(i) if i % 2 else None for i in range(6)]
+    tokens = sample(logits, temperature, top_k, top_p, gens)
+    assert tokens.dtype == torch.int64 and tokens.shape == (6,)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(rng: torch.Generator) -> None:
+    logits = torch.randn(8, 100, generator=rng)
+    for _ in range(5):
+        t, k, p = _params(8, temperature=1.5, top_k=1)
+        assert torch.equal(sample(logits, t, k, p, [None] * 8), logits.argmax(-1))
+        t, k, p = _params(8, temperature=1.5, top_p=1e-6)
+        gens = [torch.Generator().manual_seed(i) for i in range(8)]
+        assert torch.equal(sample(logits, t, k, p, gens), logits.argmax(-1))
+        # top_p = 0 still keeps the most likely token rather than failing the draw.
+        t, k, p = _params(8, temperature=1.5, top_p=0.0)
+        assert torch.equal(sample(logits, t, k, p, gens), logits.argmax(-1))
+
+
+def test_mixed_batch_greedy_rows_untouched(rng: torch.Generator) -> None:
+    logits = torch.randn(4, 30, generator=rng)
+    temperature = torch.tensor([0.0, 1.0, 0.0, 0.7])
+    tokens = sample(logits, temperature, torch.zeros(4, dtype=torch.long), torch.ones(4), [None] * 4)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_seeded_row_independent_of_batch_composition(rng: torch.Generator) -> None:
+    vocab = 64
+    target = torch.randn(vocab, generator=rng)
+    alone_gen = torch.Generator().manual_seed(1234)
+    batched_gen = torch.Generator().manual_seed(1234)
+    for step in range(10):
+        alone = sample(target[None], [0.8], [20], [0.9], [alone_gen])
+        # Each step: a different batch size, position and neighbours (seeded, unseeded, greedy).
+        others = torch.randn(step % 4 + 1, vocab, generator=rng)
+        position = step % (others.shape[0] + 1)
+        logits = torch.cat([others[:position], target[None], others[position:]])
+        rows = logits.shape[0]
+        gens = [torch.Generator().manual_seed(step * 10 + i) if i % 2 else None for i in range(rows)]
+        gens[position] = batched_gen
+        temperature = torch.tensor([0.0 if i % 3 == 2 else 1.3 for i in range(rows)])
+        temperature[position] = 0.8
+        top_k = torch.full((rows,), 7, dtype=torch.long)
+        top_k[position] = 20
+        top_p = torch.full((rows,), 0.5)
+        top_p[position] = 0.9
+        batched = sample(logits, temperature, top_k, top_p, gens)
+        assert batched[position] == alone[0], f"step {step}"
+
+
+def test_same_seed_same_tokens_in_one_batch(rng: torch.Generator) -> None:
+    row = torch.randn(1, 40, generator=rng)
+    logits = torch.cat([row, torch.randn(2, 40, generator=rng), row])
+    gens = [
+        torch.Generator().manual_seed(7),
+        None,
+        torch.Generator().manual_seed(9),
+        torch.Generator().manual_seed(7),
+    ]
+    for _ in range(10):
+        tokens = sample(logits, *_params(4), gens)
+        assert tokens[0] == tokens[3]
+
+
+def test_distribution_unfiltered_global_rng() -> None:
+    torch.manual_seed(0)
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    rows = 20000
+    logits = (probs.log() * 2.0).expand(rows, -1)  # temperature 2 undoes the factor 2
+    tokens = sample(logits, *_params(rows, temperature=2.0), [None] * rows)
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert _chi_square(counts, probs.double()) < 35.0  # 5 dof: p ~ 1e-6
+
+
+def test_distribution_seeded_rows_with_top_k() -> None:
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    rows = 3000
+    logits = probs.log().expand(rows, -1)
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    tokens = sample(logits, *_params(rows, top_k=3), gens)
+    counts = torch.bincount(tokens, minlength=5).double()
+    assert counts[0] == 0 and counts[2] == 0  # outside the top 3
+    kept = torch.tensor([1, 3, 4])
+    assert _chi_square(counts[kept], (probs[kept] / probs[kept].sum()).double()) < 30.0
+
+
+def test_distribution_top_p() -> None:
+    torch.manual_seed(1)
+    probs = torch.tensor([0.1, 0.5, 0.05, 0.3, 0.05])
+    rows = 10000
+    logits = probs.log().expand(rows, -1)
+    # Sorted: 0.5, 0.3, 0.1, ...; mass before the 3rd token is 0.8 >= 0.75, so only two survive.
+    tokens = sample(logits, *_params(rows, top_p=0.75), [None] * rows)
+    counts = torch.bincount(tokens, minlength=5).double()
+    assert counts[[0, 2, 4]].sum() == 0
+    kept = torch.tensor([1, 3])
+    assert _chi_square(counts[kept], (probs[kept] / probs[kept].sum()).double()) < 30.0
+    # 0.85 > 0.8: the third token (0.1) is needed to reach the mass, so it is kept.
+    tokens = sample(logits[:2000], *_params(2000, top_p=0.85), [None] * 2000)
+    assert set(tokens.tolist()) == {0, 1, 3}
+
+
+def test_masked_tokens_never_sampled(rng: torch.Generator) -> None:
+    logits = torch.randn(500, 10, generator=rng)
+    logits[:, 3:] = float("-inf")
+    tokens = sample(logits, *_params(500, temperature=5.0), [None] * 500)
+    assert (tokens < 3).all()
