@@ -181,19 +181,28 @@ class Scheduler:
             prefills.append(ScheduledSeq(req, req.num_computed_tokens, end, False))
             budget -= end - req.num_computed_tokens
 
-        # 3. admit waiting requests in policy order
-        num_partial = sum(1 for r in self.running if not r.is_decoding)
+        # 3. admit waiting requests in policy order. ``max_num_partial_prefills`` bounds the
+        # prompts that will still be partially prefilled after this step (a short prompt
+        # prefilled whole in this step does not count).
+        num_partial = sum(
+            1
+            for r in self.running
+            if not r.is_decoding and not any(p.request is r and p.end == r.num_tokens for p in prefills)
+        )
         if self.waiting and budget > 0:
             for req in self.policy.order_waiting(self.waiting, ctx):
                 if len(self.running) >= self.max_num_seqs or budget <= 0:
                     break
-                if num_partial >= self.max_num_partial_prefills or self.cache.num_free_live_slots == 0:
+                if self.cache.num_free_live_slots == 0:
                     break
                 if req in preempted:
                     continue  # not again in the step that preempted it
                 hit = self.cache.lookup(req.token_ids, req.cache_salt, req.block_hashes)
-                if self._chunk_end(hit, req.num_tokens, budget) == hit:
+                first_end = self._chunk_end(hit, req.num_tokens, budget)
+                if first_end == hit:
                     break  # not even one chunk fits this step: keep the order, wait
+                if first_end < req.num_tokens and num_partial >= self.max_num_partial_prefills:
+                    break
                 seq = self.cache.admit(
                     req.request_id,
                     req.token_ids,
@@ -220,7 +229,7 @@ class Scheduler:
                 scheduled.add(id(req))
                 prefills.append(ScheduledSeq(req, seq.num_cached_tokens, end, False))
                 budget -= end - seq.num_cached_tokens
-                num_partial += 1
+                num_partial += end < req.num_tokens
 
         # a preempted request scheduled earlier in this step cannot be (victims exclude them)
         seqs = decodes + prefills
