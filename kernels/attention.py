@@ -133,5 +133,8 @@ def _batched_decode(
     hidden = torch.arange(num_blocks * block_size, device=q.device)[None, :] >= ctx[:, None]  # [Bd, K]
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Positions past a sequence's end (block tails, other requests' stale data) may hold any
+    # value, even inf/NaN: a zero probability times NaN is NaN, so zero them explicitly.
+    values = values.masked_fill(hidden[:, :, None, None], 0.0)
     res = torch.einsum("bhgk,bkhd->bhgd", probs, values).reshape(batch, num_kv_heads * group, -1)
     out[token_rows] = res.to(q.dtype)

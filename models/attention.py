@@ -1,0 +1,88 @@
+"""Full-attention block over the paged KV cache (Qwen3 / Qwen3.5 / Qwen3-Next).
+
+Contract:
+
+* ``q_proj -> [T, H, D]`` (or, when ``gated``, ``[T, H, 2D]`` laid out per head as
+  ``[q_h, gate_h]``), ``k_proj/v_proj -> [T, Hkv, D]``; ``q_norm``/``k_norm`` are per-head
+  RMSNorms on ``D``; rope on the first ``rotary_dim`` dims of q and k.
+* K/V of this step are written with ``ops.store_kv`` at ``batch.slot_mapping`` before
+  ``ops.paged_attention`` reads the whole context (cached prefix + this step) from the cache,
+  so decodes and prefill segments run in one call.
+* gated: ``o * sigmoid(gate)`` before ``o_proj``. Scale ``D**-0.5``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from models.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from kernels import Ops
+    from models.batch import BatchMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        norm_cls: type[nn.Module],
+        rms_norm_eps: float,
+        gated: bool,
+        bias: bool,
+        ops: Ops,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.gated = gated
+        self.scale = head_dim**-0.5
+        self.ops = ops
+        q_out = num_heads * head_dim * (2 if gated else 1)
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = norm_cls(head_dim, eps=rms_norm_eps)
+        self.k_norm = norm_cls(head_dim, eps=rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        batch: BatchMetadata,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> Tensor:
+        t = x.shape[0]
+        gate: Tensor | None = None
+        if self.gated:
+            q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
+            gate = gate.reshape(t, self.num_heads * self.head_dim)
+        else:
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+
+        self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = self.ops.paged_attention(
+            q.contiguous(), k_cache, v_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale
+        )
+        o = o.reshape(t, self.num_heads * self.head_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)

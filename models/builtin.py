@@ -1,0 +1,371 @@
+"""Built-in tiny checkpoints: deterministic random-weight models as ordinary HF folders.
+
+Contract:
+
+* ``ensure_builtin_model(name, cache_dir=None) -> Path`` returns
+  ``<models dir>/<name>-v1``, building it once: the folder is written in a temporary
+  sibling and renamed into place (atomic; a concurrent builder that loses the race drops
+  its copy), and reused when present. ``<models dir>`` is ``cache_dir`` if given, else
+  ``$DELTASERVE_CACHE/models``, else ``~/.cache/deltaserve/models``.
+* The folder is what ``transformers`` ``save_pretrained`` writes (``config.json``,
+  ``model.safetensors``, ``generation_config.json``) plus a fast byte-level BPE tokenizer
+  (``tokenizer.json``, ``tokenizer_config.json``, Qwen-style chat template, eos
+  ``<|im_end|>`` and ``<|endoftext|>``). The same name always yields the same bytes
+  (fixed seeds, fixed corpus, deterministic BPE training).
+* ``init_random_weights(model, seed)`` is the weight init (also used by the tests): larger
+  than the usual 0.02 so logits spread by several units (greedy parity is then not decided
+  by near-ties), norm weights perturbed so zero-centred vs plain norms differ, and GDN
+  decays spanning ~1 to ~1000 tokens of memory.
+
+Names: ``tiny-qwen3.5`` (default), ``tiny-qwen3-next`` (4 experts, top-2), ``tiny-qwen3``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+BUILTIN_VERSION = "v1"
+DEFAULT_BUILTIN = "tiny-qwen3.5"
+WEIGHT_SEED = 1234
+# The final norm's output has unit RMS, so lm_head rows of std GAIN/sqrt(hidden) give logits of
+# std ~GAIN: wide enough that top-1/top-2 gaps dwarf fp32 noise (greedy parity is not a coin toss).
+LM_HEAD_GAIN = 5.0
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+TOKENIZER_VOCAB_SIZE = 1024
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Qwen2's pre-tokenizer split: contractions, letter runs, single digits, punctuation, spaces.
+_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_PARAGRAPHS = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman and his clever daughter.",
+    "Every morning she walked to the harbour, counted the boats, and wrote the weather in a little notebook.",
+    "Hello! How are you today? I am fine, thank you. What would you like to talk about?",
+    "You are a helpful assistant. Answer the question briefly and clearly, and explain your reasoning.",
+    "The user asked: what is the capital of France? The assistant answered: the capital of France is Paris.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 3.14159 1,000,000 and 7 + 5 = 12.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
+    "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
+    "The engine schedules requests in batches, caches the prefix of every prompt, and streams tokens back.",
+    "Linear attention keeps a fixed-size state for each head, while full attention keeps every key and value.",
+    "She said, \"Don't worry, we'll be there soon.\" He replied, \"I can't wait; it's been a long day.\"",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday are the days of the week.",
+    "January, February, March, April, May, June, July, August, September, October, November, December.",
+    "Red, orange, yellow, green, blue, indigo and violet are the colours of the rainbow.",
+    "The library opens at nine o'clock and closes at six; children may borrow up to five books.",
+    "In the beginning there was nothing but a question, and then there was an answer, and then a story.",
+)
+_SUBJECTS = (
+    "the cat",
+    "a student",
+    "my friend",
+    "the teacher",
+    "our team",
+    "the computer",
+    "this model",
+    "she",
+)
+_VERBS = ("reads", "writes", "finds", "builds", "explains", "remembers", "learns", "shares")
+_OBJECTS = (
+    "a short story",
+    "the answer",
+    "new ideas",
+    "every word",
+    "the old map",
+    "simple code",
+    "the plan",
+)
+_ENDINGS = (".", "!", "?", " today.", " again.", " quickly.")
+_ADJECTIVES = (
+    "bright",
+    "quiet",
+    "famous",
+    "curious",
+    "gentle",
+    "ancient",
+    "tiny",
+    "enormous",
+    "modern",
+    "strange",
+)
+_NOUNS = (
+    "garden",
+    "mountain",
+    "river",
+    "castle",
+    "kitchen",
+    "market",
+    "station",
+    "forest",
+    "island",
+    "museum",
+)
+_COMMON_WORDS = (
+    "about above across after against along among around because before behind below beneath beside between "
+    "beyond during except inside outside through toward without within always never often sometimes usually "
+    "people world family government company problem program question system number country student history "
+    "morning evening night weather picture language science nature money music letter window mother father "
+    "brother sister children doctor animal bird flower summer winter spring autumn yesterday tomorrow together "
+    "important different possible necessary beautiful wonderful difficult interesting comfortable dangerous "
+    "working playing thinking running talking walking learning teaching building writing reading listening "
+    "started finished wanted needed asked helped called opened closed moved lived loved played watched turned"
+)
+_PLACES = ("near the city", "behind the school", "across the valley", "under the bridge", "beside the lake")
+
+
+def builtin_corpus() -> list[str]:
+    """Fixed training text for the tokenizer (no randomness: enumeration order is the order)."""
+    lines = list(_PARAGRAPHS)
+    for i, subject in enumerate(_SUBJECTS):
+        for j, verb in enumerate(_VERBS):
+            for k, obj in enumerate(_OBJECTS):
+                ending = _ENDINGS[(i + j + k) % len(_ENDINGS)]
+                lines.append(f"{subject.capitalize()} {verb} {obj}{ending}")
+    for i, adjective in enumerate(_ADJECTIVES):
+        for j, noun in enumerate(_NOUNS):
+            place = _PLACES[(i * 3 + j) % len(_PLACES)]
+            lines.append(
+                f"There is a {adjective} {noun} {place}, and people visit it in {_PARAGRAPHS[14].split(', ')[j]}."
+            )
+    words = _COMMON_WORDS.split()
+    for i in range(0, len(words), 6):
+        lines.append(" ".join(words[i : i + 6]).capitalize() + ".")
+    for role, content in (
+        ("system", "You are a helpful assistant."),
+        ("user", "Hi!"),
+        ("assistant", "Hello."),
+    ):
+        lines.append(f"{IM_START}{role}\n{content}{IM_END}\n")
+    return lines
+
+
+def build_tokenizer() -> object:
+    """Train the byte-level BPE tokenizer; returns a transformers fast tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(builtin_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=8192,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+@torch.no_grad()
+def init_random_weights(
+    model: nn.Module, seed: int = WEIGHT_SEED, lm_head_gain: float = LM_HEAD_GAIN
+) -> None:
+    """Overwrite every parameter from a private generator (see module docstring for why)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal(shape: torch.Size, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+    def uniform(shape: torch.Size, low: float, high: float) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, dtype=torch.float32) * (high - low) + low
+
+    # Sorted names: the draw order, hence the weights, do not depend on module construction order.
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if name.endswith("A_log"):
+            value = uniform(p.shape, 0.1, 2.0).log()
+        elif name.endswith("dt_bias"):
+            value = uniform(p.shape, -5.0, -2.0)
+        elif "norm" in name.rsplit(".", 2)[-2]:
+            # Zero-centred norms start at 0 and plain/gated ones at 1 (HF init): perturb around it.
+            value = p.detach().float().cpu() + normal(p.shape, 0.1)
+        elif "conv1d" in name:
+            value = normal(p.shape, 1.0 / math.sqrt(p.shape[-1]))
+        elif "embed_tokens" in name:
+            value = normal(p.shape, 1.0)
+        elif name.startswith("lm_head"):
+            value = normal(p.shape, lm_head_gain / math.sqrt(p.shape[-1]))
+        elif p.dim() >= 2:
+            value = normal(p.shape, 1.0 / math.sqrt(p.shape[-1]))
+        else:
+            value = normal(p.shape, 0.02)
+        p.copy_(value.to(p.dtype))
+
+
+def _tiny_qwen35_config(tokenizer: object) -> object:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**_common_hybrid_kwargs(tokenizer))
+
+
+def _tiny_qwen3_next_config(tokenizer: object) -> object:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **_common_hybrid_kwargs(tokenizer),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
+def _tiny_qwen3_config(tokenizer: object) -> object:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=False,
+        **_special_ids(tokenizer),
+    )
+
+
+def _common_hybrid_kwargs(tokenizer: object) -> dict:
+    linear, full = "linear_attention", "full_attention"
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        layer_types=[linear, linear, linear, full] * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_num_value_heads=4,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+        **_special_ids(tokenizer),
+    )
+
+
+def _special_ids(tokenizer: object) -> dict:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return {"eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT], "bos_token_id": None}
+
+
+def _model_class(model_type: str) -> type:
+    import transformers
+
+    return {
+        "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+        "qwen3_next": transformers.Qwen3NextForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[model_type]
+
+
+_BUILDERS: Mapping[str, Callable[[object], object]] = MappingProxyType(
+    {
+        "tiny-qwen3.5": _tiny_qwen35_config,
+        "tiny-qwen3-next": _tiny_qwen3_next_config,
+        "tiny-qwen3": _tiny_qwen3_config,
+    }
+)
+
+
+def builtin_names() -> list[str]:
+    return sorted(_BUILDERS)
+
+
+def builtin_models_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("DELTASERVE_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "deltaserve"
+    return root / "models"
+
+
+def write_builtin_model(name: str, out_dir: Path) -> None:
+    """Write the checkpoint folder for ``name`` into the (existing, empty) ``out_dir``."""
+    from transformers import GenerationConfig
+
+    tokenizer = build_tokenizer()
+    config = _BUILDERS[name](tokenizer)
+    torch.manual_seed(WEIGHT_SEED)  # HF's own init runs first; every parameter is then overwritten
+    model = _model_class(config.model_type)(config)
+    init_random_weights(model, WEIGHT_SEED)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.eos_token_id, config.pad_token_id],
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    # Record the recipe: humans looking at the cache should know what this folder is.
+    (out_dir / "BUILTIN.json").write_text(
+        json.dumps({"name": name, "version": BUILTIN_VERSION, "seed": WEIGHT_SEED}, indent=2) + "\n"
+    )
+
+
+def ensure_builtin_model(name: str = DEFAULT_BUILTIN, cache_dir: str | os.PathLike | None = None) -> Path:
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown builtin model {name!r}; available: {', '.join(builtin_names())}")
+    models_dir = builtin_models_dir(cache_dir)
+    final = models_dir / f"{name}-{BUILTIN_VERSION}"
+    if final.is_dir():
+        return final
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=models_dir))
+    try:
+        write_builtin_model(name, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # lost a race to a concurrent builder: theirs is as good
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,205 @@
+"""Gated DeltaNet token mixer (Qwen3.5 and Qwen3-Next "linear_attention" layers).
+
+Contract (per token; ``Hk`` key heads of dim ``Dk``, ``Hv`` value heads of dim ``Dv``):
+
+* projections -> ``mixed_qkv [T, 2*Hk*Dk + Hv*Dv]`` (q, k, v channels in that order: the
+  conv-state layout of contracts.md), ``z [T, Hv, Dv]``, ``b, a [T, Hv]``.
+  Qwen3.5 has separate ``in_proj_qkv/z/b/a``; Qwen3-Next fuses them into ``in_proj_qkvz`` and
+  ``in_proj_ba`` laid out per key head (see ``FusedGatedDeltaNet``).
+* depthwise causal conv1d (``conv1d.weight [C, 1, K]``, no bias) + silu over ``mixed_qkv``.
+* ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32, log-decay <= 0).
+* gated delta rule with q/k L2 norm (inside the op), output ``[T, Hv, Dv]``.
+* ``out_proj(GatedRMSNorm(o, z))``.
+
+Batch split: the first ``num_decodes`` tokens are one-token decodes (``causal_conv1d_update``
++ ``recurrent_gated_delta_rule``, in place on their live slots); the rest are prefill
+segments (``causal_conv1d_varlen`` + ``chunk_gated_delta_rule``), to which the batch's
+``cu_seqlens``, slots and capture list are passed re-based to the prefill part
+(``GdnSegments``, computed once per forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.norms import GatedRMSNorm
+
+if TYPE_CHECKING:
+    from kernels import Ops
+    from models.batch import BatchMetadata
+
+
+@dataclass(frozen=True)
+class GdnSegments:
+    """The batch as the GDN ops see it: decodes, then prefill segments re-based to start at 0."""
+
+    num_decodes: int
+    decode_slots: Tensor  # [num_decodes]
+    prefill_cu_seqlens: Tensor | None  # [P+1], None when there is no prefill
+    prefill_slots: Tensor
+    prefill_has_initial_state: Tensor
+    capture_seq: Tensor | None  # [C] index among prefill segments, None when C == 0
+    capture_pos: Tensor | None
+    capture_slots: Tensor | None
+
+    @classmethod
+    def from_batch(cls, batch: BatchMetadata) -> GdnSegments:
+        nd = batch.num_decodes
+        has_prefill = batch.num_seqs > nd
+        has_capture = batch.capture_seq.numel() > 0
+        return cls(
+            num_decodes=nd,
+            decode_slots=batch.state_slots[:nd],
+            # Decodes are one token each, so the prefill part starts at token nd.
+            prefill_cu_seqlens=batch.cu_seqlens[nd:] - nd if has_prefill else None,
+            prefill_slots=batch.state_slots[nd:],
+            prefill_has_initial_state=batch.has_initial_state[nd:],
+            capture_seq=batch.capture_seq - nd if has_capture else None,
+            capture_pos=batch.capture_pos if has_capture else None,
+            capture_slots=batch.capture_slots if has_capture else None,
+        )
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 layout: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        rms_norm_eps: float,
+        ops: Ops,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.ops = ops
+        # nn.Conv1d only as the holder of ``conv1d.weight [C, 1, K]`` (the checkpoint name);
+        # the convolution itself runs in the ops, against the state slots.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self._init_projections(hidden_size)
+
+    def _init_projections(self, hidden_size: int) -> None:
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """-> ``mixed_qkv [T, conv_dim]``, ``z [T, Hv, Dv]``, ``b [T, Hv]``, ``a [T, Hv]``."""
+        z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: Tensor, seg: GdnSegments, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+        t = x.shape[0]
+        nd = seg.num_decodes
+        mixed_qkv, z, b, a = self.project(x)
+        weight = self.conv1d.weight.squeeze(1)  # [C, K]
+
+        conv_out = []
+        if nd > 0:
+            conv_out.append(
+                self.ops.causal_conv1d_update(mixed_qkv[:nd], weight, None, conv_state, seg.decode_slots)
+            )
+        if seg.prefill_cu_seqlens is not None:
+            conv_out.append(
+                self.ops.causal_conv1d_varlen(
+                    mixed_qkv[nd:],
+                    weight,
+                    None,
+                    seg.prefill_cu_seqlens,
+                    conv_state,
+                    seg.prefill_slots,
+                    seg.prefill_has_initial_state,
+                    capture_seq=seg.capture_seq,
+                    capture_pos=seg.capture_pos,
+                    capture_slots=seg.capture_slots,
+                )
+            )
+        mixed_qkv = conv_out[0] if len(conv_out) == 1 else torch.cat(conv_out, dim=0)
+
+        q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # fp32: in fp16/bf16 exp(A_log) can overflow, and g is accumulated over many tokens.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+        core = []
+        if nd > 0:
+            core.append(
+                self.ops.recurrent_gated_delta_rule(
+                    q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state, seg.decode_slots, use_qk_l2norm=True
+                )
+            )
+        if seg.prefill_cu_seqlens is not None:
+            core.append(
+                self.ops.chunk_gated_delta_rule(
+                    q[nd:],
+                    k[nd:],
+                    v[nd:],
+                    g[nd:],
+                    beta[nd:],
+                    seg.prefill_cu_seqlens,
+                    ssm_state,
+                    seg.prefill_slots,
+                    seg.prefill_has_initial_state,
+                    capture_seq=seg.capture_seq,
+                    capture_pos=seg.capture_pos,
+                    capture_slots=seg.capture_slots,
+                    use_qk_l2norm=True,
+                )
+            )
+        o = core[0] if len(core) == 1 else torch.cat(core, dim=0)
+
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next layout: ``in_proj_qkvz`` / ``in_proj_ba``, grouped per key head.
+
+    Output features of ``in_proj_qkvz`` are ``Hk`` groups of ``[q (Dk), k (Dk), v (r*Dv),
+    z (r*Dv)]`` with ``r = Hv / Hk``; ``in_proj_ba`` is ``Hk`` groups of ``[b (r), a (r)]``
+    (transformers' ``fix_query_key_value_ordering``). The conv weight is over the
+    de-interleaved ``[all q, all k, all v]`` channels.
+    """
+
+    def _init_projections(self, hidden_size: int) -> None:
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        t = x.shape[0]
+        hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        r = self.num_v_heads // hk
+        qkvz = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(x).view(t, hk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed_qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        z = z.reshape(t, self.num_v_heads, dv)
+        return mixed_qkv, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)

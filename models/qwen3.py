@@ -1,0 +1,55 @@
+"""Qwen3 dense (``model_type`` ``qwen3``): full attention only — the plain-KV path.
+
+Contract (transformers ``Qwen3ForCausalLM``, same tensor names): q/k per-head norms,
+standard ``w * x`` RMSNorm, full rope, no output gate, dense SwiGLU MLP. ``cache_spec()``
+reports 0 GDN layers, so the engine runs it with KV blocks only. Sliding-window layers are
+not supported (rejected at construction).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from models.attention import PagedAttention
+from models.decoder import ATTENTION, CausalLM, DecoderLayer, TextBackbone
+from models.mlp import GatedMLP
+from models.norms import RMSNorm
+from models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kernels import Ops
+
+
+class Qwen3CausalLM(CausalLM):
+    def __init__(self, config: Any, *, ops: Ops, tie_word_embeddings: bool | None = None) -> None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        eps = config.rms_norm_eps
+        backbone = TextBackbone(
+            config.vocab_size,
+            config.hidden_size,
+            RMSNorm(config.hidden_size, eps=eps),
+            RotaryEmbedding.from_config(config, head_dim),
+        )
+        tie = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        super().__init__(config, backbone, ops=ops, tie_word_embeddings=bool(tie))
+        layer_types = getattr(config, "layer_types", None) or [ATTENTION] * config.num_hidden_layers
+        for i, layer_type in enumerate(layer_types[: config.num_hidden_layers]):
+            if layer_type != ATTENTION:
+                raise ValueError(
+                    f"layer {i}: unsupported layer type {layer_type!r} (sliding window is not supported)"
+                )
+            attn = PagedAttention(
+                hidden_size=config.hidden_size,
+                num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=head_dim,
+                norm_cls=RMSNorm,
+                rms_norm_eps=eps,
+                gated=False,
+                bias=bool(getattr(config, "attention_bias", False)),
+                ops=ops,
+            )
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            self.model.layers.append(DecoderLayer(attn, mlp, RMSNorm, config.hidden_size, eps))
+        self.finish_layers()
+        self.tie_weights()

@@ -1,0 +1,79 @@
+"""Qwen3.5 text model (``model_type`` ``qwen3_5_text``; ``qwen3_5`` checkpoints load their text part).
+
+Contract (transformers ``Qwen3_5ForCausalLM``, same tensor names):
+
+* ``config.layer_types[i]`` in {``linear_attention``, ``full_attention``}.
+* linear layers: ``GatedDeltaNet`` (separate ``in_proj_qkv/z/b/a``).
+* full layers: gated attention (``q_proj`` -> per head ``[q, gate]``), q/k norm, partial
+  rope (``head_dim * partial_rotary_factor`` dims), ``o * sigmoid(gate)``.
+* every norm outside the GDN output gate is zero-centred ``(1 + w)``; dense SwiGLU MLP.
+* ``qwen3_5`` (vision-language) checkpoints keep the text weights under
+  ``model.language_model.``; ``model.visual.*`` and ``mtp.*`` are ignored by the loader.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from models.attention import PagedAttention
+from models.decoder import ATTENTION, LINEAR_ATTENTION, CausalLM, DecoderLayer, TextBackbone
+from models.gdn import GatedDeltaNet
+from models.mlp import GatedMLP
+from models.norms import ZeroCenteredRMSNorm
+from models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kernels import Ops
+
+
+class Qwen35CausalLM(CausalLM):
+    gdn_cls: type[GatedDeltaNet] = GatedDeltaNet
+
+    def __init__(self, config: Any, *, ops: Ops, tie_word_embeddings: bool | None = None) -> None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        eps = config.rms_norm_eps
+        backbone = TextBackbone(
+            config.vocab_size,
+            config.hidden_size,
+            ZeroCenteredRMSNorm(config.hidden_size, eps=eps),
+            RotaryEmbedding.from_config(config, head_dim),
+        )
+        tie = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        super().__init__(config, backbone, ops=ops, tie_word_embeddings=bool(tie))
+        for i, layer_type in enumerate(config.layer_types[: config.num_hidden_layers]):
+            if layer_type == ATTENTION:
+                mixer: nn.Module = PagedAttention(
+                    hidden_size=config.hidden_size,
+                    num_heads=config.num_attention_heads,
+                    num_kv_heads=config.num_key_value_heads,
+                    head_dim=head_dim,
+                    norm_cls=ZeroCenteredRMSNorm,
+                    rms_norm_eps=eps,
+                    gated=True,
+                    bias=bool(getattr(config, "attention_bias", False)),
+                    ops=ops,
+                )
+            elif layer_type == LINEAR_ATTENTION:
+                mixer = self.gdn_cls(
+                    hidden_size=config.hidden_size,
+                    num_k_heads=config.linear_num_key_heads,
+                    num_v_heads=config.linear_num_value_heads,
+                    head_k_dim=config.linear_key_head_dim,
+                    head_v_dim=config.linear_value_head_dim,
+                    conv_kernel=config.linear_conv_kernel_dim,
+                    rms_norm_eps=eps,
+                    ops=ops,
+                )
+            else:
+                raise ValueError(f"layer {i}: unsupported layer type {layer_type!r}")
+            layer = DecoderLayer(
+                mixer, self.make_mlp(config, i), ZeroCenteredRMSNorm, config.hidden_size, eps
+            )
+            self.model.layers.append(layer)
+        self.finish_layers()
+        self.tie_weights()
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)

@@ -1,0 +1,128 @@
+"""Prefix-cache benefit on a multi-turn chat, measured against the ideal in the same run.
+
+One conversation of ``--turns`` turns grows past ``--target-tokens`` of context; each turn's
+prompt is the chat-template rendering of the whole history (including the replies the
+engine generated). For every turn the same prompt is timed twice:
+
+* **warm**: on the engine that served the previous turns (prefix cache on);
+* **cold**: on a second engine with the prefix cache off.
+
+TTFT ratio warm ÷ cold is printed beside the ideal ratio, uncached ÷ all prompt tokens
+(what a perfect cache with zero overhead would give), plus the token hit rate, checkpoint
+memory, skips and evictions.
+
+    python tools/bench_prefix_cache.py [--turns 10] [--user-tokens 220] [--reply-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import EngineCore, SamplingParams  # noqa: E402
+from engine.cli import add_config_args, config_from_args  # noqa: E402
+from engine.log_setup import configure_logging  # noqa: E402
+
+WORDS = (
+    "cache state model token prefix turn reply agent tool result query answer memory block "
+    "checkpoint layer attention delta gate value key hybrid linear schedule batch stream user"
+).split()
+
+
+def ttft(core: EngineCore, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
+    """Seconds to the first token, the generated tokens, and num_cached_tokens."""
+    req = core.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    core.add_request(req)
+    first = None
+    tokens: list[int] = []
+    cached = 0
+    while core.has_work():
+        for out in core.step():
+            if first is None and out.token_ids:
+                first = time.perf_counter() - t0
+            tokens.extend(out.token_ids)
+            cached = out.num_cached_tokens
+    assert first is not None
+    return first, tokens, cached
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(ap)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")
+    ap.add_argument("--reply-tokens", type=int, default=48)
+    ap.add_argument("--repeat", type=int, default=3, help="timings per prompt (the median is kept)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    configure_logging("warning")
+    base = {"scheduler.max_num_batched_tokens": 8192, "cache.num_kv_blocks": 4096}
+    warm_cfg = config_from_args(args, base)
+    cold_cfg = warm_cfg.replace(**{"cache.enable_prefix_caching": False})
+    warm = EngineCore(warm_cfg)
+    cold = EngineCore(cold_cfg, loaded=warm.loaded)
+    rng = random.Random(args.seed)
+    tok = warm.tokenizer
+    ttft(warm, tok.encode("warm up", add_special_tokens=False), 2)
+    ttft(cold, tok.encode("warm up", add_special_tokens=False), 2)
+
+    messages = [{"role": "system", "content": "You are a helpful assistant for cache experiments."}]
+    rows = []
+    for turn in range(args.turns):
+        messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(args.user_tokens))})
+        prompt = tok.encode(
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
+        t_warm, reply, cached = ttft(warm, prompt, args.reply_tokens)
+        # Further warm timings of the same prompt would hit deeper (its own tail): time only the
+        # first, and repeat the cold side to steady it.
+        cold_times = []
+        for _ in range(args.repeat):
+            t_cold, reply_cold, _ = ttft(cold, prompt, args.reply_tokens)
+            cold_times.append(t_cold)
+        assert reply_cold == reply, f"turn {turn}: cache hit changed the output"
+        t_cold = sorted(cold_times)[len(cold_times) // 2]
+        ideal = (len(prompt) - cached) / len(prompt)
+        rows.append(
+            {"turn": turn, "prompt_tokens": len(prompt), "cached_tokens": cached, "ttft_warm_s": t_warm,
+             "ttft_cold_s": t_cold, "ratio": t_warm / t_cold, "ideal": ideal}
+        )
+        messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
+
+    print(f"\n{'turn':>4}{'prompt':>8}{'cached':>8}{'hit%':>7}{'warm ms':>9}{'cold ms':>9}{'ratio':>8}{'ideal':>8}{'ratio/ideal':>12}")
+    for r in rows:
+        print(
+            f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{100 * r['cached_tokens'] / r['prompt_tokens']:>6.1f}%"
+            f"{1000 * r['ttft_warm_s']:>9.1f}{1000 * r['ttft_cold_s']:>9.1f}{r['ratio']:>8.3f}{r['ideal']:>8.3f}"
+            f"{r['ratio'] / r['ideal']:>11.2f}x"
+        )
+    warm_rows = rows[1:]
+    q = sum(r["prompt_tokens"] for r in rows)
+    h = sum(r["cached_tokens"] for r in rows)
+    mean_ratio = sum(r["ratio"] for r in warm_rows) / len(warm_rows)
+    mean_ideal = sum(r["ideal"] for r in warm_rows) / len(warm_rows)
+    s = warm.stats()
+    print(
+        f"\ntoken hit rate {h / q:.3f} (warm turns {sum(r['cached_tokens'] for r in warm_rows) / sum(r['prompt_tokens'] for r in warm_rows):.3f}); "
+        f"warm/cold TTFT {mean_ratio:.3f} vs ideal {mean_ideal:.3f} -> {mean_ratio / mean_ideal:.2f}x of ideal"
+    )
+    print(
+        f"checkpoints: stored {s['checkpoints.stored']}, attached {s['checkpoints.attached']}, "
+        f"memory {s['checkpoints.bytes_used'] / 2**20:.1f} MiB of {s['checkpoints.slots'] * warm.cache.config.checkpoint_bytes / 2**20:.1f} MiB, "
+        f"skipped budget {s['checkpoints.skipped_budget']}, skipped pool {s['checkpoints.skipped_pool']}, "
+        f"evicted {s['checkpoints.evicted']}; KV evicted blocks {s['kv.evicted_blocks']}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"turns": rows, "stats": s}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
