@@ -215,9 +215,6 @@ class CacheManager:
         return seq
 
     # ------------------------------------------------------------------ KV blocks
-    def num_evictable_blocks(self) -> int:
-        return sum(1 for n in self.tree.nodes() if n.ref_count == 0)
-
     def _evict_one_leaf(self) -> bool:
         node = self.tree.peek_evictable_leaf()
         if node is None:
@@ -424,19 +421,19 @@ class CacheManager:
 
     # ------------------------------------------------------------------ reporting
     def usage(self) -> dict[str, int | float]:
-        nodes = list(self.tree.nodes())
+        """Pool occupancy; O(1), so it can be sampled after every step."""
         total = self.blocks.num_blocks
         free = self.blocks.num_free
         used_ckpt = self.slots.num_checkpoint - self.slots.num_free_checkpoint
         return {
             "kv.total_blocks": total,
             "kv.free_blocks": free,
-            "kv.cached_blocks": len(nodes),
-            "kv.pinned_blocks": sum(1 for n in nodes if n.ref_count > 0),
+            "kv.cached_blocks": self.tree.num_nodes,
+            "kv.pinned_blocks": self.tree.num_pinned,
             "kv.usage": (total - free) / total,
             "checkpoints.slots": self.slots.num_checkpoint,
             "checkpoints.used_slots": used_ckpt,
-            "checkpoints.attached": sum(1 for n in nodes if n.checkpoint_slot is not None),
+            "checkpoints.attached": self.tree.num_checkpoints,
             "checkpoints.bytes_used": used_ckpt * self.config.checkpoint_bytes,
             "live_slots.total": self.slots.num_live,
             "live_slots.used": self.slots.num_live - self.slots.num_free_live,
@@ -455,6 +452,8 @@ class CacheManager:
         bs = self.block_size
         nodes = list(self.tree.nodes())
         assert len(nodes) == self.tree.num_nodes, "node count drift"
+        assert self.tree.num_pinned == sum(1 for n in nodes if n.ref_count > 0), "pinned count drift"
+        assert self.tree.num_checkpoints == sum(1 for n in nodes if n.checkpoint_slot is not None), "ckpt count drift"
         owner: dict[int, str] = {}
 
         def claim(block_id: int, who: str) -> None:

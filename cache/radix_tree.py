@@ -55,6 +55,8 @@ class RadixTree:
     def __init__(self) -> None:
         self.root = Node(key=0, parent=None, block_id=-1, depth=0)
         self.num_nodes = 0
+        self.num_pinned = 0  # nodes with ref_count > 0 (O(1) usage reporting)
+        self.num_checkpoints = 0  # nodes holding a checkpoint
         self._clock = itertools.count(1)
         self._leaf_heap: list[tuple[bool, int, int, Node]] = []
         self._ckpt_heap: list[tuple[int, int, Node]] = []
@@ -103,12 +105,15 @@ class RadixTree:
     # -- pins ----------------------------------------------------------------------------
     def pin(self, node: Node) -> None:
         node.ref_count += 1
+        if node.ref_count == 1:
+            self.num_pinned += 1
 
     def unpin(self, node: Node) -> None:
         if node.ref_count <= 0:
             raise RuntimeError(f"unpin of unpinned {node}")
         node.ref_count -= 1
         if node.ref_count == 0:
+            self.num_pinned -= 1
             node.last_access = self.tick()
             self._maybe_push_leaf(node)
 
@@ -117,6 +122,7 @@ class RadixTree:
         if node.checkpoint_slot is not None:
             raise RuntimeError(f"{node} already has a checkpoint")
         node.checkpoint_slot = slot
+        self.num_checkpoints += 1
         node.ckpt_last_access = self.tick()
         self._maybe_push_ckpt(node)
         self._maybe_push_leaf(node)  # its leaf priority changed
@@ -128,6 +134,7 @@ class RadixTree:
         if node.ckpt_pins:
             raise RuntimeError(f"detach of pinned checkpoint on {node}")
         node.checkpoint_slot = None
+        self.num_checkpoints -= 1
         self._maybe_push_leaf(node)
         return slot
 

@@ -55,6 +55,8 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._in_step = False  # a step runs in the worker: the scheduler/cache are not ours to read
+        self._last_stats: dict[str, Any] = {}
         self._dead: BaseException | None = None
         self._last_log = time.monotonic()
         self._window = {"tokens": 0, "steps": 0, "t0": time.monotonic()}
@@ -153,8 +155,11 @@ class AsyncEngine:
         self._request_abort(request_id)
 
     def stats(self) -> dict[str, Any]:
+        """Engine counters; while a step runs, the snapshot taken after the previous one."""
         if self.core is None:
             return {}
+        if self._in_step:
+            return dict(self._last_stats)
         return self.core.stats()
 
     # ------------------------------------------------------------------ loop
@@ -206,7 +211,12 @@ class AsyncEngine:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), timeout=self.config.logging.stats_interval_s)
                     continue
-                outputs = await loop.run_in_executor(self._executor, core.step)
+                self._in_step = True
+                try:
+                    outputs = await loop.run_in_executor(self._executor, core.step)
+                finally:
+                    self._in_step = False
+                self._last_stats = core.stats()
                 for out in outputs:
                     self._route(out)
                 self._window["steps"] += 1

@@ -11,6 +11,7 @@ returns to its pool.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 import uuid
@@ -54,6 +55,10 @@ class EngineCore:
         torch.manual_seed(config.model.seed)
         self.loaded = loaded or load_model(config.model.path, dtype=self.dtype, device=self.device, ops=self.ops)
         self.tokenizer = self.loaded.tokenizer
+        # Detokenization runs in the step thread while `generate` tokenizes on the event-loop
+        # thread; HF fast tokenizers mutate themselves while encoding ("Already borrowed"), so
+        # each thread gets its own instance.
+        self.detok_tokenizer = copy.deepcopy(self.tokenizer)
         spec = self.loaded.model.cache_spec()
         self.spec = spec
         cc, sc = config.cache, config.scheduler
@@ -205,7 +210,7 @@ class EngineCore:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         req.extra["stop_ids"] = stop_ids
-        req.extra["detok"] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        req.extra["detok"] = IncrementalDetokenizer(self.detok_tokenizer, params.stop)
         return req
 
     def add_request(self, req: Request) -> None:
