@@ -70,6 +70,7 @@ class SeqCache:
     branch_boundary: int = 0
     tracking_slot: int = -1  # output-checkpoint slot during decode
     tracking_boundary: int = 0  # boundary the tracking slot holds (0: nothing valid)
+    prompt_hashes: list[int] = field(default_factory=list)  # registered as in flight while active
     pending_tracking_boundary: int = 0  # boundary being written by the in-flight step
 
     @property
@@ -94,6 +95,7 @@ class Capture:
     boundary: int  # absolute token boundary
     slot: int
     kind: str
+    tracking: bool = False  # written into the request's tracking slot (published at finish)
 
 
 @dataclass
@@ -122,6 +124,8 @@ class CacheManager:
         self.tree = RadixTree()
         self.active: dict[str, SeqCache] = {}
         self._inflight: StepPlan | None = None
+        # full-block hashes of active requests' prompts -> number of such requests
+        self._inflight_hashes: dict[int, int] = {}
         self.counters: dict[str, int] = {
             "prefix_cache.queries": 0,
             "prefix_cache.query_tokens": 0,
@@ -144,10 +148,12 @@ class CacheManager:
             hashes.append(hash_block(parent, salt, token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
-    def _match(self, token_ids: Sequence[int], salt: bytes, hashes: list[int] | None) -> tuple[list[Node], int]:
-        """(matched path over the prompt's full blocks, joint-hit block count)."""
+    def _match(
+        self, token_ids: Sequence[int], salt: bytes, hashes: list[int] | None
+    ) -> tuple[list[Node], int, list[int]]:
+        """(matched path over the prompt's full blocks, joint-hit block count, block hashes)."""
         if not self.enabled or len(token_ids) == 0:
-            return [], 0
+            return [], 0, []
         hashes = self.extend_hashes(token_ids, salt, hashes if hashes is not None else [])
         path = self.tree.match(hashes[: len(token_ids) // self.block_size])
         limit = (len(token_ids) - 1) // self.block_size  # at least one token is computed
@@ -155,7 +161,7 @@ class CacheManager:
         if self.has_gdn:
             while hit > 0 and path[hit - 1].checkpoint_slot is None:
                 hit -= 1
-        return path, hit
+        return path, hit, hashes
 
     def lookup(self, token_ids: Sequence[int], salt: bytes, hashes: list[int] | None = None) -> int:
         """Joint-hit length in tokens, without side effects (for cache-aware policies)."""
@@ -187,7 +193,7 @@ class CacheManager:
             raise RuntimeError(f"request {request_id!r} already admitted")
         if self.has_gdn and self.slots.num_free_live == 0:
             return None
-        path, hit = self._match(token_ids, salt, hashes)
+        path, hit, hashes = self._match(token_ids, salt, hashes)
         seq = SeqCache(request_id=request_id, salt=salt, prompt_len=prompt_len or len(token_ids))
         for node in path[:hit]:
             self.tree.pin(node)
@@ -198,21 +204,35 @@ class CacheManager:
         seq.num_cached_tokens = hit_tokens
         if self.has_gdn:
             seq.state_slot = self.slots.allocate_live()
+        if self.has_gdn and self.enabled:
             if hit > 0:
                 node = path[hit - 1]
                 self.tree.pin_checkpoint(node)
                 self.tree.touch_checkpoint(node)
                 seq.restore_node = node
-            shared = len(path) * self.block_size
-            branch = (shared // self.unit) * self.unit
+            # Branch: the prompt provably shares more than the deepest checkpoint covers, with
+            # the tree or with a request still computing it (admitted in this or an earlier
+            # step, not yet published): capture at the divergence.
+            shared = len(path)
+            full = len(token_ids) // self.block_size
+            while shared < full and hashes[shared] in self._inflight_hashes:
+                shared += 1
+            branch = (shared * self.block_size // self.unit) * self.unit
             if branch > hit_tokens:
                 seq.branch_boundary = branch
+            seq.prompt_hashes = hashes[:full]
+            for h in seq.prompt_hashes:
+                self._inflight_hashes[h] = self._inflight_hashes.get(h, 0) + 1
         if count_stats:
-            self.counters["prefix_cache.queries"] += 1
-            self.counters["prefix_cache.query_tokens"] += len(token_ids)
-            self.counters["prefix_cache.hit_tokens"] += hit_tokens
+            self.record_query(len(token_ids), hit_tokens)
         self.active[request_id] = seq
         return seq
+
+    def record_query(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one prompt lookup in the hit-rate stats (once per request, by the caller)."""
+        self.counters["prefix_cache.queries"] += 1
+        self.counters["prefix_cache.query_tokens"] += query_tokens
+        self.counters["prefix_cache.hit_tokens"] += hit_tokens
 
     # ------------------------------------------------------------------ KV blocks
     def _evict_one_leaf(self) -> bool:
@@ -244,11 +264,15 @@ class CacheManager:
         return True
 
     # ------------------------------------------------------------------ checkpoint slots
-    def _reserve_slot(self, state: SlotState) -> int:
-        """A checkpoint slot in ``state``, evicting an unpinned LRU checkpoint if needed; -1 if none."""
+    def _reserve_slot(self, state: SlotState, *, dominated_only: bool = False) -> int:
+        """A checkpoint slot in ``state``, evicting an unpinned LRU checkpoint if needed; -1 if none.
+
+        ``dominated_only``: evict only a demoted checkpoint (one a deeper checkpoint on its
+        chain supersedes), never a live one.
+        """
         if self.slots.num_free_checkpoint == 0:
             node = self.tree.peek_evictable_checkpoint()
-            if node is None:
+            if node is None or (dominated_only and not self.tree.is_demoted(node)):
                 return -1
             self.slots.free_checkpoint(self.tree.detach_checkpoint(node))
             self.counters["checkpoints.evicted"] += 1
@@ -295,36 +319,67 @@ class CacheManager:
             if ob and all(b != ob for b, _ in boundaries):
                 wanted.append((rank_of["output"], idx, ob, "output"))
         wanted.sort(key=lambda w: (w[0], w[1]))
+        with_output = {idx for _, idx, _, kind in wanted if kind == "output"}
         for _, idx, boundary, kind in wanted:
             item = items[idx]
             if remaining is not None and remaining <= 0:
                 self.counters["checkpoints.skipped_budget"] += 1
                 continue
-            if kind == "output":
-                slot = item.seq.tracking_slot
-                if slot < 0:
-                    slot = self._reserve_slot(SlotState.TRACKING)
-                    if slot < 0:
-                        self.counters["checkpoints.skipped_pool"] += 1
-                        continue
-                    item.seq.tracking_slot = slot
-                item.seq.tracking_boundary = 0  # being overwritten: invalid until commit
-                item.seq.pending_tracking_boundary = boundary
-                if item.is_decode:
-                    plan.decode_copies.append((item.seq.state_slot, slot))
-                else:
-                    plan.captures.append(Capture(idx, boundary, slot, kind))
-            else:
-                slot = self._reserve_slot(SlotState.RESERVED)
-                if slot < 0:
-                    self.counters["checkpoints.skipped_pool"] += 1
+            if kind == "tail" and self.policy.track_output and idx not in with_output:
+                # The tail is published right after the step (a concurrent request with the
+                # same prefix can hit it at once), but it may only take a free or a dominated
+                # slot: evicting a waiting conversation's live checkpoint for a tail that this
+                # request's own output checkpoint will usually dominate is a bad trade (LRU
+                # picks the conversation most likely to come back next).
+                if not self._capture_published(plan, idx, boundary, kind, dominated_only=True):
                     continue
-                plan.reserved.append(slot)
-                plan.captures.append(Capture(idx, boundary, slot, kind))
+            elif kind == "output":
+                if not self._capture_tracking(plan, idx, boundary):
+                    continue
+            elif not self._capture_published(plan, idx, boundary, kind):
+                continue
             if remaining is not None:
                 remaining -= 1
         plan.captures.sort(key=lambda c: (c.item_index, c.boundary))
         return plan
+
+    def _capture_tracking(self, plan: StepPlan, idx: int, boundary: int, *, dominated_only: bool = False) -> bool:
+        """Write the state at ``boundary`` into the request's tracking slot (reserved on first use)."""
+        item = plan.items[idx]
+        seq = item.seq
+        slot = seq.tracking_slot
+        if slot >= 0 and seq.tracking_boundary and self.slots.num_free_checkpoint > 0:
+            # Keep the shallower state too while memory allows: publish it now (the deeper
+            # one will demote it) and track into a fresh slot.
+            node = self._node_at(seq, seq.tracking_boundary)
+            if node is not None and node.checkpoint_slot is None:
+                self._attach(node, slot)
+                seq.tracking_slot = slot = -1
+        if slot < 0:
+            slot = self._reserve_slot(SlotState.TRACKING, dominated_only=dominated_only)
+            if slot < 0:
+                self.counters["checkpoints.skipped_pool"] += 1
+                return False
+            item.seq.tracking_slot = slot
+        item.seq.tracking_boundary = 0  # being overwritten: invalid until commit
+        item.seq.pending_tracking_boundary = max(boundary, item.seq.pending_tracking_boundary)
+        if item.is_decode:
+            plan.decode_copies.append((item.seq.state_slot, slot))
+        else:
+            plan.captures.append(Capture(idx, boundary, slot, "output", tracking=True))
+        return True
+
+    def _capture_published(
+        self, plan: StepPlan, idx: int, boundary: int, kind: str, *, dominated_only: bool = False
+    ) -> bool:
+        """Stage a capture into a fresh slot, attached to its node at commit."""
+        slot = self._reserve_slot(SlotState.RESERVED, dominated_only=dominated_only)
+        if slot < 0:
+            self.counters["checkpoints.skipped_pool"] += 1
+            return False
+        plan.reserved.append(slot)
+        plan.captures.append(Capture(idx, boundary, slot, kind))
+        return True
 
     def commit_step(self, plan: StepPlan) -> None:
         """The step succeeded: publish blocks computed and checkpoints captured."""
@@ -340,7 +395,7 @@ class CacheManager:
                 item.seq.tracking_boundary = item.seq.pending_tracking_boundary
                 item.seq.pending_tracking_boundary = 0
         for cap in plan.captures:
-            if cap.kind == "output":
+            if cap.tracking:
                 continue
             seq = plan.items[cap.item_index].seq
             node = self._node_at(seq, cap.boundary)
@@ -348,9 +403,7 @@ class CacheManager:
                 self.counters["checkpoints.duplicate"] += 1
                 self.slots.free_checkpoint(cap.slot)
                 continue
-            self.slots.set_state(cap.slot, SlotState.ATTACHED)
-            self.tree.attach_checkpoint(node, cap.slot)
-            self.counters["checkpoints.stored"] += 1
+            self._attach(node, cap.slot)
 
     def abort_step(self, plan: StepPlan) -> None:
         """The step failed: release its reservations. Its requests must then be freed."""
@@ -361,6 +414,24 @@ class CacheManager:
             self.slots.free_checkpoint(slot)
         for item in plan.items:
             item.seq.pending_tracking_boundary = 0
+
+    def _attach(self, node: Node, slot: int) -> None:
+        """Publish ``slot`` as ``node``'s checkpoint and demote the ones it dominates.
+
+        A checkpoint on the single-child chain just above ``node`` can only serve a prompt
+        that diverges inside that chain; the new, deeper one serves every prompt that
+        continues it (the next chat turn, the next agent step). So the shallower ones go to
+        the front of the checkpoint-eviction order — they stay usable until memory is short.
+        A branching node's checkpoint is where known trajectories part: it is kept.
+        """
+        self.slots.set_state(slot, SlotState.ATTACHED)
+        self.tree.attach_checkpoint(node, slot)
+        self.counters["checkpoints.stored"] += 1
+        above = node.parent
+        while above is not None and above is not self.tree.root and len(above.children) == 1:
+            if above.checkpoint_slot is not None:
+                self.tree.demote_checkpoint(above)
+            above = above.parent
 
     def _release_restore(self, seq: SeqCache) -> None:
         if seq.restore_node is not None:
@@ -400,12 +471,17 @@ class CacheManager:
             raise RuntimeError("free of a request in the in-flight step")
         del self.active[seq.request_id]
         self._release_restore(seq)
+        for h in seq.prompt_hashes:
+            left = self._inflight_hashes[h] - 1
+            if left:
+                self._inflight_hashes[h] = left
+            else:
+                del self._inflight_hashes[h]
+        seq.prompt_hashes = []
         if seq.tracking_slot >= 0:
             node = self._node_at(seq, seq.tracking_boundary) if publish_output else None
             if node is not None and node.checkpoint_slot is None:
-                self.slots.set_state(seq.tracking_slot, SlotState.ATTACHED)
-                self.tree.attach_checkpoint(node, seq.tracking_slot)
-                self.counters["checkpoints.stored"] += 1
+                self._attach(node, seq.tracking_slot)
             else:
                 self.slots.free_checkpoint(seq.tracking_slot)
             seq.tracking_slot = -1
@@ -486,6 +562,11 @@ class CacheManager:
             if seq.restore_node is not None:
                 ckpt_pins[id(seq.restore_node)] = ckpt_pins.get(id(seq.restore_node), 0) + 1
                 assert seq.restore_node.checkpoint_slot is not None, "restore source lost its checkpoint"
+        inflight: dict[int, int] = {}
+        for seq in self.active.values():
+            for h in seq.prompt_hashes:
+                inflight[h] = inflight.get(h, 0) + 1
+        assert inflight == self._inflight_hashes, "in-flight prompt hash counts drift"
         assert len(owner) == self.blocks.num_blocks, (
             f"{self.blocks.num_blocks - len(owner)} KV blocks leaked (neither free, cached nor owned)"
         )

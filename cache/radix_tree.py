@@ -20,6 +20,10 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
+# Subtracted from a demoted checkpoint's access stamp: it sorts before every live one, and
+# demoted checkpoints keep their LRU order among themselves.
+_DEMOTED = 1 << 60
+
 
 class Node:
     __slots__ = (
@@ -137,6 +141,16 @@ class RadixTree:
         self.num_checkpoints -= 1
         self._maybe_push_leaf(node)
         return slot
+
+    def demote_checkpoint(self, node: Node) -> None:
+        """Move a checkpoint to the front of the eviction order (it is dominated by a deeper one)."""
+        if node.ckpt_last_access > 0:
+            node.ckpt_last_access -= _DEMOTED
+            self._maybe_push_ckpt(node)
+
+    @staticmethod
+    def is_demoted(node: Node) -> bool:
+        return node.ckpt_last_access < 0
 
     def touch_checkpoint(self, node: Node) -> None:
         node.ckpt_last_access = self.tick()

@@ -52,6 +52,7 @@ class SchedulerConfig(_Section):
     max_num_seqs: PosInt = 64
     max_num_batched_tokens: PosInt = 2048
     max_num_partial_prefills: PosInt = 4
+    enable_chunked_prefill: bool = True  # false: each prompt is prefilled whole in one step
     max_waiting: PosInt = 4096
 
 

@@ -97,6 +97,7 @@ class EngineCore:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_partial_prefills=sc.max_num_partial_prefills,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
         )
         self.runner = ModelRunner(
             self.loaded,

@@ -71,12 +71,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_num_partial_prefills: int = 4,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         self.cache = cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_partial_prefills = max_num_partial_prefills
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.unit = cache.unit
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -113,7 +115,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def _chunk_end(self, start: int, target: int, budget: int) -> int:
-        """End of a prefill chunk from ``start``: the target, or a unit boundary."""
+        """End of a prefill chunk from ``start``: the target, or a unit boundary.
+
+        Without chunked prefill a prompt is computed whole in one step (it may overrun the
+        token budget: that is the latency spike chunking exists to avoid).
+        """
+        if not self.enable_chunked_prefill:
+            return target if budget > 0 else start
         end = min(target, start + budget)
         if end < target:
             end = (end // self.unit) * self.unit
@@ -209,7 +217,7 @@ class Scheduler:
                     req.cache_salt,
                     prompt_len=req.num_prompt_tokens,
                     hashes=req.block_hashes,
-                    count_stats=req.num_preemptions == 0,
+                    count_stats=False,  # counted below, once the admission sticks
                 )
                 if seq is None:
                     break
@@ -219,8 +227,9 @@ class Scheduler:
                     break  # new requests never preempt running ones
                 req.cache = seq
                 req.num_computed_tokens = seq.num_cached_tokens
-                if req.num_cached_tokens < 0:
+                if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
                     req.num_cached_tokens = seq.num_cached_tokens
+                    self.cache.record_query(req.num_tokens, seq.num_cached_tokens)
                 req.status = RequestStatus.RUNNING
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()

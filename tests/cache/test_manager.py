@@ -80,7 +80,10 @@ def test_branch_capture_at_divergence() -> None:
     toks = shared + list(range(900, 1100))
     assert cm.allocate(b, len(toks))
     plan = cm.plan_step([StepItem(b, toks, 0, len(toks), False)])
-    assert sorted((c.boundary, c.kind) for c in plan.captures) == [(128, "branch"), (320, "tail")]
+    assert sorted((c.boundary, c.kind, c.tracking) for c in plan.captures) == [
+        (128, "branch", False),
+        (320, "tail", False),
+    ]
     cm.commit_step(plan)
     cm.free(b)
     cm.check_integrity()
@@ -98,7 +101,7 @@ def test_staging_budget_and_pool_skips_are_counted() -> None:
 
 
 def test_checkpoint_lru_eviction_when_pool_is_short() -> None:
-    cm = make(num_checkpoint_slots=1, num_kv_blocks=200)
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_policy="interval", checkpoint_interval=256)
     run_prefill(cm, "a", list(range(300)))
     run_prefill(cm, "b", list(range(1000, 1300)))
     s = cm.stats()
@@ -209,3 +212,27 @@ def test_disabled_cache_never_hits() -> None:
 def test_unknown_policy_names_known_ones() -> None:
     with pytest.raises(ValueError, match="unknown checkpoint policy 'nope'; known: default, every-unit"):
         make(checkpoint_policy="nope")
+
+
+def test_tail_never_evicts_a_live_checkpoint_but_output_may() -> None:
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_interval=0)
+    run_prefill(cm, "a", list(range(300)))  # the one slot: tail checkpoint at 256 (live)
+    toks = list(range(1000, 1300))
+    seq = cm.admit("b", toks, b"s")
+    assert seq is not None and cm.allocate(seq, 300)
+    plan = cm.plan_step([StepItem(seq, toks, 0, 300, False)])
+    assert plan.captures == [] and cm.stats()["checkpoints.skipped_pool"] == 1
+    cm.commit_step(plan)
+    assert cm.lookup(list(range(300)) + [1], b"s") == 256  # still there
+    cm.free(seq)
+    cm.check_integrity()
+
+
+def test_deeper_checkpoint_demotes_the_chain_above() -> None:
+    cm = make(num_checkpoint_slots=3, num_kv_blocks=200, checkpoint_interval=64)
+    toks = list(range(200))
+    run_prefill(cm, "a", toks)  # interval checkpoints at 64, 128 and the tail at 192
+    nodes = {n.depth * 16: n for n in cm.tree.nodes() if n.checkpoint_slot is not None}
+    assert sorted(nodes) == [64, 128, 192]
+    assert cm.tree.is_demoted(nodes[64]) and cm.tree.is_demoted(nodes[128])
+    assert not cm.tree.is_demoted(nodes[192])

@@ -197,3 +197,16 @@ def test_long_prefill_does_not_stall_decodes() -> None:
         decoded = {x.request.request_id for x in out.seqs if x.is_decode}
         assert decoded == {r.request_id for r in decoders}, "a decode was stalled by the long prefill"
     assert steps >= 4000 // 256
+
+
+def test_hit_rate_stats_count_each_request_once_under_kv_pressure() -> None:
+    s = make_scheduler(blocks=20, seqs=8, budget=512)
+    reqs = [req(f"q{i}", 150, t=i, max_tokens=2) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    done: list[Request] = []
+    while s.has_work():
+        sim_step(s, done)
+    stats = s.cache.stats()
+    assert stats["prefix_cache.queries"] == 3
+    assert stats["prefix_cache.query_tokens"] == 450

@@ -1,0 +1,675 @@
+#!/usr/bin/env python
+"""Load generator: realistic workloads against the engine, side by side with baselines.
+
+    python tools/loadgen.py                                    # chat workload, built-in model
+    python tools/loadgen.py --workload shared-prefix --rate 4 --json out.json --plot out.png
+    python tools/loadgen.py --workload random --baseline hf    # vs transformers generate
+    python tools/loadgen.py --compare base cache.enable_prefix_caching=false scheduler.policy=lpm
+    python tools/loadgen.py --compare a.toml b.toml --set model.device=cuda
+
+Workloads (``tools/workloads.py``) are deterministic under ``--seed``; multi-turn ones
+(chat, agent) build each next prompt from the reply the backend actually generated.
+Arrivals: ``--rate`` (Poisson, open loop) or ``--concurrency`` (closed loop of sessions).
+
+Columns: the engine (or one per ``--compare`` entry: a config file, ``base`` for
+``--config``/``--set`` as given, or ``key=value[,key=value]`` overrides on top of base;
+a fresh engine each, the identical workload), then ``--baseline hf``: the same requests
+through transformers ``generate``, greedy, one at a time (an application without a
+serving engine). Ratios are against the first column. Everything goes to ``--json``;
+``--plot`` draws latency distributions and hit rate per turn.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._paths import setup as _setup_paths  # noqa: E402
+
+_setup_paths()
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from collections.abc import AsyncIterator, Sequence  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import structlog  # noqa: E402
+
+from tools.metrics import RequestRecord, format_table, stats_delta, summarize  # noqa: E402
+from tools.workloads import (  # noqa: E402
+    HFCodec,
+    RequestSpec,
+    Workload,
+    add_workload_args,
+    arrival_from_args,
+    make_workload,
+    params_from_args,
+    plan_arrivals,
+)
+
+log = structlog.get_logger("deltaserve.loadgen")
+
+
+# ============================================================================ backends
+@dataclass
+class Delta:
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = True
+    seed: int | None = None
+
+
+class EngineBackend:
+    """``AsyncEngine`` over one ``EngineCore``."""
+
+    kind = "engine"
+
+    def __init__(self, core: Any, sampling: Sampling) -> None:
+        from engine import AsyncEngine
+
+        self.core = core
+        self.sampling = sampling
+        self.engine = AsyncEngine(core=core)
+
+    @property
+    def model_path(self) -> str:
+        return str(self.core.loaded.path)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.shutdown()
+
+    async def stream(self, spec: RequestSpec) -> AsyncIterator[Delta]:
+        from engine import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=spec.max_tokens,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            ignore_eos=self.sampling.ignore_eos,
+            seed=self.sampling.seed,
+        )
+        salt = spec.meta.get("cache_salt")
+        async for o in self.engine.generate(
+            list(spec.prompt_ids), params, request_id=spec.rid, cache_salt=salt
+        ):
+            yield Delta(
+                token_ids=list(o.token_ids),
+                finished=o.finished,
+                finish_reason=o.finish_reason,
+                num_prompt_tokens=o.num_prompt_tokens,
+                num_cached_tokens=o.num_cached_tokens,
+                error=o.error,
+            )
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model_path, "config": self.core.config.to_dict()}
+
+
+class HFBackend:
+    """transformers ``generate``: one request at a time, no batching, no prefix cache."""
+
+    kind = "hf"
+
+    def __init__(
+        self, model_path: str, sampling: Sampling, *, device: str = "cpu", dtype: str = "float32"
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.path = model_path
+        self.device = device
+        self.dtype = dtype
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            dtype, torch.float32
+        )
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+        self.sampling = sampling
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
+        self._lock: asyncio.Lock | None = None
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    @property
+    def model_path(self) -> str:
+        return self.path
+
+    async def start(self) -> None:
+        self._lock = asyncio.Lock()
+
+    async def stop(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _generate(self, spec: RequestSpec, put: Any) -> None:
+        from transformers.generation.streamers import BaseStreamer
+
+        torch = self.torch
+
+        class Streamer(BaseStreamer):
+            def __init__(self) -> None:
+                self.prompt_seen = False
+
+            def put(self, value: Any) -> None:
+                if not self.prompt_seen:  # the first call carries the prompt
+                    self.prompt_seen = True
+                    return
+                put(value.reshape(-1).tolist())
+
+            def end(self) -> None:
+                pass
+
+        ids = torch.tensor([list(spec.prompt_ids)], device=self.device)
+        kwargs: dict[str, Any] = {"max_new_tokens": spec.max_tokens, "pad_token_id": 0, "min_new_tokens": 0}
+        if self.sampling.ignore_eos:
+            kwargs["eos_token_id"] = None
+        if self.sampling.temperature > 0:
+            if self.sampling.seed is not None:
+                torch.manual_seed(self.sampling.seed)
+            kwargs.update(
+                do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=0
+            )
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        with torch.no_grad():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=Streamer(), **kwargs)
+
+    async def stream(self, spec: RequestSpec) -> AsyncIterator[Delta]:
+        assert self._lock is not None, "backend not started"
+        async with self._lock:  # one request at a time, in arrival order
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[list[int]] = asyncio.Queue()
+
+            def put(tokens: list[int]) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, tokens)
+
+            fut = loop.run_in_executor(self._executor, self._generate, spec, put)
+            n = 0
+            reason = "length"
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    tokens = getter.result()
+                    n += len(tokens)
+                    if not self.sampling.ignore_eos and any(t in self.eos_ids for t in tokens):
+                        reason = "stop"
+                    yield Delta(tokens, num_prompt_tokens=len(spec.prompt_ids))
+                    continue
+                getter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await getter
+                while not queue.empty():
+                    tokens = queue.get_nowait()
+                    n += len(tokens)
+                    yield Delta(tokens, num_prompt_tokens=len(spec.prompt_ids))
+                break
+            err = fut.exception()
+            yield Delta(
+                [],
+                finished=True,
+                finish_reason="error" if err else reason,
+                num_prompt_tokens=len(spec.prompt_ids),
+                error=f"{type(err).__name__}: {err}" if err else None,
+            )
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.path, "device": self.device, "dtype": self.dtype}
+
+
+# ============================================================================ driver
+@dataclass
+class RunResult:
+    label: str
+    backend: dict[str, Any]
+    records: list[RequestRecord]
+    summary: dict[str, Any]
+    engine_stats: dict[str, Any]
+    engine_stats_total: dict[str, Any]
+    arrivals: dict[str, Any]
+    wall_s: float
+
+
+async def _warmup(backend: Any, n: int, prompt_len: int) -> None:
+    """``n`` concurrent requests of the workload's prompt length, not measured. Each has
+    its own cache salt, so nothing it caches can ever be hit by the workload."""
+
+    async def one(i: int) -> None:
+        spec = RequestSpec(
+            rid=f"warmup-{i}",
+            prompt_ids=[0] * prompt_len,
+            max_tokens=8,
+            meta={"cache_salt": f"loadgen-warmup-{i}"},
+        )
+        async for _ in backend.stream(spec):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def run_live(
+    backend: Any,
+    workload: Workload,
+    arrival_plan: dict[str, Any],
+    *,
+    label: str,
+    progress: bool = True,
+    warmup: int = 2,
+) -> RunResult:
+    """Send the workload through ``backend``; one ``RequestRecord`` per request."""
+    from tqdm import tqdm
+
+    await backend.start()
+    try:
+        roots = workload.roots()
+        await _warmup(backend, warmup, min(max((len(r.prompt_ids) for r in roots), default=16), 1024))
+        stats_before = backend.stats()
+        records: list[RequestRecord] = []
+        bar = tqdm(
+            total=workload.expected_requests(), desc=label, unit="req", disable=not progress, leave=False
+        )
+        t0 = time.perf_counter()
+
+        def now() -> float:
+            return time.perf_counter() - t0
+
+        async def run_one(spec: RequestSpec, due: float) -> RequestRecord:
+            rec = RequestRecord(
+                rid=spec.rid, session=spec.session, turn=spec.turn, branch=spec.branch, arrival_s=due,
+                submit_s=now(), num_prompt_tokens=len(spec.prompt_ids), max_tokens=spec.max_tokens,
+                prompt_hash=spec.describe()["prompt_hash"],
+            )  # fmt: skip
+            try:
+                async for d in backend.stream(spec):
+                    t = now()
+                    if d.token_ids:
+                        if rec.first_token_s is None:
+                            rec.first_token_s = t
+                        rec.token_times.extend([t] * len(d.token_ids))
+                        rec.output_token_ids.extend(d.token_ids)
+                    rec.num_prompt_tokens = d.num_prompt_tokens or rec.num_prompt_tokens
+                    rec.num_cached_tokens = d.num_cached_tokens
+                    if d.finished:
+                        rec.finish_s = t
+                        rec.finish_reason = d.finish_reason
+                        rec.error = d.error
+            except Exception as e:  # typed engine errors (too long, overloaded, ...)
+                rec.error = f"{type(e).__name__}: {e}"
+                rec.finish_reason = "error"
+                log.warning("loadgen.request_failed", rid=spec.rid, error=rec.error)
+            rec.num_output_tokens = len(rec.output_token_ids)
+            records.append(rec)
+            bar.update(1)
+            done = [r for r in records if r.ok]
+            if done:
+                hit = sum(r.num_cached_tokens for r in done) / max(sum(r.num_prompt_tokens for r in done), 1)
+                bar.set_postfix(hit=f"{hit:.0%}", refresh=False)
+            return rec
+
+        async def run_tree(spec: RequestSpec, due: float) -> None:
+            rec = await run_one(spec, due)
+            if not rec.ok:
+                return
+            children = workload.follow_ups(spec, rec.output_token_ids)
+            await asyncio.gather(*(after_delay(c) for c in children))
+
+        async def after_delay(child: RequestSpec) -> None:
+            if child.delay_s > 0:
+                await asyncio.sleep(child.delay_s)
+            await run_tree(child, now())
+
+        if arrival_plan["mode"] == "closed":
+            sem = asyncio.Semaphore(int(arrival_plan["concurrency"]))
+
+            async def session(root: RequestSpec) -> None:
+                async with sem:
+                    await run_tree(root, now())
+
+            await asyncio.gather(*(session(r) for r in roots))
+        else:
+
+            async def timed(root: RequestSpec, at: float) -> None:
+                delay = at - now()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await run_tree(root, at)
+
+            await asyncio.gather(*(timed(r, t) for r, t in zip(roots, arrival_plan["times"], strict=True)))
+        wall = now()
+        bar.close()
+        stats_after = backend.stats()
+    finally:
+        await backend.stop()
+    engine_stats = stats_delta(stats_before, stats_after) if stats_after else {}
+    records.sort(key=lambda r: (r.submit_s, r.rid))
+    summary = summarize(records, engine_stats or None)
+    log.info(
+        "loadgen.run_done",
+        label=label,
+        requests=len(records),
+        wall_s=round(wall, 2),
+        out_tok_s=round(summary["output_throughput"], 1),
+        hit_rate=round(summary["prefix_hit_rate"], 3),
+    )
+    return RunResult(
+        label=label,
+        backend=backend.describe(),
+        records=records,
+        summary=summary,
+        engine_stats=engine_stats,
+        engine_stats_total=dict(stats_after),
+        arrivals=dict(arrival_plan),
+        wall_s=wall,
+    )
+
+
+# ============================================================================ configs
+def compare_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(label, EngineConfig) per column: ``--compare`` entries, else the base config."""
+    from engine.cli import config_from_args
+    from engine.config import EngineConfig, parse_override
+
+    base_overrides = dict(parse_override(s) for s in args.set)
+    if not args.compare:
+        return [("engine", config_from_args(args))]
+    out: list[tuple[str, Any]] = []
+    for entry in args.compare:
+        if entry in ("base", "-"):
+            label, cfg = "base", config_from_args(args)
+        elif Path(entry).suffix.lower() in (".toml", ".json", ".yaml", ".yml") or Path(entry).is_file():
+            label, cfg = Path(entry).stem, EngineConfig.load(entry, base_overrides)
+        elif "=" in entry:
+            extra = dict(parse_override(s) for s in entry.split(","))
+            label, cfg = entry, EngineConfig.load(args.config, {**base_overrides, **extra})
+        else:
+            raise SystemExit(f"--compare {entry!r}: not a config file, 'base', or key=value overrides")
+        labels = [lbl for lbl, _ in out]
+        if label in labels:
+            label = f"{label}#{len(out) + 1}"
+        out.append((label, cfg))
+    return out
+
+
+# ============================================================================ output
+def workload_line(workload: Workload, plan: dict[str, Any]) -> str:
+    p = workload.describe()
+    keys = ("sessions", "turns", "num_requests", "prefix_len", "prompt_len", "output_len", "tool_len",
+            "num_prefixes", "suffixes_per_prefix", "branches", "think_time")  # fmt: skip
+    parts = [
+        f"{k}={p[k]}" for k in keys if p.get(k) is not None and (k != "think_time" or workload.multi_turn)
+    ]
+    arr = plan["mode"] + (f" rate={plan['rate']}/s" if plan.get("rate") else "")
+    arr += f" concurrency={plan['concurrency']}" if plan.get("concurrency") else ""
+    return f"workload {workload.name} ({', '.join(parts)}; {p['expected_requests']} requests; {arr}; seed={workload.seed})"
+
+
+def agreement_rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
+    """Did every column send the same prompts and get the same outputs as the first?"""
+    if len(runs) < 2:
+        return []
+    first_p = {r.rid: r.prompt_hash for r in runs[0].records}
+    first_o = {r.rid: r.output_token_ids for r in runs[0].records}
+    prompts, outputs = ["ref"], ["ref"]
+    for run in runs[1:]:
+        same_p = sum(1 for r in run.records if first_p.get(r.rid) == r.prompt_hash)
+        same_o = sum(1 for r in run.records if first_o.get(r.rid) == r.output_token_ids)
+        prompts.append(f"{same_p}/{len(run.records)}")
+        outputs.append(f"{same_o}/{len(run.records)}")
+    return [("same prompts as first", prompts), ("same outputs as first", outputs)]
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: str, args: argparse.Namespace, workload: Workload, runs: Sequence[RunResult]) -> None:
+    first = runs[0].summary
+    ratios = {}
+    for run in runs[1:]:
+        ratios[run.label] = {
+            k: (run.summary[k] / first[k] if isinstance(first.get(k), (int, float)) and first[k] else None)
+            for k in ("request_throughput", "output_throughput", "total_throughput")
+        } | {
+            f"{k}.{q}": (
+                run.summary[k][q] / first[k][q] if first[k][q] and not math.isnan(first[k][q]) else None
+            )
+            for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+            for q in ("mean", "p50", "p90", "p99")
+        }
+    doc = {
+        "tool": "deltaserve.loadgen",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "argv": sys.argv[1:] if args.argv is None else args.argv,
+        "workload": {"name": workload.name, "params": workload.describe()},
+        "arrivals": runs[0].arrivals,
+        "runs": [
+            {
+                "label": run.label,
+                "backend": run.backend["kind"],
+                "model": run.backend.get("model"),
+                "config": run.backend.get("config", {k: v for k, v in run.backend.items() if k != "kind"}),
+                "wall_s": run.wall_s,
+                "summary": run.summary,
+                "engine_stats": run.engine_stats,
+                "engine_stats_total": run.engine_stats_total,
+                "records": [r.to_dict() for r in run.records],
+            }
+            for run in runs
+        ],
+        "comparison": {
+            "reference": runs[0].label,
+            "ratios": ratios,
+            "agreement": dict(agreement_rows(runs)),
+        },  # fmt: skip
+    }
+    Path(path).write_text(json.dumps(_clean(doc), indent=1))
+
+
+def plot(path: str, runs: Sequence[RunResult], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tools.metrics import e2e, itls, tpot, ttft
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    panels = [
+        ("TTFT (ms)", lambda rs: [ttft(r) for r in rs]),
+        ("TPOT (ms)", lambda rs: [tpot(r) for r in rs]),
+        ("inter-token latency (ms)", lambda rs: [x for r in rs for x in itls(r)]),
+        ("end-to-end latency (ms)", lambda rs: [e2e(r) for r in rs]),
+    ]
+    for ax, (name, get) in zip(axes.flat, panels, strict=False):
+        for run in runs:
+            xs = sorted(1000 * x for x in get([r for r in run.records if r.ok]) if x is not None)
+            if xs:
+                ax.plot(
+                    xs, [(i + 1) / len(xs) for i in range(len(xs))], label=run.label, drawstyle="steps-post"
+                )
+        ax.set_xlabel(name)
+        ax.set_ylabel("fraction of requests" if "inter" not in name else "fraction of gaps")
+        ax.set_title(f"{name.split(' (')[0]} CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes.flat[4]
+    turns = sorted({int(t) for run in runs for t in run.summary["hit_rate_per_turn"]})
+    width = 0.8 / max(len(runs), 1)
+    for i, run in enumerate(runs):
+        hr = run.summary["hit_rate_per_turn"]
+        ax.bar(
+            [t + i * width for t in turns], [100 * hr.get(str(t), 0.0) for t in turns], width, label=run.label
+        )
+    ax.set_xticks([t + width * (len(runs) - 1) / 2 for t in turns], [str(t) for t in turns])
+    ax.set_xlabel("turn")
+    ax.set_ylabel("prefix hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("prefix hit rate per turn")
+    ax.legend(fontsize=8)
+    ax = axes.flat[5]
+    for run in runs:
+        rs = sorted((r for r in run.records if r.ok), key=lambda r: r.submit_s)
+        ax.scatter([r.submit_s for r in rs], [1000 * (ttft(r) or 0) for r in rs], s=10, label=run.label)
+    ax.set_xlabel("send time (s)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT over the run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ============================================================================ main
+def build_parser() -> argparse.ArgumentParser:
+    from engine.cli import add_config_args
+
+    parser = argparse.ArgumentParser(
+        prog="loadgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_config_args(parser)
+    add_workload_args(parser)
+    g = parser.add_argument_group("runs")
+    g.add_argument("--baseline", choices=["hf"], help="also run the requests through transformers generate")
+    g.add_argument(
+        "--compare", nargs="+", metavar="CONFIG",
+        help="one column per entry: a config file, 'base', or key=value[,key=value] overrides of base",
+    )  # fmt: skip
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="concurrent warm-up requests per column, not measured (default 2)",
+    )
+    s = parser.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    s.add_argument(
+        "--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+        help="generate exactly --output-len tokens (default; the built-in model has random weights)",
+    )  # fmt: skip
+    o = parser.add_argument_group("output")
+    o.add_argument(
+        "--json", metavar="FILE", help="write config, workload, per-request records, summaries, stats"
+    )
+    o.add_argument("--plot", metavar="FILE.png", help="latency distributions and hit rate per turn")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--log-level", default="info", help="structlog level (default %(default)s)")
+    parser.set_defaults(argv=None)
+    return parser
+
+
+async def amain(args: argparse.Namespace) -> list[RunResult]:
+    from engine import EngineCore
+
+    sampling = Sampling(args.temperature, args.top_p, args.ignore_eos, args.sampling_seed)
+    columns = compare_configs(args)
+    runs: list[RunResult] = []
+    loaded_cache: dict[tuple[str, ...], Any] = {}
+    workload: Workload | None = None
+    first_core: Any = None
+    for label, cfg in columns:
+        key = (cfg.model.path, cfg.model.dtype, cfg.model.device, cfg.kernels.backend)
+        core = EngineCore(cfg, loaded=loaded_cache.get(key))
+        loaded_cache[key] = core.loaded
+        first_core = first_core or core
+        params = params_from_args(args, block_size=cfg.cache.block_size)
+        workload = make_workload(
+            params, HFCodec(core.tokenizer, name=f"hf:{Path(str(core.loaded.path)).name}")
+        )
+        plan = plan_arrivals(workload.roots(), arrival_from_args(args), args.seed)
+        if not runs:
+            log.info("loadgen.workload", workload=workload_line(workload, plan))
+        log.info("loadgen.run_start", label=label, workload=workload.name, arrivals=plan["mode"])
+        runs.append(
+            await run_live(
+                EngineBackend(core, sampling), workload, plan, label=label,
+                progress=not args.no_progress, warmup=args.warmup,
+            )
+        )  # fmt: skip
+        del core
+    if args.baseline == "hf":
+        cfg = columns[0][1]
+        backend = HFBackend(
+            str(first_core.loaded.path), sampling, device=cfg.model.device, dtype=_hf_dtype(cfg)
+        )
+        params = params_from_args(args, block_size=cfg.cache.block_size)
+        workload = make_workload(params, HFCodec(first_core.tokenizer))
+        plan = plan_arrivals(workload.roots(), arrival_from_args(args), args.seed)
+        log.info("loadgen.run_start", label="hf", workload=workload.name, arrivals=plan["mode"])
+        runs.append(
+            await run_live(
+                backend, workload, plan, label="hf", progress=not args.no_progress, warmup=args.warmup
+            )
+        )
+    assert workload is not None
+    args._workload = workload
+    args._plan = plan
+    return runs
+
+
+def _hf_dtype(cfg: Any) -> str:
+    if cfg.model.dtype == "auto":
+        return "bfloat16" if cfg.model.device.startswith("cuda") else "float32"
+    return cfg.model.dtype
+
+
+def main(argv: Sequence[str] | None = None) -> list[RunResult]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    from engine.log_setup import configure_logging
+
+    configure_logging(args.log_level)
+    runs = asyncio.run(amain(args))
+    workload: Workload = args._workload
+    title = workload_line(workload, args._plan)
+    print(title)
+    print(format_table([(r.label, r.summary) for r in runs], agreement_rows(runs)))
+    if args.json:
+        write_json(args.json, args, workload, runs)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot, runs, title)
+        print(f"wrote {args.plot}")
+    return runs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""Load-test metrics: pure functions over recorded request timelines. Torch-free.
+
+Times in a ``RequestRecord`` are seconds since the start of the run. Definitions (the
+usual serving-benchmark ones):
+
+* TTFT — first output token received minus the time the request was sent;
+* TPOT — (last token - first token) / (output tokens - 1), per request with >= 2 tokens;
+* ITL — every gap between two consecutive output tokens of a request;
+* E2E — last token (finish) minus the time the request was sent;
+* throughput — completed requests, output tokens and prompt+output tokens per second of
+  the run's duration (first send to last finish);
+* prefix hit rate — sum of ``num_cached_tokens`` / sum of ``num_prompt_tokens``; per turn
+  for multi-turn workloads.
+
+Percentiles interpolate linearly between closest ranks (numpy's default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    rid: str
+    session: str = ""
+    turn: int = 0
+    branch: str = ""
+    arrival_s: float = 0.0  # when the request became due (arrival / after think time)
+    submit_s: float = 0.0  # when it was handed to the backend
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one entry per output token
+    finish_s: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    max_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_hash: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_s is not None and self.finish_reason in ("stop", "length")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestRecord:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+# ---------------------------------------------------------------------------- statistics
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear interpolation; NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan
+
+
+def distribution(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "count": len(values),
+        "mean": mean(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "min": float(min(values)) if values else math.nan,
+        "max": float(max(values)) if values else math.nan,
+    }
+
+
+# ---------------------------------------------------------------------------- per request
+def ttft(r: RequestRecord) -> float | None:
+    return None if r.first_token_s is None else r.first_token_s - r.submit_s
+
+
+def e2e(r: RequestRecord) -> float | None:
+    return None if r.finish_s is None else r.finish_s - r.submit_s
+
+
+def tpot(r: RequestRecord) -> float | None:
+    if r.first_token_s is None or r.finish_s is None or r.num_output_tokens < 2:
+        return None
+    return (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
+
+
+def itls(r: RequestRecord) -> list[float]:
+    t = r.token_times
+    return [t[i] - t[i - 1] for i in range(1, len(t))]
+
+
+def _present(xs: Iterable[float | None]) -> list[float]:
+    return [x for x in xs if x is not None]
+
+
+def hit_rate(records: Iterable[RequestRecord]) -> float:
+    rs = list(records)
+    prompt = sum(r.num_prompt_tokens for r in rs)
+    return sum(r.num_cached_tokens for r in rs) / prompt if prompt else 0.0
+
+
+def hit_rate_per_turn(records: Iterable[RequestRecord]) -> dict[int, float]:
+    by: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        by.setdefault(r.turn, []).append(r)
+    return {t: hit_rate(by[t]) for t in sorted(by)}
+
+
+# ---------------------------------------------------------------------------- engine stats
+#: engine stats that only grow (a run's share is after - before); the rest are gauges
+COUNTER_PREFIXES = (
+    "requests.",
+    "tokens.",
+    "steps.",
+    "prefix_cache.",
+    "checkpoints.",
+    "kv.evicted",
+    "scheduler.",
+)
+GAUGES = {
+    "scheduler.running", "scheduler.waiting", "scheduler.oldest_waiting_s", "prefix_cache.hit_rate",
+    "checkpoints.slots", "checkpoints.used_slots", "checkpoints.attached", "checkpoints.bytes_used",
+}  # fmt: skip
+
+
+def stats_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """``after`` with its counters made relative to ``before`` (a warm-up's share removed)."""
+    out: dict[str, Any] = {}
+    for k, v in after.items():
+        if (
+            k in before
+            and k not in GAUGES
+            and k.startswith(COUNTER_PREFIXES)
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+        ):
+            out[k] = v - before[k]
+        else:
+            out[k] = v
+    q = out.get("prefix_cache.query_tokens")
+    if q is not None and "prefix_cache.hit_tokens" in out:
+        out["prefix_cache.hit_rate"] = out["prefix_cache.hit_tokens"] / q if q else 0.0
+    return out
+
+
+# ---------------------------------------------------------------------------- summary
+def summarize(
+    records: Sequence[RequestRecord],
+    engine_stats: Mapping[str, Any] | None = None,
+    duration_s: float | None = None,
+) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    if duration_s is None:
+        starts = [r.submit_s for r in records]
+        ends = [r.finish_s for r in records if r.finish_s is not None]
+        duration_s = (max(ends) - min(starts)) if starts and ends else 0.0
+    out_tok = sum(r.num_output_tokens for r in ok)
+    prompt_tok = sum(r.num_prompt_tokens for r in ok)
+    per_sec = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
+    s: dict[str, Any] = {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration_s,
+        "request_throughput": per_sec(len(ok)),
+        "output_throughput": per_sec(out_tok),
+        "total_throughput": per_sec(out_tok + prompt_tok),
+        "prompt_tokens": prompt_tok,
+        "output_tokens": out_tok,
+        "cached_tokens": sum(r.num_cached_tokens for r in ok),
+        "ttft_s": distribution(_present(ttft(r) for r in ok)),
+        "tpot_s": distribution(_present(tpot(r) for r in ok)),
+        "itl_s": distribution([x for r in ok for x in itls(r)]),
+        "e2e_s": distribution(_present(e2e(r) for r in ok)),
+        "prefix_hit_rate": hit_rate(ok),
+        "hit_rate_per_turn": {str(t): v for t, v in hit_rate_per_turn(ok).items()},
+    }
+    es = engine_stats or {}
+
+    def stat(key: str) -> Any:
+        return es.get(key)
+
+    skipped = [stat("checkpoints.skipped_budget"), stat("checkpoints.skipped_pool")]
+    s["engine_hit_rate"] = stat("prefix_cache.hit_rate")
+    s["checkpoints"] = {
+        "stored": stat("checkpoints.stored"),
+        "skipped": sum(x for x in skipped if x is not None) if any(x is not None for x in skipped) else None,
+        "skipped_budget": skipped[0],
+        "skipped_pool": skipped[1],
+        "evicted": stat("checkpoints.evicted"),
+        "restored": stat("checkpoints.restored"),
+        "bytes_used": stat("checkpoints.bytes_used"),
+    }
+    s["preemptions"] = stat("scheduler.preemptions")
+    s["kv_evicted_blocks"] = stat("kv.evicted_blocks")
+    return s
+
+
+# ---------------------------------------------------------------------------- table
+#: (label, path into the summary, unit) ; path "a.b" walks nested dicts
+TABLE_ROWS: list[tuple[str, str, str]] = [
+    ("requests completed", "completed", "n"),
+    ("requests failed", "failed", "n"),
+    ("duration (s)", "duration_s", "s"),
+    ("requests/s", "request_throughput", "rate"),
+    ("output tokens/s", "output_throughput", "rate"),
+    ("total tokens/s", "total_throughput", "rate"),
+    ("TTFT mean (ms)", "ttft_s.mean", "ms"),
+    ("TTFT p50 (ms)", "ttft_s.p50", "ms"),
+    ("TTFT p90 (ms)", "ttft_s.p90", "ms"),
+    ("TTFT p99 (ms)", "ttft_s.p99", "ms"),
+    ("TPOT mean (ms)", "tpot_s.mean", "ms"),
+    ("TPOT p50 (ms)", "tpot_s.p50", "ms"),
+    ("TPOT p90 (ms)", "tpot_s.p90", "ms"),
+    ("TPOT p99 (ms)", "tpot_s.p99", "ms"),
+    ("ITL mean (ms)", "itl_s.mean", "ms"),
+    ("ITL p50 (ms)", "itl_s.p50", "ms"),
+    ("ITL p90 (ms)", "itl_s.p90", "ms"),
+    ("ITL p99 (ms)", "itl_s.p99", "ms"),
+    ("E2E mean (ms)", "e2e_s.mean", "ms"),
+    ("E2E p50 (ms)", "e2e_s.p50", "ms"),
+    ("E2E p90 (ms)", "e2e_s.p90", "ms"),
+    ("E2E p99 (ms)", "e2e_s.p99", "ms"),
+    ("prompt tokens", "prompt_tokens", "n"),
+    ("output tokens", "output_tokens", "n"),
+    ("prefix hit rate (requests)", "prefix_hit_rate", "pct"),
+    ("prefix hit rate (engine)", "engine_hit_rate", "pct"),
+    ("checkpoints stored", "checkpoints.stored", "n"),
+    ("checkpoints skipped", "checkpoints.skipped", "n"),
+    ("checkpoints evicted", "checkpoints.evicted", "n"),
+    ("KV blocks evicted", "kv_evicted_blocks", "n"),
+    ("preemptions", "preemptions", "n"),
+]
+
+
+def lookup(summary: Mapping[str, Any], path: str) -> Any:
+    node: Any = summary
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _fmt(value: Any, unit: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if unit == "ms":
+        return f"{value * 1000:.1f}"
+    if unit == "pct":
+        return f"{value * 100:.1f}%"
+    if unit in ("rate", "s"):
+        return f"{value:.2f}"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or isinstance(a, bool):
+        return ""
+    if math.isnan(a) or math.isnan(b) or a == 0:
+        return ""
+    return f"{b / a:.2f}x"
+
+
+def format_table(
+    columns: Sequence[tuple[str, Mapping[str, Any]]], extra_rows: Sequence[tuple[str, list[str]]] = ()
+) -> str:
+    """Summaries side by side; every column after the first gets a ratio to the first."""
+    rows: list[tuple[str, str, str]] = list(TABLE_ROWS)
+    turns: list[str] = []
+    for _, s in columns:
+        for t in s.get("hit_rate_per_turn") or {}:
+            if t not in turns:
+                turns.append(t)
+    if len(turns) > 1:
+        rows += [(f"hit rate turn {t}", f"hit_rate_per_turn.{t}", "pct") for t in sorted(turns, key=int)]
+    header = ["metric"]
+    for i, (label, _) in enumerate(columns):
+        header.append(label)
+        if i > 0:
+            header.append(f"/{columns[0][0]}")
+    table: list[list[str]] = [header]
+    for label, path, unit in rows:
+        line = [label]
+        base = lookup(columns[0][1], path) if columns else None
+        for i, (_, s) in enumerate(columns):
+            v = lookup(s, path)
+            line.append(_fmt(v, unit))
+            if i > 0:
+                line.append(_ratio(base, v) if unit != "pct" else "")
+        table.append(line)
+    for label, values in extra_rows:
+        line = [label]
+        for i, v in enumerate(values):
+            line.append(v)
+            if i > 0:
+                line.append("")
+        table.append(line)
+    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    lines = []
+    for n, row in enumerate(table):
+        cells = [row[0].ljust(widths[0])] + [row[c].rjust(widths[c]) for c in range(1, len(row))]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

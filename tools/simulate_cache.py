@@ -1,0 +1,601 @@
+#!/usr/bin/env python
+"""Cache-policy simulator: replay a workload through the real torch-free scheduler and
+cache manager at a given KV and checkpoint budget, for several checkpoint admission
+policies, and compare their prefix hit rates with an oracle.
+
+    python tools/simulate_cache.py                                  # chat, every policy
+    python tools/simulate_cache.py --workload all --checkpoint-slots 4
+    python tools/simulate_cache.py --workload agent --checkpoint-mb 400 --kv-mb 512
+    python tools/simulate_cache.py --workload shared-prefix --sweep --plot sweep.png
+    python tools/simulate_cache.py --sweep 1,2,4,8,400MB,2GB --json sim.json
+
+What runs is the engine's own ``Scheduler`` (``scheduler.schedule()`` /
+``scheduler.update(out, sampled)`` / ``scheduler.finish(req, "length")``) over its own
+``CacheManager``: the same joint-hit rule, staging budget, pins and eviction. Only the
+model is replaced: every scheduled step "samples" the next token of a deterministic
+synthetic reply of the requested length (``workloads.synthetic_reply``), and the clock
+is virtual (``--step-ms`` + ``--ms-per-token`` per step), which sets arrivals, think
+times and concurrency.
+
+Policies (``cache/admission.py``): ``interval``, ``step-end``, ``sequence-end``,
+``default``, ``every-unit``, ``none``, and ``oracle`` = ``every-unit`` with unlimited KV
+and checkpoint memory (and no staging limit). Budgets are given for a real model: one
+checkpoint ``--checkpoint-bytes`` (default 50 MiB, Qwen3.5-4B-like) and KV
+``--kv-bytes-per-token`` (default 32 KiB). Engine settings (block size, checkpoint
+interval, staging budget, scheduler policy and limits) come from ``--config``/``--set``.
+
+This module never imports torch (``engine/__init__`` does, so ``engine.config`` is
+loaded here without it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._paths import setup as _setup_paths  # noqa: E402
+
+_setup_paths()
+
+import argparse  # noqa: E402
+import heapq  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from collections import deque  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import asdict, dataclass, field, replace  # noqa: E402
+from typing import Any  # noqa: E402
+
+import structlog  # noqa: E402
+
+from cache import CacheManager, CacheManagerConfig  # noqa: E402
+from cache.admission import ADMISSION_POLICIES  # noqa: E402
+from engine import cli as engine_cli  # noqa: E402  (engine/__init__ is lazy: no torch)
+from engine.log_setup import configure_logging  # noqa: E402
+from scheduler import Request, Scheduler, make_policy  # noqa: E402
+from tools.workloads import (  # noqa: E402
+    ArrivalParams,
+    RequestSpec,
+    Workload,
+    add_workload_args,
+    arrival_from_args,
+    expand,
+    load_codec,
+    make_workload,
+    params_from_args,
+    plan_arrivals,
+    synthetic_reply,
+    workload_names,
+)
+
+log = structlog.get_logger("deltaserve.simulate")
+
+MiB = 1024**2
+DEFAULT_POLICIES = ("interval", "step-end", "sequence-end", "default", "oracle")
+DEFAULT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_CHECKPOINT_SLOTS = 16
+DEFAULT_KV_MB = 2048
+
+
+# ============================================================================ config
+@dataclass
+class SimConfig:
+    block_size: int = 16
+    kv_blocks: int = 4096
+    checkpoint_slots: int = DEFAULT_CHECKPOINT_SLOTS
+    checkpoint_bytes: int = 50 * MiB
+    kv_bytes_per_token: int = 32 * 1024
+    staging_bytes: int | None = None
+    checkpoint_interval: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_num_partial_prefills: int = 4
+    scheduler_policy: str = "fcfs"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    step_s: float = 0.015  # virtual seconds per step ...
+    token_s: float = 0.0002  # ... plus per computed token
+    check_integrity: bool = False
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_blocks * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def checkpoint_pool_bytes(self) -> int:
+        return self.checkpoint_slots * self.checkpoint_bytes
+
+
+@dataclass
+class SimResult:
+    workload: str
+    policy: str
+    admission: str
+    kv_blocks: int
+    checkpoint_slots: int
+    checkpoint_mb: float
+    kv_mb: float
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    hit_rate_per_turn: dict[str, float]
+    checkpoints_stored: int
+    checkpoints_skipped_budget: int
+    checkpoints_skipped_pool: int
+    checkpoints_evicted: int
+    kv_evicted_blocks: int
+    preemptions: int
+    steps: int
+    tokens_computed: int
+    sim_time_s: float
+    wall_s: float
+    oracle_ratio: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ============================================================================ simulation
+def oracle_sizes(workload: Workload, cfg: SimConfig) -> tuple[int, int]:
+    """KV blocks and checkpoint slots that can never run out for this workload."""
+    total = 0
+    n = 0
+    for spec, _ in expand(workload):
+        total += len(spec.prompt_ids) + spec.max_tokens
+        n += 1
+    unit = math.lcm(cfg.block_size, 64)
+    blocks = total // cfg.block_size + 2 * n + 16
+    slots = total // unit + 2 * n + cfg.max_num_seqs + 16
+    return blocks, slots
+
+
+def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalParams) -> SimResult:
+    """Replay ``workload`` through ``Scheduler`` + ``CacheManager`` with ``policy``."""
+    t_wall = time.perf_counter()
+    oracle = policy == "oracle"
+    admission = "every-unit" if oracle else policy
+    if admission not in ADMISSION_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: oracle, {', '.join(sorted(ADMISSION_POLICIES))}")
+    kv_blocks, slots, staging = cfg.kv_blocks, cfg.checkpoint_slots, cfg.staging_bytes
+    if oracle:
+        kv_blocks, slots = oracle_sizes(workload, cfg)
+        staging = None
+    cache = CacheManager(
+        CacheManagerConfig(
+            block_size=cfg.block_size,
+            num_kv_blocks=kv_blocks,
+            num_live_slots=cfg.max_num_seqs,
+            num_checkpoint_slots=slots,
+            checkpoint_bytes=cfg.checkpoint_bytes,
+            staging_bytes=staging,
+            has_gdn=True,
+            checkpoint_interval=cfg.checkpoint_interval,
+            checkpoint_policy=admission,
+            enable_prefix_caching=True,
+        )
+    )
+    sched = Scheduler(
+        cache,
+        make_policy(cfg.scheduler_policy, cfg.policy_options),
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_partial_prefills=cfg.max_num_partial_prefills,
+    )
+    roots = workload.roots()
+    plan = plan_arrivals(roots, arrival, workload.seed)
+    clock = 0.0
+    order = itertools.count()
+    events: list[tuple[float, int, RequestSpec, str]] = []  # (due, tie, spec, tree)
+    live: dict[str, tuple[Request, RequestSpec, list[int], str]] = {}
+    tree_left: dict[str, int] = {}
+    pending_roots: deque[RequestSpec] = deque()
+    active_trees = 0
+    concurrency = plan["concurrency"] if plan["mode"] == "closed" else None
+    finished: list[tuple[RequestSpec, int]] = []  # (spec, cached tokens)
+    rejected = 0
+    steps = 0
+    tokens = 0
+
+    def push(spec: RequestSpec, due: float, tree: str) -> None:
+        heapq.heappush(events, (due, next(order), spec, tree))
+
+    def launch_roots() -> None:
+        nonlocal active_trees
+        while pending_roots and (concurrency is None or active_trees < concurrency):
+            root = pending_roots.popleft()
+            active_trees += 1
+            tree_left[root.rid] = 1
+            push(root, clock, root.rid)
+
+    def tree_done(tree: str, children: int) -> None:
+        nonlocal active_trees
+        tree_left[tree] += children - 1
+        if tree_left[tree] == 0:
+            del tree_left[tree]
+            active_trees -= 1
+            launch_roots()
+
+    def submit(spec: RequestSpec, due: float, tree: str) -> None:
+        nonlocal rejected
+        if not cache.can_ever_fit(len(spec.prompt_ids) + spec.max_tokens):
+            rejected += 1
+            tree_done(tree, 0)
+            return
+        req = Request(request_id=spec.rid, prompt_token_ids=list(spec.prompt_ids), sampling_params=None)
+        req.arrival_time = due
+        live[spec.rid] = (req, spec, synthetic_reply(workload, spec), tree)
+        sched.add(req)
+
+    def complete(req: Request) -> None:
+        _, spec, reply, tree = live.pop(req.request_id)
+        finished.append((spec, max(req.num_cached_tokens, 0)))
+        children = workload.follow_ups(spec, reply)
+        for child in children:
+            push(child, clock + child.delay_s, tree)
+        tree_done(tree, len(children))
+
+    if concurrency is not None:
+        pending_roots.extend(roots)
+        launch_roots()
+    else:
+        for root, t in zip(roots, plan["times"], strict=True):
+            tree_left[root.rid] = 1
+            active_trees += 1
+            push(root, t, root.rid)
+
+    while True:
+        while events and events[0][0] <= clock:
+            due, _, spec, tree = heapq.heappop(events)
+            submit(spec, due, tree)
+        if sched.has_work():
+            out = sched.schedule()
+            if out is None:
+                if not sched.running and not events:
+                    raise RuntimeError(
+                        f"simulator stuck: {sched.num_waiting} waiting requests cannot be admitted"
+                    )
+                clock = events[0][0] if events and not sched.running else clock + cfg.step_s
+                continue
+            sampled: list[int | None] = []
+            for s in out.seqs:
+                if s.samples:
+                    req = s.request
+                    sampled.append(live[req.request_id][2][req.num_output_tokens])
+                else:
+                    sampled.append(None)
+            sched.update(out, sampled)
+            steps += 1
+            tokens += out.num_tokens
+            clock += cfg.step_s + cfg.token_s * out.num_tokens
+            for s, tok in zip(out.seqs, sampled, strict=True):
+                req = s.request
+                if tok is not None and req.num_output_tokens >= live[req.request_id][1].max_tokens:
+                    sched.finish(req, "length")
+                    complete(req)
+            if cfg.check_integrity:
+                sched.check_integrity()
+        elif events:
+            clock = max(clock, events[0][0])
+        else:
+            break
+
+    assert not live and not tree_left, "simulation ended with requests in flight"
+    c = cache.counters
+    prompt = sum(len(s.prompt_ids) for s, _ in finished)
+    hit = sum(h for _, h in finished)
+    by_turn: dict[int, list[int]] = {}
+    for s, h in finished:
+        acc = by_turn.setdefault(s.turn, [0, 0])
+        acc[0] += h
+        acc[1] += len(s.prompt_ids)
+    return SimResult(
+        workload=workload.name,
+        policy=policy,
+        admission=admission,
+        kv_blocks=kv_blocks,
+        checkpoint_slots=slots,
+        checkpoint_mb=slots * cfg.checkpoint_bytes / MiB,
+        kv_mb=kv_blocks * cfg.block_size * cfg.kv_bytes_per_token / MiB,
+        requests=len(finished),
+        rejected=rejected,
+        prompt_tokens=prompt,
+        hit_tokens=hit,
+        hit_rate=hit / prompt if prompt else 0.0,
+        hit_rate_per_turn={str(t): (a[0] / a[1] if a[1] else 0.0) for t, a in sorted(by_turn.items())},
+        checkpoints_stored=c["checkpoints.stored"],
+        checkpoints_skipped_budget=c["checkpoints.skipped_budget"],
+        checkpoints_skipped_pool=c["checkpoints.skipped_pool"],
+        checkpoints_evicted=c["checkpoints.evicted"],
+        kv_evicted_blocks=c["kv.evicted_blocks"],
+        preemptions=sched.num_preemptions,
+        steps=steps,
+        tokens_computed=tokens,
+        sim_time_s=clock,
+        wall_s=time.perf_counter() - t_wall,
+    )
+
+
+def compare_policies(
+    workload: Workload, policies: Sequence[str], cfg: SimConfig, arrival: ArrivalParams
+) -> list[SimResult]:
+    """Every policy on the same workload; ``oracle_ratio`` filled when oracle is among them."""
+    results = [simulate(workload, p, cfg, arrival) for p in policies]
+    oracle = next((r for r in results if r.policy == "oracle"), None)
+    for r in results:
+        if oracle is not None:
+            r.oracle_ratio = r.hit_rate / oracle.hit_rate if oracle.hit_rate > 0 else None
+    return results
+
+
+# ============================================================================ budgets
+_UNITS = {"": None, "b": 1, "kb": 1024, "kib": 1024, "mb": MiB, "mib": MiB, "gb": 1024**3, "gib": 1024**3}
+
+
+def parse_budget(text: str, checkpoint_bytes: int) -> int:
+    """Checkpoint slots from ``8`` (slots) or ``400MB`` / ``2GiB`` (memory)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"budget {text!r}: expected slots (8) or memory (400MB, 2GiB)")
+    value, unit = float(m.group(1)), _UNITS[m.group(2).lower()]
+    return int(value) if unit is None else int(value * unit // checkpoint_bytes)
+
+
+# ============================================================================ output
+def format_results(results: Sequence[SimResult]) -> str:
+    header = ["policy", "hit rate", "vs oracle", "stored", "skipped", "ckpt evicted", "KV evicted",
+              "preempt", "steps", "sim s"]  # fmt: skip
+    rows = [header]
+    for r in results:
+        rows.append([
+            r.policy,
+            f"{100 * r.hit_rate:.1f}%",
+            "-" if r.oracle_ratio is None else f"{r.oracle_ratio:.2f}",
+            str(r.checkpoints_stored),
+            str(r.checkpoints_skipped_budget + r.checkpoints_skipped_pool),
+            str(r.checkpoints_evicted),
+            str(r.kv_evicted_blocks),
+            str(r.preemptions),
+            str(r.steps),
+            f"{r.sim_time_s:.1f}",
+        ])  # fmt: skip
+    return _grid(rows)
+
+
+def format_sweep(sweep: dict[int, list[SimResult]], cfg: SimConfig) -> str:
+    policies = [r.policy for r in next(iter(sweep.values()))]
+    rows = [["checkpoints", "memory"] + policies]
+    for slots, results in sweep.items():
+        by = {r.policy: r for r in results}
+        rows.append(
+            [str(slots), f"{slots * cfg.checkpoint_bytes / MiB:.0f} MiB"]
+            + [f"{100 * by[p].hit_rate:.1f}%" for p in policies]
+        )
+    return _grid(rows)
+
+
+def _grid(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for n, row in enumerate(rows):
+        out.append(
+            "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]).rstrip()
+        )
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def header_line(workload: Workload, cfg: SimConfig, arrival_mode: str) -> str:
+    reqs = expand(workload)
+    prompt = sum(len(s.prompt_ids) for s, _ in reqs)
+    unit = math.lcm(cfg.block_size, 64)
+    return (
+        f"workload {workload.name}: {len(reqs)} requests, {prompt} prompt tokens, {arrival_mode}; "
+        f"KV {cfg.kv_blocks} blocks x {cfg.block_size} tok = {cfg.kv_bytes / MiB:.0f} MiB; "
+        f"checkpoints {cfg.checkpoint_slots} x {cfg.checkpoint_bytes / MiB:.0f} MiB = "
+        f"{cfg.checkpoint_pool_bytes / MiB:.0f} MiB; unit {unit} tok; interval {cfg.checkpoint_interval}"
+    )
+
+
+def plot_sweep(path: str, sweeps: dict[str, dict[int, list[SimResult]]], cfg: SimConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(sweeps)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    for ax, (name, sweep) in zip(axes.flat, sweeps.items(), strict=False):
+        budgets = list(sweep)
+        mb = [s * cfg.checkpoint_bytes / MiB for s in budgets]
+        policies = [r.policy for r in sweep[budgets[0]]]
+        styles = itertools.cycle([("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-")])
+        for p in policies:
+            ys = [100 * next(r for r in sweep[b] if r.policy == p).hit_rate for b in budgets]
+            if p == "oracle":
+                ax.axhline(ys[0], color="black", linestyle="--", label="oracle (unlimited)")
+            else:
+                marker, line = next(styles)
+                ax.plot(mb, ys, marker=marker, linestyle=line, alpha=0.85, label=p)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"checkpoint memory (MiB; {cfg.checkpoint_bytes / MiB:.0f} MiB each)")
+        ax.set_ylabel("prefix hit rate (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title(f"{name} (KV {cfg.kv_bytes / MiB:.0f} MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ============================================================================ main
+def build_parser() -> argparse.ArgumentParser:
+    cli = engine_cli
+    parser = argparse.ArgumentParser(
+        prog="simulate_cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    cli.add_config_args(parser)
+    add_workload_args(parser, multi=True)
+    g = parser.add_argument_group("budgets")
+    g.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma list (default %(default)s)")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--kv-blocks", type=int, help="KV budget in blocks")
+    kv.add_argument(
+        "--kv-mb", type=float, help=f"KV budget in MiB (default {DEFAULT_KV_MB}, or cache.num_kv_blocks)"
+    )
+    g.add_argument("--kv-bytes-per-token", type=int, default=32 * 1024, help="default %(default)s (32 KiB)")
+    ck = g.add_mutually_exclusive_group()
+    ck.add_argument(
+        "--checkpoint-slots",
+        type=int,
+        help=f"checkpoint budget in slots (default {DEFAULT_CHECKPOINT_SLOTS})",
+    )
+    ck.add_argument("--checkpoint-mb", type=float, help="checkpoint budget in MiB")
+    g.add_argument("--checkpoint-bytes", type=int, default=50 * MiB, help="one checkpoint (default 50 MiB)")
+    g.add_argument("--checkpoint-interval", type=int, help="tokens (default: cache.checkpoint_interval)")
+    g.add_argument(
+        "--staging-mb", type=float, help="per-step capture budget (default: cache.checkpoint_staging_bytes)"
+    )
+    g.add_argument(
+        "--sweep", nargs="?", const=",".join(map(str, DEFAULT_SWEEP)), metavar="BUDGETS",
+        help="sweep checkpoint budgets: slots or memory, comma list (default %(const)s slots)",
+    )  # fmt: skip
+    t = parser.add_argument_group("virtual time")
+    t.add_argument("--step-ms", type=float, default=15.0, help="per step (default %(default)s)")
+    t.add_argument("--ms-per-token", type=float, default=0.2, help="per computed token (default %(default)s)")
+    o = parser.add_argument_group("output")
+    o.add_argument(
+        "--tokenizer", help="folder with tokenizer.json, builtin:NAME or synthetic (default: built-in)"
+    )
+    o.add_argument("--check", action="store_true", help="check_integrity() after every step")
+    o.add_argument("--json", metavar="FILE")
+    o.add_argument("--plot", metavar="FILE.png", help="hit rate vs checkpoint memory (with --sweep)")
+    o.add_argument("--log-level", default="warning")
+    return parser
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
+    ecfg = engine_cli.config_from_args(args)
+    cc, sc = ecfg.cache, ecfg.scheduler
+    ckpt_bytes = args.checkpoint_bytes
+    if args.kv_blocks is not None:
+        kv_blocks = args.kv_blocks
+    elif args.kv_mb is not None:
+        kv_blocks = int(args.kv_mb * MiB // (args.kv_bytes_per_token * cc.block_size))
+    elif cc.num_kv_blocks is not None:
+        kv_blocks = cc.num_kv_blocks
+    else:
+        kv_blocks = int(DEFAULT_KV_MB * MiB // (args.kv_bytes_per_token * cc.block_size))
+    if args.checkpoint_slots is not None:
+        slots = args.checkpoint_slots
+    elif args.checkpoint_mb is not None:
+        slots = int(args.checkpoint_mb * MiB // ckpt_bytes)
+    else:
+        slots = DEFAULT_CHECKPOINT_SLOTS
+    staging = int(args.staging_mb * MiB) if args.staging_mb is not None else cc.checkpoint_staging_bytes
+    return SimConfig(
+        block_size=cc.block_size,
+        kv_blocks=max(kv_blocks, 1),
+        checkpoint_slots=max(slots, 0),
+        checkpoint_bytes=ckpt_bytes,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        staging_bytes=staging,
+        checkpoint_interval=args.checkpoint_interval
+        if args.checkpoint_interval is not None
+        else cc.checkpoint_interval,
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_num_partial_prefills=sc.max_num_partial_prefills,
+        scheduler_policy=sc.policy,
+        policy_options=dict(sc.policy_options),
+        step_s=args.step_ms / 1000,
+        token_s=args.ms_per_token / 1000,
+        check_integrity=args.check,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    cfg = sim_config_from_args(args)
+    try:
+        names = workload_names(args.workload)
+        budgets = [parse_budget(b, cfg.checkpoint_bytes) for b in (args.sweep or "").split(",") if b.strip()]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.plot and not budgets:
+        budgets = list(DEFAULT_SWEEP)
+    if "trace" in names and not args.trace:
+        parser.error("the trace workload needs --trace FILE")
+    codec = load_codec(args.tokenizer)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    arrival = arrival_from_args(args)
+    doc: dict[str, Any] = {
+        "tool": "deltaserve.simulate_cache",
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "sim_config": asdict(cfg),
+        "codec": codec.name,
+        "policies": policies,
+        "workloads": {},
+    }
+    sweeps: dict[str, dict[int, list[SimResult]]] = {}
+    for name in names:
+        workload = make_workload(params_from_args(args, name=name, block_size=cfg.block_size), codec)
+        plan = plan_arrivals(workload.roots(), arrival, args.seed)
+        mode = plan["mode"] + (
+            f" {plan['rate']}/s"
+            if plan["rate"]
+            else f" x{plan['concurrency']}"
+            if plan["concurrency"]
+            else ""
+        )
+        print(header_line(workload, cfg, mode))
+        results = compare_policies(workload, policies, cfg, arrival)
+        print(format_results(results))
+        entry: dict[str, Any] = {
+            "params": workload.describe(),
+            "arrivals": {k: v for k, v in plan.items() if k != "times"},
+            "results": [r.to_dict() for r in results],
+        }
+        if budgets:
+            oracle = next((r for r in results if r.policy == "oracle"), None)
+            sweep: dict[int, list[SimResult]] = {}
+            for b in budgets:
+                rs = [
+                    simulate(workload, p, replace(cfg, checkpoint_slots=b), arrival)
+                    for p in policies
+                    if p != "oracle"
+                ]
+                for r in rs:
+                    r.oracle_ratio = r.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate > 0 else None
+                sweep[b] = rs + ([oracle] if oracle else [])
+            print(f"\nsweep over checkpoint budgets ({name}, hit rate):")
+            print(format_sweep(sweep, cfg))
+            entry["sweep"] = {str(b): [r.to_dict() for r in rs] for b, rs in sweep.items()}
+            sweeps[name] = sweep
+        print()
+        doc["workloads"][name] = entry
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_sweep(args.plot, sweeps, cfg)
+        print(f"wrote {args.plot}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
