@@ -657,6 +657,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     from engine.log_setup import configure_logging
 
     configure_logging(args.log_level)
+    from engine import install_uvloop
+
+    install_uvloop()  # uvloop when installed, else the default asyncio loop
     runs = asyncio.run(amain(args))
     workload: Workload = args._workload
     title = workload_line(workload, args._plan)
