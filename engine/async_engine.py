@@ -26,7 +26,7 @@ import structlog
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, Prompt
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from scheduler.request import Request
@@ -118,12 +118,7 @@ class AsyncEngine:
         if req.request_id in self._queues:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
         # Admission control happens here, at once, not when the loop gets to it.
-        waiting = self.core.scheduler.num_waiting + len(self._pending_add)
-        if waiting >= self.config.scheduler.max_waiting:
-            raise EngineOverloadedError(
-                f"waiting queue is full ({waiting} >= scheduler.max_waiting = {self.config.scheduler.max_waiting}); "
-                f"retry later"
-            )
+        self.core.check_capacity(pending=len(self._pending_add))
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.request_id] = queue
         self._pending_add.append(req)

@@ -214,12 +214,17 @@ class EngineCore:
         req.extra["detok"] = IncrementalDetokenizer(self.detok_tokenizer, params.stop)
         return req
 
-    def add_request(self, req: Request) -> None:
-        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
+    def check_capacity(self, pending: int = 0) -> None:
+        """Admission control: raise EngineOverloadedError when the waiting queue is full."""
+        waiting = self.scheduler.num_waiting + pending
+        if waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloadedError(
-                f"waiting queue is full ({self.scheduler.num_waiting} >= scheduler.max_waiting = "
+                f"waiting queue is full ({waiting} >= scheduler.max_waiting = "
                 f"{self.config.scheduler.max_waiting}); retry later"
             )
+
+    def add_request(self, req: Request) -> None:
+        self.check_capacity()
         self.scheduler.add(req)
         self.counters["tokens.prompt"] += req.num_prompt_tokens
 
