@@ -228,3 +228,14 @@ async def test_chat_messages_and_text(core_factory: Any) -> None:
     assert outs[-1].num_prompt_tokens == len(core.tokenizer.encode(rendered, add_special_tokens=False))
     text = "".join(o.text for o in outs)
     assert text == core.tokenizer.decode(tokens_of(outs), skip_special_tokens=True)
+
+
+async def test_async_overload_raises_at_generate(core_factory: Any) -> None:
+    core = core_factory(**{"scheduler.max_waiting": 2, "scheduler.max_num_seqs": 1})
+    async with AsyncEngine(core=core) as engine:
+        its = [engine.generate(prompt(30, i), greedy(3)) for i in range(2)]
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.generate(prompt(30, 9), greedy(3))
+        for it in its:
+            outs = [o async for o in it]
+            assert outs[-1].finish_reason == "length"

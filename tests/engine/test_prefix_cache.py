@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 from engine import EngineCore
 from tests.engine.conftest import greedy, hf_greedy, run_to_completion
@@ -147,3 +148,52 @@ def test_one_or_two_checkpoint_slots(core_factory: Any, tiny_loaded: Any) -> Non
         assert serve(core, prompts, 6, waves=False) == expected
         s = core.stats()
         assert s["checkpoints.skipped_pool"] + s["checkpoints.evicted"] > 0
+
+
+def test_cache_salt_keeps_tenants_apart(core_factory: Any) -> None:
+    rng = random.Random(21)
+    p = rand_tokens(rng, 300)
+    core = core_factory()
+
+    def hit(salt: str | None) -> int:
+        req = core.make_request(p, greedy(2), cache_salt=salt)
+        core.add_request(req)
+        return run_to_completion(core)[req.request_id][-1].num_cached_tokens
+
+    assert hit("tenant-a") == 0
+    assert hit("tenant-a") == 256
+    assert hit("tenant-b") == 0
+    assert hit(None) == 0
+
+
+def test_warm_logits_equal_cold_logits(core_factory: Any, monkeypatch: Any) -> None:
+    """fp32 logits of every sampled position, warm (restored checkpoint + cached KV) vs cold."""
+    rng = random.Random(22)
+    first = rand_tokens(rng, 260)
+    second = first + rand_tokens(rng, 90)
+
+    def logits_of(core: EngineCore, prompt: list[int]) -> Any:
+        rows: list[Any] = []
+        forward = core.runner.model.forward
+
+        def spy(batch: Any, caches: Any) -> Any:
+            out = forward(batch, caches)
+            rows.append(out.clone())
+            return out
+
+        monkeypatch.setattr(core.runner.model, "forward", spy)
+        req = core.make_request(prompt, greedy(5))
+        core.add_request(req)
+        outs = run_to_completion(core)[req.request_id]
+        monkeypatch.setattr(core.runner.model, "forward", forward)
+        return torch.cat(rows), outs[-1].num_cached_tokens
+
+    warm = core_factory()
+    cold = core_factory(**{"cache.enable_prefix_caching": False})
+    logits_of(warm, first)
+    warm_logits, hit = logits_of(warm, second)
+    cold_logits, _ = logits_of(cold, second)
+    assert hit == 256
+    assert warm_logits.shape == cold_logits.shape == (5, warm.vocab_size)
+    torch.testing.assert_close(warm_logits, cold_logits, atol=1e-4, rtol=0)  # stated tolerance: 1e-4 abs
+    assert torch.equal(warm_logits.argmax(-1), cold_logits.argmax(-1))
