@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from models.fusion import concat_linears
 from models.rope import apply_rotary
 
 if TYPE_CHECKING:
@@ -55,6 +56,18 @@ class PagedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = norm_cls(head_dim, eps=rms_norm_eps)
         self.k_norm = norm_cls(head_dim, eps=rms_norm_eps)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
+        self._qkv_sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+    def fuse_projections(self) -> None:
+        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self,
@@ -67,14 +80,15 @@ class PagedAttention(nn.Module):
     ) -> Tensor:
         t = x.shape[0]
         gate: Tensor | None = None
+        q_all, k_all, v_all = self._project(x)
         if self.gated:
-            q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
+            q, gate = torch.chunk(q_all.reshape(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
             gate = gate.reshape(t, self.num_heads * self.head_dim)
         else:
-            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            q = q_all.reshape(t, self.num_heads, self.head_dim)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k_all.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v_all.reshape(t, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.fusion import concat_linears
 from models.norms import GatedRMSNorm
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
+        self.in_proj: nn.Linear | None = None  # set by fuse_projections()
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self._init_projections(hidden_size)
 
@@ -107,8 +109,16 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
 
+    def fuse_projections(self) -> None:
+        self.in_proj = concat_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """-> ``mixed_qkv [T, conv_dim]``, ``z [T, Hv, Dv]``, ``b [T, Hv]``, ``a [T, Hv]``."""
+        if self.in_proj is not None:
+            sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+            qkv, z, b, a = self.in_proj(x).split(sizes, dim=-1)
+            return qkv, z.reshape(x.shape[0], self.num_v_heads, self.head_v_dim), b, a
         z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
@@ -192,13 +202,21 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
 
+    def fuse_projections(self) -> None:
+        self.in_proj = concat_linears(self.in_proj_qkvz, self.in_proj_ba)
+        del self.in_proj_qkvz, self.in_proj_ba
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         t = x.shape[0]
         hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
         r = self.num_v_heads // hk
-        qkvz = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * r * dv)
+        if self.in_proj is not None:
+            qkvz_flat, ba_flat = self.in_proj(x).split([2 * self.key_dim + 2 * self.value_dim, 2 * self.num_v_heads], -1)
+        else:
+            qkvz_flat, ba_flat = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        qkvz = qkvz_flat.reshape(t, hk, 2 * dk + 2 * r * dv)
         q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.in_proj_ba(x).view(t, hk, 2 * r)
+        ba = ba_flat.reshape(t, hk, 2 * r)
         b, a = torch.split(ba, [r, r], dim=-1)
         mixed_qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         z = z.reshape(t, self.num_v_heads, dv)

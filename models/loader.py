@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from models.decoder import CausalLM
+from models.fusion import fuse_model
 from models.qwen3 import Qwen3CausalLM
 from models.qwen3_5 import Qwen35CausalLM
 from models.qwen3_next import Qwen3NextCausalLM
@@ -124,6 +125,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device | s
     _check_weights(folder, model, state)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    fuse_model(model)  # one matmul per group of projections sharing an input
     model.to(device)  # non-checkpoint buffers (rope frequencies) follow the weights
     model.eval().requires_grad_(False)
 

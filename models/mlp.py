@@ -8,6 +8,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
+from models.fusion import concat_linears
+
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
@@ -16,6 +18,15 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACT2FN[hidden_act]
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(self.act_fn(gate) * up)
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
