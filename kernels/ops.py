@@ -8,14 +8,19 @@ test can hand a model the reference ops explicitly.
 Backends:
 
 * ``"reference"``: the PyTorch ops in this package (fp32 math; runs anywhere; the test oracle).
-* ``"triton"``: the GPU kernels (``kernels/triton/``) — not implemented yet, asking for it raises.
-* ``"auto"``: the best backend for ``device``. Today that is always the reference; when
-  ``kernels/triton/`` lands, ``"auto"`` on a CUDA device returns the Triton ops (see
-  ``_triton_ops``), everything else keeps the reference.
+* ``"triton"``: the Triton kernels (``kernels/triton/``; the sampler stays the reference). On a
+  CUDA device they are compiled for the GPU; on the CPU they run only under the Triton
+  interpreter (``TRITON_INTERPRET=1`` set before the process imports them, which is how the
+  tests run them here), slowly. Anything else raises ``NotImplementedError`` saying why.
+* ``"auto"``: the best backend for ``device``: the Triton ops on a CUDA device (when the
+  ``triton`` package is installed and ``TRITON_INTERPRET`` is not set), the reference
+  everywhere else.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,18 +67,47 @@ REFERENCE_OPS = Ops(
 
 
 def _triton_ops(device: torch.device) -> Ops:
-    """The Triton backend. Slot-in point for ``kernels/triton/``: build and return its ``Ops`` here."""
-    raise NotImplementedError(
-        f"the Triton kernel backend is not implemented yet (kernels/triton/); requested for device "
-        f"{device}. Use backend='reference' (or 'auto', which falls back to it)."
-    )
+    """The Triton backend for ``device``, or ``NotImplementedError`` saying why it cannot run there."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise NotImplementedError(
+                f"the Triton kernel backend was requested for {device}, but CUDA is not available "
+                "(use backend='reference' or 'auto', or run the kernels on the CPU under TRITON_INTERPRET=1)"
+            )
+        if interpret:
+            raise NotImplementedError(
+                f"the Triton kernel backend was requested for {device} with TRITON_INTERPRET=1 set: the "
+                "interpreter runs on the CPU; unset it to compile the kernels for the GPU"
+            )
+    elif device.type == "cpu":
+        if not interpret:
+            raise NotImplementedError(
+                "the Triton kernel backend runs on the CPU only under the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before starting Python (slow; for tests), or use backend='reference' "
+                "(or 'auto') for CPU inference"
+            )
+    else:
+        raise NotImplementedError(f"the Triton kernel backend does not support device type {device.type!r}")
+    if importlib.util.find_spec("triton") is None:
+        raise NotImplementedError(
+            "the Triton kernel backend needs the 'triton' package (pip install 'deltaserve[triton]')"
+        )
+    from kernels.triton import INTERPRET, TRITON_OPS  # lazy: triton.jit reads TRITON_INTERPRET at import
+
+    if interpret != INTERPRET:
+        raise NotImplementedError(
+            f"kernels.triton was first imported with TRITON_INTERPRET={'1' if INTERPRET else 'unset'}, but it "
+            f"is {'1' if interpret else 'unset'} now; set it before the process imports the Triton kernels"
+        )
+    return TRITON_OPS
 
 
 def get_ops(backend: str = "auto", device: str | torch.device = "cpu") -> Ops:
     """Return the op table for ``backend`` on ``device``.
 
-    Raises ``ValueError`` for an unknown backend and ``NotImplementedError`` for ``"triton"`` until
-    the Triton kernels exist.
+    Raises ``ValueError`` for an unknown backend and ``NotImplementedError`` when ``"triton"`` cannot
+    run on ``device`` here (no CUDA; a CPU device without ``TRITON_INTERPRET=1``; no triton package).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
@@ -82,5 +116,12 @@ def get_ops(backend: str = "auto", device: str | torch.device = "cpu") -> Ops:
         return REFERENCE_OPS
     if backend == "triton":
         return _triton_ops(dev)
-    # "auto": the reference everywhere until the Triton path lands; then CUDA devices go there.
+    # "auto": the Triton kernels on a CUDA device, the reference everywhere else (and on CUDA
+    # when triton is not installed, or TRITON_INTERPRET=1 asks for the CPU interpreter).
+    if (
+        dev.type == "cuda"
+        and importlib.util.find_spec("triton") is not None
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    ):
+        return _triton_ops(dev)
     return REFERENCE_OPS

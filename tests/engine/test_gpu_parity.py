@@ -88,4 +88,6 @@ def test_triton_engine_matches_reference_on_gpu(tiny_path: Any, dtype: str) -> N
     assert tri_tokens == ref_tokens
     assert len(tri_logits) == len(ref_logits)
     for step, (got, want) in enumerate(zip(tri_logits, ref_logits)):
-        torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=lambda m, step=step: f"step {step}: {m}")
+        torch.testing.assert_close(
+            got, want, **TOLERANCE[dtype], msg=lambda m, step=step: f"step {step}: {m}"
+        )

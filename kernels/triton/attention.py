@@ -1,0 +1,354 @@
+"""Paged KV cache in Triton: ``store_kv`` (a scatter) and ``paged_attention`` (prefill + decode).
+
+Same signatures and semantics as ``kernels/attention.py`` (the oracle) and docs/contracts.md:
+``k_cache, v_cache [num_blocks, block_size, Hkv, D]``, flat slot ``block * block_size + offset``;
+query token ``j`` of segment ``b`` sits at position ``seq_lens[b] - qlen_b + j`` and attends
+causally to ``[0, that]`` through the block table; query head ``h`` reads KV head
+``h // (Hq // Hkv)``; softmax in fp32; output in ``q.dtype``.
+
+``paged_attention`` is one online-softmax kernel, ``_paged_attn_kernel``: a program owns a tile of
+query tokens of one segment *times all query heads of one KV head* (GQA: K/V are loaded once per
+group), packed as ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows, and walks the keys in ``BLOCK_N``
+steps, gathering them through the block table. Prefill segments (``qlen > 1``) use query tiles
+of several tokens and one program per tile; decode segments (``qlen == 1``) are launched
+separately, flash-decoding style: the context is split across ``num_splits`` programs whose
+partial (max, sum, acc) are merged by ``_paged_attn_combine_kernel``.
+
+Scores: ``tl.dot`` of q and k in their own dtype (16-bit products are exact; fp32 operands use
+3xTF32, see ``_common.dot_precision``) with fp32 accumulation; the probabilities are
+cast to the value dtype for the ``P V`` product (the flash-attention convention: bf16 P for bf16
+caches, exact for fp32). Under ``TRITON_INTERPRET=1`` the operands are upcast to fp32 first
+(``DOT_FP32``): the interpreter's ``tl.dot`` multiplies bf16 tensors' raw bits as integers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._common import (
+    INTERPRET,
+    block,
+    check_device,
+    dot_precision,
+    host_lists,
+    index_tensor,
+    next_pow2,
+    num_sms,
+)
+
+__all__ = ["paged_attention", "paged_attention_impl", "store_kv"]
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc0, stride_kc1, stride_kc2, stride_vc0, stride_vc1, stride_vc2,
+    H, DK, DV, BLOCK_SIZE,
+    BH: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        heads = tl.arange(0, BH)
+        dk = tl.arange(0, BDK)
+        kmask = (heads < H)[:, None] & (dk < DK)[None, :]
+        key = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dk[None, :], mask=kmask)
+        tl.store(
+            k_cache_ptr + blk * stride_kc0 + off * stride_kc1 + heads[:, None] * stride_kc2 + dk[None, :],
+            key.to(k_cache_ptr.dtype.element_ty),
+            mask=kmask,
+        )
+        dv = tl.arange(0, BDV)
+        vmask = (heads < H)[:, None] & (dv < DV)[None, :]
+        value = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dv[None, :], mask=vmask)
+        tl.store(
+            v_cache_ptr + blk * stride_vc0 + off * stride_vc1 + heads[:, None] * stride_vc2 + dv[None, :],
+            value.to(v_cache_ptr.dtype.element_ty),
+            mask=vmask,
+        )
+
+
+def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key/value [T, Hkv, D]`` into the paged caches at ``slot_mapping [T]``; ``-1`` is skipped."""
+    check_device(key, value, k_cache, v_cache)
+    num_tokens, num_heads, head_k_dim = key.shape
+    head_v_dim = value.shape[-1]
+    if num_tokens == 0:
+        return
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("store_kv needs caches with a contiguous last axis")
+    # Cast on the host side of the kernel (a no-op when the model and cache dtypes agree): torch
+    # rounds to nearest-even, exactly like the reference, on every backend (the interpreter's
+    # in-kernel fp32 -> bf16 cast truncates).
+    key = _inner_contiguous(key.to(k_cache.dtype))
+    value = _inner_contiguous(value.to(v_cache.dtype))
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slots,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_heads, head_k_dim, head_v_dim, k_cache.shape[1],
+        BH=next_pow2(num_heads), BDK=next_pow2(head_k_dim), BDV=next_pow2(head_v_dim),
+        num_warps=1 if num_heads * max(head_k_dim, head_v_dim) <= 1024 else 4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, o_ptr, part_o_ptr, part_ml_ptr,
+    tile_seq_ptr, tile_q0_ptr, tile_qlen_ptr, tile_pos0_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, stride_bt,
+    scale, split_size, num_splits,
+    NUM_Q_HEADS, GROUP, DK, DV, BLOCK_SIZE,
+    PARTIAL: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BDK: tl.constexpr, BDV: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)  # token index of the tile's first query
+    qlen = tl.load(tile_qlen_ptr + tile)
+    pos0 = tl.load(tile_pos0_ptr + tile)  # position of that query in its sequence
+
+    rows = tl.arange(0, BLOCK_M)
+    qj = rows // GROUP_PAD
+    gh = rows % GROUP_PAD
+    row_valid = (qj < qlen) & (gh < GROUP)
+    head = kv_head * GROUP + gh
+    tok = q0 + qj
+    qpos = pos0 + qj
+    dk = tl.arange(0, BDK)
+    dv = tl.arange(0, BDV)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dk[None, :],
+        mask=row_valid[:, None] & (dk < DK)[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Keys of this program: [lo, hi), where hi stops at the tile's last query position.
+    lo = split * split_size
+    hi = tl.minimum(pos0 + qlen, lo + split_size)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: no inf - inf for masked rows
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BDV], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        blk = tl.load(block_table_ptr + seq * stride_bt + kpos // BLOCK_SIZE, mask=kmask, other=0).to(
+            tl.int64
+        )
+        off = kpos % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr + (blk * stride_k0 + off * stride_k1 + kv_head * stride_k2)[:, None] + dk[None, :],
+            mask=kmask[:, None] & (dk < DK)[None, :],
+            other=0.0,
+        )
+        k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = row_valid[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr + (blk * stride_v0 + off * stride_v1 + kv_head * stride_v2)[:, None] + dv[None, :],
+            mask=kmask[:, None] & (dv < DV)[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if not PARTIAL:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & (dv < DV)[None, :],
+        )
+    else:
+        # Partial results of this split: un-normalised acc, running max and sum (decode: qj == 0).
+        part = (tile * NUM_Q_HEADS + head).to(tl.int64) * num_splits + split
+        tl.store(
+            part_o_ptr + part[:, None] * DV + dv[None, :], acc, mask=row_valid[:, None] & (dv < DV)[None, :]
+        )
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _paged_attn_combine_kernel(
+    part_o_ptr, part_ml_ptr, o_ptr, tile_q0_ptr,
+    stride_ot, stride_oh,
+    num_splits, NUM_Q_HEADS, DV,
+    BS: tl.constexpr, BDV: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(tile_q0_ptr + tile)
+    splits = tl.arange(0, BS)
+    smask = splits < num_splits
+    dv = tl.arange(0, BDV)
+    part = (tile * NUM_Q_HEADS + head).to(tl.int64) * num_splits + splits
+    m = tl.load(part_ml_ptr + part * 2, mask=smask, other=-1.0e30)
+    l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+    acc = tl.load(
+        part_o_ptr + part[:, None] * DV + dv[None, :], mask=smask[:, None] & (dv < DV)[None, :], other=0.0
+    )
+    m_max = tl.max(m, axis=0)
+    scale = tl.exp(m - m_max)  # splits that saw no key: m = -1e30, l = 0, acc = 0
+    total = tl.sum(l_s * scale, axis=0)
+    o = tl.sum(acc * scale[:, None], axis=0) / total
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each segment's queries over its whole paged context (see module docstring)."""
+    return paged_attention_impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def paged_attention_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` with its tiling exposed (tests force several decode splits / small tiles).
+
+    ``num_splits``: programs per decode (token, KV head) (None: enough to fill the GPU);
+    ``block_q``: query tokens per prefill program; ``block_n``: keys per inner step.
+    """
+    check_device(q, k_cache, v_cache)
+    num_tokens, num_q_heads, head_k_dim = q.shape
+    _, block_size, num_kv_heads, head_v_dim = v_cache.shape
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention needs caches with a contiguous last axis")
+    group = num_q_heads // num_kv_heads
+    bounds, contexts = host_lists(cu_seqlens_q, seq_lens)
+    assert bounds is not None and contexts is not None
+    if len(bounds) != len(contexts) + 1:
+        raise ValueError(f"cu_seqlens_q has {len(bounds)} entries for {len(contexts)} sequences")
+    out = torch.zeros(num_tokens, num_q_heads, head_v_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    q = _inner_contiguous(q)
+    device = q.device
+    tables = block_tables.to(device=device, dtype=torch.int64)
+    if tables.dim() != 2 or (tables.shape[1] > 0 and tables.stride(1) != 1):
+        tables = tables.reshape(len(contexts), -1).contiguous()
+    group_pad = next_pow2(group)
+    bdk, bdv = block(head_k_dim), block(head_v_dim)
+    # input_precision only matters for fp32 operands; 16-bit ones always use the tensor cores.
+    precision = dot_precision() if q.dtype == torch.float32 else "tf32"
+    wide = max(bdk, bdv) > 128
+    if block_n is None:  # sized so the sm_90 builds do not spill (fp32 operands take twice the room)
+        block_n = 32 if wide or q.dtype == torch.float32 else 64
+    if block_q is None:
+        block_q = max(1, (64 if not wide else 32) // group_pad)
+
+    decode: list[tuple[int, int, int, int]] = []  # (seq, first token, qlen, first position)
+    prefill: list[tuple[int, int, int, int]] = []
+    for b, context in enumerate(contexts):
+        q_start, q_len = bounds[b], bounds[b + 1] - bounds[b]
+        if q_len == 0:
+            continue
+        if q_len > context:
+            raise ValueError(f"segment {b}: {q_len} query tokens but seq_len {context}")
+        if q_len == 1:
+            decode.append((b, q_start, 1, context - 1))
+        else:
+            for t0 in range(0, q_len, block_q):
+                prefill.append((b, q_start + t0, min(block_q, q_len - t0), context - q_len + t0))
+    prefill.sort(key=lambda tile: -(tile[3] + tile[2]))  # longest key ranges first
+
+    common = (
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+    )  # fmt: skip
+
+    def tables_of(tiles: list[tuple[int, int, int, int]]) -> list[torch.Tensor]:
+        return [index_tensor([tile[i] for tile in tiles], device) for i in range(4)]
+
+    if prefill:
+        bm = max(16, block_q * group_pad)
+        _paged_attn_kernel[(len(prefill), num_kv_heads, 1)](
+            q, k_cache, v_cache, tables, out, out, out, *tables_of(prefill), *common,
+            scale, 1 << 30, 1,
+            num_q_heads, group, head_k_dim, head_v_dim, block_size,
+            PARTIAL=False, GROUP_PAD=group_pad, BLOCK_M=bm, BLOCK_N=block_n, BDK=bdk, BDV=bdv,
+            PRECISION=precision, DOT_FP32=INTERPRET, num_warps=8 if bm * max(bdk, bdv) >= 64 * 128 else 4,
+        )  # fmt: skip
+
+    if decode:
+        max_context = max(tile[3] + 1 for tile in decode)
+        if num_splits is None:
+            # Enough programs to fill the GPU, but at least ~256 keys per split.
+            want = triton.cdiv(2 * num_sms(device), len(decode) * num_kv_heads)
+            num_splits = max(1, min(want, triton.cdiv(max_context, 256)))
+        split_size = triton.cdiv(triton.cdiv(max_context, max(1, num_splits)), block_n) * block_n
+        num_splits = triton.cdiv(max_context, split_size)
+        bm = max(16, group_pad)
+        seq_t, q0_t, qlen_t, pos0_t = tables_of(decode)
+        if num_splits > 1:
+            part_o = torch.empty(
+                len(decode) * num_q_heads * num_splits, head_v_dim, dtype=torch.float32, device=device
+            )
+            part_ml = torch.empty(
+                len(decode) * num_q_heads * num_splits, 2, dtype=torch.float32, device=device
+            )
+        else:
+            part_o = part_ml = out
+        _paged_attn_kernel[(len(decode), num_kv_heads, num_splits)](
+            q, k_cache, v_cache, tables, out, part_o, part_ml, seq_t, q0_t, qlen_t, pos0_t, *common,
+            scale, split_size, num_splits,
+            num_q_heads, group, head_k_dim, head_v_dim, block_size,
+            PARTIAL=num_splits > 1, GROUP_PAD=group_pad, BLOCK_M=bm, BLOCK_N=block_n, BDK=bdk, BDV=bdv,
+            PRECISION=precision, DOT_FP32=INTERPRET, num_warps=4,
+        )  # fmt: skip
+        if num_splits > 1:
+            _paged_attn_combine_kernel[(len(decode), num_q_heads)](
+                part_o, part_ml, out, q0_t, out.stride(0), out.stride(1),
+                num_splits, num_q_heads, head_v_dim,
+                BS=next_pow2(num_splits), BDV=bdv, num_warps=4,
+            )  # fmt: skip
+    return out

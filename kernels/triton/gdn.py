@@ -1,0 +1,473 @@
+"""Gated DeltaNet in Triton: chunked varlen prefill and the fused one-token decode step.
+
+Same signatures and semantics as ``kernels/gdn.py`` (the oracle); see its docstring and
+docs/contracts.md. Per token, with ``S [Dk, Dv]`` the state of one value head::
+
+    S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+
+``chunk_gated_delta_rule`` runs three kernels over a host-built chunk table (one row per chunk of
+``chunk_size`` tokens counted from each segment's start, so chunk ends are the capture points):
+
+1. ``_chunk_prep_kernel``, one program per (chunk, value head), independent of any state: the
+   within-chunk cumulative log-decay ``G``, the unit lower-triangular system
+   ``I + L`` with ``L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j)`` (``j < i``), its inverse ``T`` by
+   forward substitution, and the WY factors ``W = T (beta exp(G) K)``, ``U = T (beta V)``.
+2. ``_chunk_scan_kernel``, one program per (segment, value head, Dv tile), sequential over the
+   segment's chunks: the initial state from its slot (zeros without one), then per chunk
+   ``V' = U - W S`` and ``S <- exp(G_last) S + (K exp(G_last - G))^T V'``. It saves the state
+   entering every chunk (for step 3) and writes the state at every chunk boundary that has a
+   capture slot straight into ``ssm_state`` (so a checkpoint capture costs one tile store), and
+   the final state into the segment's own slot.
+3. ``_chunk_output_kernel``, one program per (chunk, value head, Dv tile):
+   ``O = (Q exp(G)) S + ((Q K^T) * exp(G_i - G_j) * [j <= i]) (U - W S)``.
+
+All math is fp32 (``tl.dot`` on fp32 operands as 3xTF32, ~fp32 accurate; see
+``_common.dot_precision``); q/k are L2-normalised in the kernels and q is scaled by ``Dk ** -0.5``; value head
+``h`` reads key head ``h // (Hv // Hk)``.
+
+Preconditions beyond the reference's: the state slots of one call are distinct from each other and
+from its capture slots (the scheduler guarantees it; the reference happens to tolerate aliasing).
+Several captures of one boundary are supported (the extra ones are copied after the scan).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gdn import _plan_captures
+from kernels.triton._common import (
+    block,
+    check_device,
+    dot_precision,
+    host_lists,
+    index_tensor,
+    last_dim_contiguous,
+    num_sms,
+)
+
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+
+_L2NORM_EPS = 1e-6
+
+
+@triton.jit
+def _load_qk_rows(ptr, tok, row_mask, head, stride_t, stride_h, cols, col_mask, USE_L2NORM: tl.constexpr):
+    """``[rows, BK]`` fp32 tile of q or k (one head), L2-normalised per row if asked."""
+    x = tl.load(
+        ptr + tok[:, None] * stride_t + head * stride_h + cols[None, :],
+        mask=row_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    if USE_L2NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr,
+    chunk_start_ptr, chunk_len_ptr,
+    gcum_ptr, w_ptr, u_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
+    NUM_V_HEADS, GROUP, DK, DV,
+    USE_L2NORM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(chunk_start_ptr + chunk)
+    length = tl.load(chunk_len_ptr + chunk)
+    rows = tl.arange(0, BT)
+    row_mask = rows < length
+    tok = start + rows
+    kcols = tl.arange(0, BK)
+    kmask = kcols < DK
+
+    k = _load_qk_rows(k_ptr, tok, row_mask, head // GROUP, stride_kt, stride_kh, kcols, kmask, USE_L2NORM)
+    g = tl.load(g_ptr + tok * stride_gt + head * stride_gh, mask=row_mask, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + tok * stride_bt + head * stride_bh, mask=row_mask, other=0.0).to(tl.float32)
+    g_cum = tl.cumsum(g, axis=0)  # padding rows (g = 0) repeat the last real value
+    tl.store(gcum_ptr + tok * NUM_V_HEADS + head, g_cum, mask=row_mask)
+
+    # Strictly lower L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j); the exponent is <= 0 there, and
+    # is zeroed above the diagonal *before* exp so it cannot overflow.
+    lower = rows[:, None] > rows[None, :]
+    decay = tl.exp(tl.where(lower, g_cum[:, None] - g_cum[None, :], 0.0))
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    # Forward substitution for M = (I + L)^-1 - I, which is strictly lower too:
+    # M[i, :] = -L[i, :] - sum_{j<i} L[i, j] M[j, :]. Start from M = -L and finish row i by
+    # row i, each from the already finished rows above it.
+    m = tl.where(lower, -(kk * decay * beta[:, None]), 0.0)
+    for i in range(1, length):
+        pick = rows == i
+        row = tl.sum(tl.where(pick[:, None], m, 0.0), axis=0)  # -L[i, :] (zero for columns >= i)
+        row = row + tl.sum(row[:, None] * m, axis=0)
+        m = tl.where(pick[:, None], row[None, :], m)
+    t_inv = m + tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+
+    w = tl.dot(t_inv, k * (beta * tl.exp(g_cum))[:, None], input_precision=PRECISION)
+    out_rows = (tok * NUM_V_HEADS + head).to(tl.int64)
+    tl.store(w_ptr + out_rows[:, None] * DK + kcols[None, :], w, mask=row_mask[:, None] & kmask[None, :])
+    for v0 in range(0, DV, BV):
+        vcols = v0 + tl.arange(0, BV)
+        vmask = row_mask[:, None] & (vcols < DV)[None, :]
+        v = tl.load(
+            v_ptr + tok[:, None] * stride_vt + head * stride_vh + vcols[None, :], mask=vmask, other=0.0
+        ).to(tl.float32)
+        u = tl.dot(t_inv, v * beta[:, None], input_precision=PRECISION)
+        tl.store(u_ptr + out_rows[:, None] * DV + vcols[None, :], u, mask=vmask)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    k_ptr, gcum_ptr, w_ptr, u_ptr, hbuf_ptr, ssm_ptr,
+    seq_first_chunk_ptr, seq_num_chunks_ptr, seq_slot_ptr, seq_has_init_ptr, seq_bound_ptr, bound_slot_ptr,
+    chunk_start_ptr, chunk_len_ptr,
+    stride_kt, stride_kh, stride_s0, stride_s1, stride_s2, stride_s3,
+    NUM_V_HEADS, GROUP, DK, DV,
+    USE_L2NORM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    vtile = tl.program_id(2)
+    kcols = tl.arange(0, BK)
+    kmask = kcols < DK
+    vcols = vtile * BV + tl.arange(0, BV)
+    vmask = vcols < DV
+    state_mask = kmask[:, None] & vmask[None, :]
+    state_off = head * stride_s1 + kcols[:, None] * stride_s2 + vcols[None, :] * stride_s3
+
+    first = tl.load(seq_first_chunk_ptr + seq)
+    num_chunks = tl.load(seq_num_chunks_ptr + seq)
+    slot = tl.load(seq_slot_ptr + seq)
+    has_init = tl.load(seq_has_init_ptr + seq)
+    bound = tl.load(seq_bound_ptr + seq)  # this segment's row in the boundary -> capture-slot table
+
+    # A slot without an initial state is never read (it may hold NaN).
+    if has_init != 0:
+        state = tl.load(ssm_ptr + slot * stride_s0 + state_off, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    cap = tl.load(bound_slot_ptr + bound)
+    if cap >= 0:
+        tl.store(ssm_ptr + cap * stride_s0 + state_off, state.to(ssm_ptr.dtype.element_ty), mask=state_mask)
+
+    rows = tl.arange(0, BT)
+    for c in range(num_chunks):
+        chunk = first + c
+        start = tl.load(chunk_start_ptr + chunk)
+        length = tl.load(chunk_len_ptr + chunk)
+        row_mask = rows < length
+        tok = start + rows
+        hrow = (chunk * NUM_V_HEADS + head).to(tl.int64) * DK
+        tl.store(hbuf_ptr + (hrow + kcols[:, None]) * DV + vcols[None, :], state, mask=state_mask)
+
+        out_rows = (tok * NUM_V_HEADS + head).to(tl.int64)
+        w = tl.load(
+            w_ptr + out_rows[:, None] * DK + kcols[None, :],
+            mask=row_mask[:, None] & kmask[None, :],
+            other=0.0,
+        )
+        u = tl.load(
+            u_ptr + out_rows[:, None] * DV + vcols[None, :],
+            mask=row_mask[:, None] & vmask[None, :],
+            other=0.0,
+        )
+        v_new = u - tl.dot(w, state, input_precision=PRECISION)
+        g_cum = tl.load(gcum_ptr + tok * NUM_V_HEADS + head, mask=row_mask, other=0.0)
+        g_last = tl.load(gcum_ptr + (start + length - 1) * NUM_V_HEADS + head)
+        k = _load_qk_rows(k_ptr, tok, row_mask, head // GROUP, stride_kt, stride_kh, kcols, kmask, USE_L2NORM)
+        k_decayed = k * tl.exp(g_last - g_cum)[:, None]  # padding rows of k are zero
+        state = state * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=PRECISION)
+
+        cap = tl.load(bound_slot_ptr + bound + c + 1)
+        if cap >= 0:
+            tl.store(
+                ssm_ptr + cap * stride_s0 + state_off, state.to(ssm_ptr.dtype.element_ty), mask=state_mask
+            )
+
+    tl.debug_barrier()  # every thread has read the initial state before the slot is overwritten
+    tl.store(ssm_ptr + slot * stride_s0 + state_off, state.to(ssm_ptr.dtype.element_ty), mask=state_mask)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, gcum_ptr, w_ptr, u_ptr, hbuf_ptr, o_ptr,
+    chunk_start_ptr, chunk_len_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+    NUM_V_HEADS, GROUP, DK, DV, scale,
+    USE_L2NORM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    vtile = tl.program_id(2)
+    start = tl.load(chunk_start_ptr + chunk)
+    length = tl.load(chunk_len_ptr + chunk)
+    rows = tl.arange(0, BT)
+    row_mask = rows < length
+    tok = start + rows
+    kcols = tl.arange(0, BK)
+    kmask = kcols < DK
+    vcols = vtile * BV + tl.arange(0, BV)
+    vmask = vcols < DV
+
+    key_head = head // GROUP
+    q = _load_qk_rows(q_ptr, tok, row_mask, key_head, stride_qt, stride_qh, kcols, kmask, USE_L2NORM) * scale
+    k = _load_qk_rows(k_ptr, tok, row_mask, key_head, stride_kt, stride_kh, kcols, kmask, USE_L2NORM)
+    g_cum = tl.load(gcum_ptr + tok * NUM_V_HEADS + head, mask=row_mask, other=0.0)
+
+    hrow = (chunk * NUM_V_HEADS + head).to(tl.int64) * DK
+    state = tl.load(
+        hbuf_ptr + (hrow + kcols[:, None]) * DV + vcols[None, :],
+        mask=kmask[:, None] & vmask[None, :],
+        other=0.0,
+    )
+    out_rows = (tok * NUM_V_HEADS + head).to(tl.int64)
+    w = tl.load(
+        w_ptr + out_rows[:, None] * DK + kcols[None, :], mask=row_mask[:, None] & kmask[None, :], other=0.0
+    )
+    u = tl.load(
+        u_ptr + out_rows[:, None] * DV + vcols[None, :], mask=row_mask[:, None] & vmask[None, :], other=0.0
+    )
+    v_new = u - tl.dot(w, state, input_precision=PRECISION)
+
+    # Padding rows are excluded too: their g_cum reads as 0, which would make the exponent > 0.
+    causal = (rows[:, None] >= rows[None, :]) & row_mask[:, None]
+    decay = tl.exp(tl.where(causal, g_cum[:, None] - g_cum[None, :], 0.0))
+    attn = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay, 0.0)
+    o = tl.dot(q * tl.exp(g_cum)[:, None], state, input_precision=PRECISION)
+    o += tl.dot(attn, v_new, input_precision=PRECISION)
+    tl.store(
+        o_ptr + tok[:, None] * stride_ot + head * stride_oh + vcols[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & vmask[None, :],
+    )
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"expected q, k [T, Hk, Dk] and v [T, Hv, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    num_k_heads, head_k_dim = q.shape[1], q.shape[2]
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    if num_v_heads % num_k_heads != 0:
+        raise ValueError(f"Hv={num_v_heads} is not a multiple of Hk={num_k_heads}")
+    return num_k_heads, head_k_dim, num_v_heads, head_v_dim, num_v_heads // num_k_heads
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    capture_seq: torch.Tensor | None = None,
+    capture_pos: torch.Tensor | None = None,
+    capture_slots: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Chunked gated delta rule over a varlen batch; returns ``o [T, Hv, Dv]`` in ``v.dtype``."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    _, head_k_dim, num_v_heads, head_v_dim, group = _check_heads(q, k, v)
+    num_tokens = v.shape[0]
+    device = v.device
+    check_device(q, k, v, g, beta, ssm_state)
+    bounds, slots, has_init, cap_seq, cap_pos, cap_slots = host_lists(
+        cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
+    )
+    assert bounds is not None and slots is not None and has_init is not None
+    num_seqs = len(bounds) - 1
+    if not bounds or bounds[0] != 0 or bounds[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to T={num_tokens}, got {bounds}")
+    lengths = [bounds[b + 1] - bounds[b] for b in range(num_seqs)]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    num_chunks = [-(-n // chunk_size) for n in lengths]
+    # The reference's validation and "state after pos tokens = state after ceil(pos/C) chunks" plan.
+    plan = _plan_captures(
+        lengths,
+        num_chunks,
+        chunk_size,
+        *(None if c is None else torch.tensor(c, dtype=torch.long) for c in (cap_seq, cap_pos, cap_slots)),
+    )
+    has_init = [int(bool(x)) for x in has_init]
+    if len(slots) != num_seqs or len(has_init) != num_seqs:
+        raise ValueError(f"state_slots / has_initial_state need {num_seqs} entries")
+
+    out = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
+    if num_seqs == 0:
+        return out
+
+    # Chunk table and boundary table (boundary j of segment b = "after j chunks", j = 0..nc_b).
+    chunk_start: list[int] = []
+    chunk_len: list[int] = []
+    first_chunk: list[int] = []
+    bound_row: list[int] = []
+    num_bounds = 0
+    for b in range(num_seqs):
+        first_chunk.append(len(chunk_start))
+        bound_row.append(num_bounds)
+        num_bounds += num_chunks[b] + 1
+        for i in range(num_chunks[b]):
+            chunk_start.append(bounds[b] + i * chunk_size)
+            chunk_len.append(min(chunk_size, lengths[b] - i * chunk_size))
+    bound_slot = [-1] * num_bounds
+    extra_src: list[int] = []
+    extra_dst: list[int] = []
+    for step, entries in plan.items():
+        for seq, slot in entries:
+            row = bound_row[seq] + step
+            if bound_slot[row] < 0:
+                bound_slot[row] = slot
+            else:  # a second capture of the same boundary: copy from the first afterwards
+                extra_src.append(bound_slot[row])
+                extra_dst.append(slot)
+    total_chunks = len(chunk_start)
+
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    precision = dot_precision()
+    bt = block(min(chunk_size, max(lengths)))
+    bk = block(head_k_dim)
+    use_l2 = bool(use_qk_l2norm)
+    t_chunk_start = index_tensor(chunk_start, device)
+    t_chunk_len = index_tensor(chunk_len, device)
+    # Workspaces (fp32): within-chunk cumulative decay, WY factors, state entering each chunk.
+    gcum = torch.empty(max(num_tokens, 1), num_v_heads, dtype=torch.float32, device=device)
+    w_buf = torch.empty(max(num_tokens, 1), num_v_heads, head_k_dim, dtype=torch.float32, device=device)
+    u_buf = torch.empty(max(num_tokens, 1), num_v_heads, head_v_dim, dtype=torch.float32, device=device)
+    hbuf = torch.empty(
+        max(total_chunks, 1), num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
+    )
+
+    if total_chunks > 0:
+        _chunk_prep_kernel[(total_chunks, num_v_heads)](
+            k, v, g, beta, t_chunk_start, t_chunk_len, gcum, w_buf, u_buf,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1),
+            num_v_heads, group, head_k_dim, head_v_dim,
+            USE_L2NORM=use_l2, BT=bt, BK=bk, BV=min(block(head_v_dim), 64), PRECISION=precision,
+            num_warps=8 if bt * bk >= 64 * 128 else 4,
+        )  # fmt: skip
+
+    # Scan: few programs (segments x heads x Dv tiles), so use narrow Dv tiles when that is short.
+    bv_scan = min(block(head_v_dim), 32)
+    while bv_scan > 16 and num_seqs * num_v_heads * triton.cdiv(head_v_dim, bv_scan) < 2 * num_sms(device):
+        bv_scan //= 2
+    _chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, bv_scan))](
+        k, gcum, w_buf, u_buf, hbuf, ssm_state,
+        index_tensor(first_chunk, device), index_tensor(num_chunks, device), index_tensor(slots, device),
+        index_tensor(has_init, device), index_tensor(bound_row, device), index_tensor(bound_slot, device),
+        t_chunk_start, t_chunk_len,
+        k.stride(0), k.stride(1), *ssm_state.stride(),
+        num_v_heads, group, head_k_dim, head_v_dim,
+        USE_L2NORM=use_l2, BT=bt, BK=bk, BV=bv_scan, PRECISION=precision,
+        num_warps=4,
+    )  # fmt: skip
+
+    if total_chunks > 0:
+        bv_out = min(block(head_v_dim), 32)
+        _chunk_output_kernel[(total_chunks, num_v_heads, triton.cdiv(head_v_dim, bv_out))](
+            q, k, gcum, w_buf, u_buf, hbuf, out, t_chunk_start, t_chunk_len,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+            num_v_heads, group, head_k_dim, head_v_dim, head_k_dim**-0.5,
+            USE_L2NORM=use_l2, BT=bt, BK=bk, BV=bv_out, PRECISION=precision,
+            num_warps=4,
+        )  # fmt: skip
+
+    if extra_dst:
+        src = torch.tensor(extra_src, dtype=torch.long, device=ssm_state.device)
+        dst = torch.tensor(extra_dst, dtype=torch.long, device=ssm_state.device)
+        ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+    return out
+
+
+@triton.jit
+def _recurrent_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slot_ptr, o_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+    stride_bt, stride_bh, stride_ot, stride_oh, stride_s0, stride_s1, stride_s2, stride_s3,
+    GROUP, DK, DV, scale,
+    USE_L2NORM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    head = tl.program_id(1)
+    vtile = tl.program_id(2)
+    key_head = head // GROUP
+    kcols = tl.arange(0, BK)
+    kmask = kcols < DK
+    vcols = vtile * BV + tl.arange(0, BV)
+    vmask = vcols < DV
+
+    q = tl.load(q_ptr + n * stride_qt + key_head * stride_qh + kcols, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + n * stride_kt + key_head * stride_kh + kcols, mask=kmask, other=0.0).to(tl.float32)
+    if USE_L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = q * scale
+    g = tl.load(g_ptr + n * stride_gt + head * stride_gh).to(tl.float32)
+    beta = tl.load(beta_ptr + n * stride_bt + head * stride_bh).to(tl.float32)
+    v = tl.load(v_ptr + n * stride_vt + head * stride_vh + vcols, mask=vmask, other=0.0).to(tl.float32)
+
+    slot = tl.load(slot_ptr + n)
+    state_ptrs = (
+        ssm_ptr
+        + slot * stride_s0
+        + head * stride_s1
+        + kcols[:, None] * stride_s2
+        + vcols[None, :] * stride_s3
+    )
+    state_mask = kmask[:, None] & vmask[None, :]
+    state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32) * tl.exp(g)
+    delta = (v - tl.sum(k[:, None] * state, axis=0)) * beta
+    state = state + k[:, None] * delta[None, :]
+    o = tl.sum(q[:, None] * state, axis=0)
+    tl.store(state_ptrs, state.to(ssm_ptr.dtype.element_ty), mask=state_mask)
+    tl.store(o_ptr + n * stride_ot + head * stride_oh + vcols, o.to(o_ptr.dtype.element_ty), mask=vmask)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode token per sequence, state updated in place on ``ssm_state[state_slots]``."""
+    _, head_k_dim, num_v_heads, head_v_dim, group = _check_heads(q, k, v)
+    check_device(q, k, v, g, beta, ssm_state)
+    num_seqs = v.shape[0]
+    if state_slots.numel() != num_seqs:
+        raise ValueError(f"{state_slots.numel()} state slots for {num_seqs} decode tokens")
+    out = torch.empty(num_seqs, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    if num_seqs == 0:
+        return out
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    slots = state_slots.to(device=ssm_state.device, dtype=torch.int64)
+    # One program per (sequence, value head, Dv tile); narrow tiles when the batch is small.
+    bv = min(block(head_v_dim), 64)
+    while bv > 16 and num_seqs * num_v_heads * triton.cdiv(head_v_dim, bv) < 4 * num_sms(v.device):
+        bv //= 2
+    _recurrent_step_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, bv))](
+        q, k, v, g, beta, ssm_state, slots, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        *ssm_state.stride(),
+        group, head_k_dim, head_v_dim, head_k_dim**-0.5,
+        USE_L2NORM=bool(use_qk_l2norm), BK=block(head_k_dim), BV=bv,
+        num_warps=4,
+    )  # fmt: skip
+    return out
