@@ -75,11 +75,12 @@ class DefaultPolicy(AdmissionPolicy):
 
     def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
         out: list[tuple[int, str]] = []
+        # branch first: where it coincides with the tail, the stronger claim (proven shared) wins
+        if ctx.branch > ctx.hit and _in_range(ctx.branch, ctx):
+            out.append((ctx.branch, "branch"))
         tail = ((ctx.prompt_len - 1) // ctx.unit) * ctx.unit
         if tail > ctx.hit and _in_range(tail, ctx):
             out.append((tail, "tail"))
-        if ctx.branch > ctx.hit and _in_range(ctx.branch, ctx):
-            out.append((ctx.branch, "branch"))
         # deepest interval boundaries first: they cover the most prefix
         out.extend((b, "interval") for b in reversed(_interval_boundaries(ctx)))
         seen: set[int] = set()

@@ -66,6 +66,7 @@ class SeqCache:
     nodes: list[Node] = field(default_factory=list)  # pinned path, one per leading block
     state_slot: int = -1  # live GDN state slot (-1: model has no GDN layers)
     restore_node: Node | None = None  # checkpoint to copy into state_slot before the first step
+    restored_from: Node | None = None  # the checkpoint the request resumed from (after the copy)
     num_cached_tokens: int = 0  # hit length at admission
     branch_boundary: int = 0
     tracking_slot: int = -1  # output-checkpoint slot during decode
@@ -213,12 +214,17 @@ class CacheManager:
             # Branch: the prompt provably shares more than the deepest checkpoint covers, with
             # the tree or with a request still computing it (admitted in this or an earlier
             # step, not yet published): capture at the divergence.
+            # A path that simply ends (a leaf: the previous turn of this very conversation)
+            # is extended, not branched: only a path that goes on past the divergence, or
+            # another request computing the same prefix, proves a shared boundary.
             shared = len(path)
+            diverges = shared > 0 and bool(path[-1].children)
             full = len(token_ids) // self.block_size
             while shared < full and hashes[shared] in self._inflight_hashes:
                 shared += 1
+                diverges = True
             branch = (shared * self.block_size // self.unit) * self.unit
-            if branch > hit_tokens:
+            if diverges and branch > hit_tokens:
                 seq.branch_boundary = branch
             seq.prompt_hashes = hashes[:full]
             for h in seq.prompt_hashes:
@@ -264,15 +270,16 @@ class CacheManager:
         return True
 
     # ------------------------------------------------------------------ checkpoint slots
-    def _reserve_slot(self, state: SlotState, *, dominated_only: bool = False) -> int:
-        """A checkpoint slot in ``state``, evicting an unpinned LRU checkpoint if needed; -1 if none.
+    def _reserve_slot(self, state: SlotState, *, max_class: int = 2) -> int:
+        """A checkpoint slot in ``state``, evicting an unpinned checkpoint if needed; -1 if none.
 
-        ``dominated_only``: evict only a demoted checkpoint (one a deeper checkpoint on its
-        chain supersedes), never a live one.
+        Only a checkpoint of eviction class <= ``max_class`` may be evicted (``RadixTree.ckpt_key``:
+        0 dominated, 1 speculative, 2 proven shared), so a speculative capture never pushes
+        out a checkpoint that has proven its worth.
         """
         if self.slots.num_free_checkpoint == 0:
             node = self.tree.peek_evictable_checkpoint()
-            if node is None or (dominated_only and not self.tree.is_demoted(node)):
+            if node is None or self.tree.ckpt_key(node)[0] > max_class:
                 return -1
             self.slots.free_checkpoint(self.tree.detach_checkpoint(node))
             self.counters["checkpoints.evicted"] += 1
@@ -300,7 +307,8 @@ class CacheManager:
 
         # Candidates in value order: tail/branch/output of every item before any interval.
         wanted: list[tuple[int, int, int, str]] = []  # (rank, item index, boundary, kind)
-        rank_of = {"tail": 0, "output": 1, "branch": 2, "step": 3, "unit": 3, "interval": 4}
+        # proven sharing first (branch), then what the next turn will likely hit (tail, output)
+        rank_of = {"branch": 0, "tail": 1, "output": 2, "step": 3, "unit": 3, "interval": 4}
         for idx, item in enumerate(items):
             ctx = CaptureContext(
                 start=item.start,
@@ -331,7 +339,7 @@ class CacheManager:
                 # slot: evicting a waiting conversation's live checkpoint for a tail that this
                 # request's own output checkpoint will usually dominate is a bad trade (LRU
                 # picks the conversation most likely to come back next).
-                if not self._capture_published(plan, idx, boundary, kind, dominated_only=True):
+                if not self._capture_published(plan, idx, boundary, kind, max_class=0):
                     continue
             elif kind == "output":
                 if not self._capture_tracking(plan, idx, boundary):
@@ -343,7 +351,7 @@ class CacheManager:
         plan.captures.sort(key=lambda c: (c.item_index, c.boundary))
         return plan
 
-    def _capture_tracking(self, plan: StepPlan, idx: int, boundary: int, *, dominated_only: bool = False) -> bool:
+    def _capture_tracking(self, plan: StepPlan, idx: int, boundary: int) -> bool:
         """Write the state at ``boundary`` into the request's tracking slot (reserved on first use)."""
         item = plan.items[idx]
         seq = item.seq
@@ -356,7 +364,9 @@ class CacheManager:
                 self._attach(node, slot)
                 seq.tracking_slot = slot = -1
         if slot < 0:
-            slot = self._reserve_slot(SlotState.TRACKING, dominated_only=dominated_only)
+            slot = self._reserve_slot(SlotState.TRACKING, max_class=1)
+            if slot < 0:
+                slot = self._take_over_restore_source(seq)
             if slot < 0:
                 self.counters["checkpoints.skipped_pool"] += 1
                 return False
@@ -369,11 +379,29 @@ class CacheManager:
             plan.captures.append(Capture(idx, boundary, slot, "output", tracking=True))
         return True
 
+    def _take_over_restore_source(self, seq: SeqCache) -> int:
+        """The slot of the checkpoint ``seq`` resumed from, if nobody else can need it; else -1.
+
+        A conversation's previous checkpoint sits on its own single-child chain: the output
+        this request is about to track will dominate it, so it is the one checkpoint it may
+        displace even when every other checkpoint is protected.
+        """
+        node = seq.restored_from
+        seq.restored_from = None
+        if node is None or node.checkpoint_slot is None or node.ckpt_pins or len(node.children) > 1:
+            return -1
+        slot = self.tree.detach_checkpoint(node)
+        self.counters["checkpoints.evicted"] += 1
+        self.slots.set_state(slot, SlotState.TRACKING)
+        return slot
+
     def _capture_published(
-        self, plan: StepPlan, idx: int, boundary: int, kind: str, *, dominated_only: bool = False
+        self, plan: StepPlan, idx: int, boundary: int, kind: str, *, max_class: int | None = None
     ) -> bool:
         """Stage a capture into a fresh slot, attached to its node at commit."""
-        slot = self._reserve_slot(SlotState.RESERVED, dominated_only=dominated_only)
+        if max_class is None:
+            max_class = 2 if kind == "branch" else 1  # proven sharing may displace anything
+        slot = self._reserve_slot(SlotState.RESERVED, max_class=max_class)
         if slot < 0:
             self.counters["checkpoints.skipped_pool"] += 1
             return False
@@ -403,7 +431,8 @@ class CacheManager:
                 self.counters["checkpoints.duplicate"] += 1
                 self.slots.free_checkpoint(cap.slot)
                 continue
-            self._attach(node, cap.slot)
+            # a divergence point is proven shared by two trajectories
+            self._attach(node, cap.slot, protected=cap.kind == "branch")
 
     def abort_step(self, plan: StepPlan) -> None:
         """The step failed: release its reservations. Its requests must then be freed."""
@@ -415,7 +444,7 @@ class CacheManager:
         for item in plan.items:
             item.seq.pending_tracking_boundary = 0
 
-    def _attach(self, node: Node, slot: int) -> None:
+    def _attach(self, node: Node, slot: int, *, protected: bool = False) -> None:
         """Publish ``slot`` as ``node``'s checkpoint and demote the ones it dominates.
 
         A checkpoint on the single-child chain just above ``node`` can only serve a prompt
@@ -425,7 +454,7 @@ class CacheManager:
         A branching node's checkpoint is where known trajectories part: it is kept.
         """
         self.slots.set_state(slot, SlotState.ATTACHED)
-        self.tree.attach_checkpoint(node, slot)
+        self.tree.attach_checkpoint(node, slot, protected=protected)
         self.counters["checkpoints.stored"] += 1
         above = node.parent
         while above is not None and above is not self.tree.root and len(above.children) == 1:
@@ -436,6 +465,7 @@ class CacheManager:
     def _release_restore(self, seq: SeqCache) -> None:
         if seq.restore_node is not None:
             self.tree.unpin_checkpoint(seq.restore_node)
+            seq.restored_from = seq.restore_node
             seq.restore_node = None
 
     def _node_at(self, seq: SeqCache, boundary: int) -> Node | None:

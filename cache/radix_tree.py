@@ -37,6 +37,7 @@ class Node:
         "ckpt_pins",
         "last_access",
         "ckpt_last_access",
+        "ckpt_protected",
     )
 
     def __init__(self, key: int, parent: Node | None, block_id: int, depth: int) -> None:
@@ -50,6 +51,8 @@ class Node:
         self.ckpt_pins = 0  # pending restores reading this node's checkpoint
         self.last_access = 0
         self.ckpt_last_access = 0
+        # proven shared: restored from by a request, or taken at a divergence point
+        self.ckpt_protected = False
 
     def __repr__(self) -> str:
         return f"Node(depth={self.depth}, block={self.block_id}, ckpt={self.checkpoint_slot}, ref={self.ref_count})"
@@ -63,7 +66,7 @@ class RadixTree:
         self.num_checkpoints = 0  # nodes holding a checkpoint
         self._clock = itertools.count(1)
         self._leaf_heap: list[tuple[bool, int, int, Node]] = []
-        self._ckpt_heap: list[tuple[int, int, Node]] = []
+        self._ckpt_heap: list[tuple[tuple[int, int], int, Node]] = []
         self._tie = itertools.count()
 
     def tick(self) -> int:
@@ -122,12 +125,13 @@ class RadixTree:
             self._maybe_push_leaf(node)
 
     # -- checkpoints ----------------------------------------------------------------------
-    def attach_checkpoint(self, node: Node, slot: int) -> None:
+    def attach_checkpoint(self, node: Node, slot: int, *, protected: bool = False) -> None:
         if node.checkpoint_slot is not None:
             raise RuntimeError(f"{node} already has a checkpoint")
         node.checkpoint_slot = slot
         self.num_checkpoints += 1
         node.ckpt_last_access = self.tick()
+        node.ckpt_protected = protected
         self._maybe_push_ckpt(node)
         self._maybe_push_leaf(node)  # its leaf priority changed
 
@@ -149,11 +153,21 @@ class RadixTree:
             self._maybe_push_ckpt(node)
 
     @staticmethod
+    def ckpt_key(node: Node) -> tuple[int, int]:
+        """Checkpoint eviction order: demoted (dominated) first, then speculative ones (never
+        hit yet: a finished request's tail or output), then proven-shared ones; LRU within."""
+        if node.ckpt_last_access < 0:
+            return (0, node.ckpt_last_access)
+        return (2 if node.ckpt_protected else 1, node.ckpt_last_access)
+
+    @staticmethod
     def is_demoted(node: Node) -> bool:
         return node.ckpt_last_access < 0
 
     def touch_checkpoint(self, node: Node) -> None:
+        """A request restores from it: fresh in LRU order, and proven worth keeping."""
         node.ckpt_last_access = self.tick()
+        node.ckpt_protected = True
         self._maybe_push_ckpt(node)
 
     def pin_checkpoint(self, node: Node) -> None:
@@ -178,7 +192,7 @@ class RadixTree:
 
     def _maybe_push_ckpt(self, node: Node) -> None:
         if node.checkpoint_slot is not None and node.ckpt_pins == 0:
-            heapq.heappush(self._ckpt_heap, (node.ckpt_last_access, next(self._tie), node))
+            heapq.heappush(self._ckpt_heap, (self.ckpt_key(node), next(self._tie), node))
 
     def peek_evictable_leaf(self) -> Node | None:
         """The best KV-eviction victim (checkpoint-less first, then LRU), not popped, or None."""
@@ -197,11 +211,11 @@ class RadixTree:
     def peek_evictable_checkpoint(self) -> Node | None:
         """Least recently used unpinned checkpoint (not popped), or None."""
         while self._ckpt_heap:
-            access, _, node = self._ckpt_heap[0]
+            key, _, node = self._ckpt_heap[0]
             valid = (
                 node.checkpoint_slot is not None
                 and node.ckpt_pins == 0
-                and access == node.ckpt_last_access
+                and key == self.ckpt_key(node)
                 and node.parent is not None
             )
             if valid:

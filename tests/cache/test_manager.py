@@ -236,3 +236,57 @@ def test_deeper_checkpoint_demotes_the_chain_above() -> None:
     assert sorted(nodes) == [64, 128, 192]
     assert cm.tree.is_demoted(nodes[64]) and cm.tree.is_demoted(nodes[128])
     assert not cm.tree.is_demoted(nodes[192])
+
+
+def test_extending_a_leaf_is_not_a_branch_but_diverging_from_a_live_path_is() -> None:
+    cm = make(checkpoint_interval=0)
+    turn1 = list(range(300))
+    run_prefill(cm, "t1", turn1)  # tail checkpoint at 256; the path ends (leaf) at 288
+    nxt = cm.admit("t2", turn1 + list(range(500, 600)), b"s")
+    assert nxt is not None and nxt.num_cached_tokens == 256 and nxt.branch_boundary == 0
+    cm.free(nxt, publish_output=False)
+    # a prompt leaving turn1's path at 200 while the path goes on: proven shared at 192
+    side = cm.admit("t3", turn1[:200] + list(range(700, 800)), b"s")
+    assert side is not None and side.num_cached_tokens == 0 and side.branch_boundary == 192
+    cm.free(side, publish_output=False)
+    cm.check_integrity()
+
+
+def test_concurrent_prompts_sharing_an_unpublished_prefix_branch() -> None:
+    cm = make(checkpoint_interval=0)
+    shared = list(range(150))
+    a = cm.admit("a", shared + list(range(500, 600)), b"s")
+    b = cm.admit("b", shared + list(range(900, 1000)), b"s")
+    assert a is not None and b is not None
+    assert a.branch_boundary == 0  # nothing known when it arrived
+    assert b.branch_boundary == 128  # shares 9 full blocks with a's prompt in flight
+    cm.free(a, publish_output=False)
+    cm.free(b, publish_output=False)
+    cm.check_integrity()
+
+
+def test_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=300, checkpoint_interval=0)
+    shared = list(range(150))
+    run_prefill(cm, "a", shared + list(range(500, 600)))  # tail at 192: the one slot
+    b_toks = shared + list(range(900, 1000))
+    b = cm.admit("b", b_toks, b"s")
+    assert b is not None and b.branch_boundary == 128
+    assert cm.allocate(b, len(b_toks))
+    cm.commit_step(cm.plan_step([StepItem(b, b_toks, 0, len(b_toks), False)]))
+    cm.free(b)
+    branch_node = next(n for n in cm.tree.nodes() if n.checkpoint_slot is not None)
+    assert branch_node.depth * 16 == 128 and branch_node.ckpt_protected  # the branch evicted a's tail
+    # an unrelated request's output tracking (speculative) may not displace it
+    c_toks = list(range(3000, 3100))
+    c = cm.admit("c", c_toks, b"s")
+    assert c is not None and cm.allocate(c, 100)
+    cm.commit_step(cm.plan_step([StepItem(c, c_toks, 0, 100, False)]))
+    for n in range(100, 130):
+        c_toks.append(n)
+        assert cm.allocate(c, n + 1)
+        cm.commit_step(cm.plan_step([StepItem(c, c_toks, n, n + 1, True)]))
+    assert c.tracking_slot == -1 and cm.stats()["checkpoints.skipped_pool"] >= 1
+    cm.free(c)
+    assert cm.lookup(shared + [1] * 30, b"s") == 128
+    cm.check_integrity()
