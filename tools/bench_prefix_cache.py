@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")
     ap.add_argument("--reply-tokens", type=int, default=48)
-    ap.add_argument("--repeat", type=int, default=3, help="timings per prompt (the median is kept)")
+    ap.add_argument("--repeat", type=int, default=3, help="warm replicas and cold timings per turn (medians kept)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -67,13 +68,17 @@ def main() -> None:
     base = {"scheduler.max_num_batched_tokens": 8192, "cache.num_kv_blocks": 4096}
     warm_cfg = config_from_args(args, base)
     cold_cfg = warm_cfg.replace(**{"cache.enable_prefix_caching": False})
-    warm = EngineCore(warm_cfg)
-    cold = EngineCore(cold_cfg, loaded=warm.loaded)
-    rng = random.Random(args.seed)
-    tok = warm.tokenizer
-    ttft(warm, tok.encode("warm up", add_special_tokens=False), 2)
-    ttft(cold, tok.encode("warm up", add_special_tokens=False), 2)
+    base_core = EngineCore(warm_cfg)
+    cold = EngineCore(cold_cfg, loaded=base_core.loaded)
+    # The warm side can be timed only once per cache state, so the whole conversation is
+    # replayed on ``--repeat`` fresh warm engines (greedy: identical prompts and cache
+    # states) and the per-turn median is kept; the cold side is timed as often per prompt.
+    warms = [base_core] + [EngineCore(warm_cfg, loaded=base_core.loaded) for _ in range(args.repeat - 1)]
+    tok = base_core.tokenizer
+    for core in (*warms, cold):
+        ttft(core, tok.encode("warm up", add_special_tokens=False), 2)
 
+    rng = random.Random(args.seed)
     messages = [{"role": "system", "content": "You are a helpful assistant for cache experiments."}]
     rows = []
     for turn in range(args.turns):
@@ -81,21 +86,25 @@ def main() -> None:
         prompt = tok.encode(
             tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
         )
-        t_warm, reply, cached = ttft(warm, prompt, args.reply_tokens)
-        # Further warm timings of the same prompt would hit deeper (its own tail): time only the
-        # first, and repeat the cold side to steady it.
-        cold_times = []
-        for _ in range(args.repeat):
-            t_cold, reply_cold, _ = ttft(cold, prompt, args.reply_tokens)
-            cold_times.append(t_cold)
-        assert reply_cold == reply, f"turn {turn}: cache hit changed the output"
-        t_cold = sorted(cold_times)[len(cold_times) // 2]
+        warm_times, cold_times, replies, cached_seen = [], [], [], set()
+        for i in range(args.repeat):
+            t_w, reply, cached = ttft(warms[i], prompt, args.reply_tokens)
+            warm_times.append(t_w)
+            replies.append(reply)
+            cached_seen.add(cached)
+            t_c, reply_cold, _ = ttft(cold, prompt, args.reply_tokens)
+            cold_times.append(t_c)
+            assert reply_cold == reply, f"turn {turn}: cache hit changed the output"
+        assert len(cached_seen) == 1 and all(r == replies[0] for r in replies), "warm replicas diverged"
+        reply = replies[0]
+        t_warm, t_cold = statistics.median(warm_times), statistics.median(cold_times)
         ideal = (len(prompt) - cached) / len(prompt)
         rows.append(
             {"turn": turn, "prompt_tokens": len(prompt), "cached_tokens": cached, "ttft_warm_s": t_warm,
              "ttft_cold_s": t_cold, "ratio": t_warm / t_cold, "ideal": ideal}
         )
         messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
+    warm = base_core
 
     print(f"\n{'turn':>4}{'prompt':>8}{'cached':>8}{'hit%':>7}{'warm ms':>9}{'cold ms':>9}{'ratio':>8}{'ideal':>8}{'ratio/ideal':>12}")
     for r in rows:
