@@ -53,6 +53,7 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: PosInt = 2048
     max_num_partial_prefills: PosInt = 4
     enable_chunked_prefill: bool = True  # false: each prompt is prefilled whole in one step
+    long_prefill_token_threshold: NonNegInt = 0  # >0: at most this many prompt tokens per request per step
     max_waiting: PosInt = 4096
 
 

@@ -98,6 +98,7 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_partial_prefills=sc.max_num_partial_prefills,
             enable_chunked_prefill=sc.enable_chunked_prefill,
+            long_prefill_token_threshold=sc.long_prefill_token_threshold,
         )
         self.runner = ModelRunner(
             self.loaded,
@@ -151,7 +152,10 @@ class EngineCore:
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {m!r}")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # no template, or the template rejects these messages
+                raise InvalidRequestError(f"chat template could not render the messages: {e}") from e
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         ids = list(prompt)
         for i, t in enumerate(ids):

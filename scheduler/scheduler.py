@@ -72,6 +72,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_partial_prefills: int = 4,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.cache = cache
         self.policy = policy
@@ -79,6 +80,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_partial_prefills = max_num_partial_prefills
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.unit = cache.unit
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -122,6 +124,10 @@ class Scheduler:
         """
         if not self.enable_chunked_prefill:
             return target if budget > 0 else start
+        if self.long_prefill_token_threshold > 0:
+            # one prompt's share of a step: lets several prompts prefill side by side so a
+            # short one is not stuck behind a long one (bounded by max_num_partial_prefills)
+            budget = min(budget, max(self.long_prefill_token_threshold, self.unit))
         end = min(target, start + budget)
         if end < target:
             end = (end // self.unit) * self.unit

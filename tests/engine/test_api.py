@@ -239,3 +239,51 @@ async def test_async_overload_raises_at_generate(core_factory: Any) -> None:
         for it in its:
             outs = [o async for o in it]
             assert outs[-1].finish_reason == "length"
+
+
+def test_stats_expose_cache_and_scheduler_counters(core_factory: Any) -> None:
+    core = core_factory()
+    req = core.make_request(prompt(200), greedy(3))
+    core.add_request(req)
+    run_to_completion(core)
+    s = core.stats()
+    for key in (
+        "prefix_cache.query_tokens",
+        "prefix_cache.hit_tokens",
+        "prefix_cache.hit_rate",
+        "checkpoints.stored",
+        "checkpoints.skipped_budget",
+        "checkpoints.skipped_pool",
+        "checkpoints.evicted",
+        "checkpoints.bytes_used",
+        "kv.evicted_blocks",
+        "kv.usage",
+        "scheduler.preemptions",
+        "scheduler.waiting",
+        "scheduler.oldest_waiting_s",
+    ):
+        assert key in s, key
+    assert s["prefix_cache.query_tokens"] == 200 and s["requests.finished"] == 1
+
+
+def test_partial_prefills_are_bounded(core_factory: Any) -> None:
+    core = core_factory(
+        **{
+            "scheduler.max_num_partial_prefills": 2,
+            "scheduler.long_prefill_token_threshold": 256,
+            "scheduler.max_num_batched_tokens": 2048,
+        }
+    )
+    reqs = [core.make_request(prompt(1500, i), greedy(2)) for i in range(4)]
+    short = core.make_request(prompt(100, 9), greedy(2))
+    for r in (*reqs, short):
+        core.add_request(r)
+    core.step()
+    # two long prompts advance 256 tokens each; the third would be a third partial prefill
+    assert [r.num_computed_tokens for r in reqs] == [256, 256, 0, 0]
+    assert short.num_computed_tokens == 0  # behind the waiting long ones in FCFS order
+    while reqs[0].num_computed_tokens < 1500:
+        core.step()
+        core.check_integrity()
+        assert sum(1 for r in reqs if 0 < r.num_computed_tokens < r.num_prompt_tokens) <= 2
+    run_to_completion(core)
