@@ -12,8 +12,9 @@ Built-ins:
 ``priority``  lower ``priority`` value first, FCFS within a level; a waiting request's
               effective priority improves by one level every ``aging_steps`` steps so low
               priorities are never starved; the worst effective priority is preempted
-``lpm``       longest cached prefix first (cache lookups); falls back to FCFS when more
-              than ``max_queue`` requests wait, so scheduling stays cheap
+``lpm``       longest cached prefix first (cache lookups), aged by ``aging_tokens_per_step``
+              of virtual prefix per waiting step; falls back to FCFS when more than
+              ``max_queue`` requests wait, so scheduling stays cheap
 ``sjf``       shortest uncomputed prompt first, aged like ``priority``
 ============  =========================================================================
 """
@@ -95,18 +96,23 @@ class PriorityPolicy(SchedulingPolicy):
 class LPMPolicy(SchedulingPolicy):
     name = "lpm"
 
-    def __init__(self, max_queue: int = 128) -> None:
+    def __init__(self, max_queue: int = 128, aging_tokens_per_step: float = 8.0) -> None:
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"lpm: max_queue must be an integer >= 1, got {max_queue!r}")
+        if not isinstance(aging_tokens_per_step, (int, float)) or aging_tokens_per_step < 0:
+            raise ValueError(f"lpm: aging_tokens_per_step must be >= 0, got {aging_tokens_per_step!r}")
         self.max_queue = max_queue
+        self.aging = float(aging_tokens_per_step)
         self.fallbacks = 0
 
     def order_waiting(self, waiting: Sequence[Request], ctx: PolicyContext) -> list[Request]:
         if len(waiting) > self.max_queue:
             self.fallbacks += 1
             return sorted(waiting, key=_fcfs_key)
-        hits = {id(r): ctx.cached_prefix(r) for r in waiting}
-        return sorted(waiting, key=lambda r: (-hits[id(r)], *_fcfs_key(r)))
+        # A waiting request earns `aging` tokens of virtual cached prefix per step, so a
+        # request with no hit is not overtaken forever by a stream of cache hits.
+        score = {id(r): ctx.cached_prefix(r) + self.aging * (ctx.step - r.arrival_step) for r in waiting}
+        return sorted(waiting, key=lambda r: (-score[id(r)], *_fcfs_key(r)))
 
     def stats(self) -> dict[str, float]:
         return {"lpm_fcfs_fallbacks": self.fallbacks}

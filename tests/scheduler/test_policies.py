@@ -54,11 +54,20 @@ def test_priority_order_victim_and_aging() -> None:
 
 
 def test_lpm_order_and_fallback() -> None:
-    p = make_policy("lpm", {"max_queue": 3})
+    p = make_policy("lpm", {"max_queue": 3, "aging_tokens_per_step": 0})
     hits = {"a": 0, "b": 64, "c": 128, "d": 64}
     assert ids(p.order_waiting(QUEUE[:3], ctx(hits=hits))) == ["c", "b", "a"]
     assert ids(p.order_waiting(QUEUE, ctx(hits=hits))) == ["a", "b", "c", "d"]  # 4 > max_queue: FCFS
     assert p.stats()["lpm_fcfs_fallbacks"] == 1
+    # aging: 8 virtual tokens per step waited; a hit of 512 outranks a miss that waited
+    # 64 steps longer, not one that waited 100 steps longer
+    aged = make_policy("lpm", {"aging_tokens_per_step": 8.0})
+    old_miss = req("old", 10, t=0, step=0)
+    hits = {"old": 0, "new": 512}
+    recent_hit = req("new", 10, t=9, step=40)
+    assert ids(aged.order_waiting([recent_hit, old_miss], ctx(step=150, hits=hits))) == ["new", "old"]
+    late_hit = req("new", 10, t=9, step=100)
+    assert ids(aged.order_waiting([late_hit, old_miss], ctx(step=150, hits=hits))) == ["old", "new"]
 
 
 def test_sjf_order_aging_and_victim() -> None:
