@@ -34,8 +34,5 @@ class BlockPool:
         self._is_free[block_id] = True
         self._free.append(block_id)
 
-    def is_free(self, block_id: int) -> bool:
-        return self._is_free[block_id]
-
     def free_ids(self) -> list[int]:
         return list(self._free)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from cache.admission import CaptureContext, get_admission_policy
 from cache.block_pool import BlockPool
-from cache.hashing import hash_block
+from cache.hashing import block_hashes
 from cache.radix_tree import Node, RadixTree
 from cache.state_pool import SlotState, StatePool
 
@@ -71,12 +71,11 @@ class SeqCache:
     branch_boundary: int = 0
     tracking_slot: int = -1  # output-checkpoint slot during decode
     tracking_boundary: int = 0  # boundary the tracking slot holds (0: nothing valid)
-    prompt_hashes: list[int] = field(default_factory=list)  # registered as in flight while active
+    # chained hashes of the request's full blocks; the same list the request keeps
+    # (``Request.block_hashes``), extended as tokens arrive, so nothing is hashed twice
+    hashes: list[int] = field(default_factory=list)
+    num_inflight: int = 0  # leading ``hashes`` registered as in flight while active
     pending_tracking_boundary: int = 0  # boundary being written by the in-flight step
-
-    @property
-    def num_private_blocks(self) -> int:
-        return len(self.block_table) - len(self.nodes)
 
 
 @dataclass
@@ -96,7 +95,11 @@ class Capture:
     boundary: int  # absolute token boundary
     slot: int
     kind: str
-    tracking: bool = False  # written into the request's tracking slot (published at finish)
+
+    @property
+    def tracking(self) -> bool:
+        """Written into the request's tracking slot (published at finish), not a fresh slot."""
+        return self.kind == "output"
 
 
 @dataclass
@@ -143,10 +146,8 @@ class CacheManager:
     # ------------------------------------------------------------------ hashing / lookup
     def extend_hashes(self, token_ids: Sequence[int], salt: bytes, hashes: list[int]) -> list[int]:
         """Extend ``hashes`` (the chained hashes of the leading full blocks) in place."""
-        bs = self.block_size
-        for i in range(len(hashes), len(token_ids) // bs):
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash_block(parent, salt, token_ids[i * bs : (i + 1) * bs]))
+        parent = hashes[-1] if hashes else 0
+        hashes.extend(block_hashes(token_ids, self.block_size, salt, start_block=len(hashes), parent=parent))
         return hashes
 
     def _match(
@@ -187,15 +188,18 @@ class CacheManager:
         *,
         prompt_len: int | None = None,
         hashes: list[int] | None = None,
-        count_stats: bool = True,
     ) -> SeqCache | None:
-        """Start caching for a request; None when no live state slot is free."""
+        """Start caching for a request; None when no live state slot is free.
+
+        Hit-rate stats are the caller's to record (``record_query``), once per request: an
+        admission may be undone (no KV for it yet) and retried on a later step.
+        """
         if request_id in self.active:
             raise RuntimeError(f"request {request_id!r} already admitted")
         if self.has_gdn and self.slots.num_free_live == 0:
             return None
         path, hit, hashes = self._match(token_ids, salt, hashes)
-        seq = SeqCache(request_id=request_id, salt=salt, prompt_len=prompt_len or len(token_ids))
+        seq = SeqCache(request_id=request_id, salt=salt, prompt_len=prompt_len or len(token_ids), hashes=hashes)
         for node in path[:hit]:
             self.tree.pin(node)
             self.tree.touch(node)
@@ -226,11 +230,9 @@ class CacheManager:
             branch = (shared * self.block_size // self.unit) * self.unit
             if diverges and branch > hit_tokens:
                 seq.branch_boundary = branch
-            seq.prompt_hashes = hashes[:full]
-            for h in seq.prompt_hashes:
+            seq.num_inflight = full
+            for h in hashes[:full]:
                 self._inflight_hashes[h] = self._inflight_hashes.get(h, 0) + 1
-        if count_stats:
-            self.record_query(len(token_ids), hit_tokens)
         self.active[request_id] = seq
         return seq
 
@@ -376,7 +378,7 @@ class CacheManager:
         if item.is_decode:
             plan.decode_copies.append((item.seq.state_slot, slot))
         else:
-            plan.captures.append(Capture(idx, boundary, slot, "output", tracking=True))
+            plan.captures.append(Capture(idx, boundary, slot, "output"))
         return True
 
     def _take_over_restore_source(self, seq: SeqCache) -> int:
@@ -476,10 +478,10 @@ class CacheManager:
         """Insert the request's newly full, computed blocks into the tree (and pin them)."""
         if not self.enabled:
             return
-        bs = self.block_size
-        for i in range(len(seq.nodes), num_computed // bs):
+        hashes = self.extend_hashes(token_ids, seq.salt, seq.hashes)
+        for i in range(len(seq.nodes), num_computed // self.block_size):
             parent = seq.nodes[-1] if seq.nodes else self.tree.root
-            key = hash_block(parent.key if seq.nodes else 0, seq.salt, token_ids[i * bs : (i + 1) * bs])
+            key = hashes[i]
             node = parent.children.get(key)
             if node is not None:
                 # Same prefix already cached (computed by another request): share it and
@@ -501,13 +503,13 @@ class CacheManager:
             raise RuntimeError("free of a request in the in-flight step")
         del self.active[seq.request_id]
         self._release_restore(seq)
-        for h in seq.prompt_hashes:
+        for h in seq.hashes[: seq.num_inflight]:
             left = self._inflight_hashes[h] - 1
             if left:
                 self._inflight_hashes[h] = left
             else:
                 del self._inflight_hashes[h]
-        seq.prompt_hashes = []
+        seq.num_inflight = 0
         if seq.tracking_slot >= 0:
             node = self._node_at(seq, seq.tracking_boundary) if publish_output else None
             if node is not None and node.checkpoint_slot is None:
@@ -594,7 +596,7 @@ class CacheManager:
                 assert seq.restore_node.checkpoint_slot is not None, "restore source lost its checkpoint"
         inflight: dict[int, int] = {}
         for seq in self.active.values():
-            for h in seq.prompt_hashes:
+            for h in seq.hashes[: seq.num_inflight]:
                 inflight[h] = inflight.get(h, 0) + 1
         assert inflight == self._inflight_hashes, "in-flight prompt hash counts drift"
         assert len(owner) == self.blocks.num_blocks, (

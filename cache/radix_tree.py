@@ -156,7 +156,7 @@ class RadixTree:
     def ckpt_key(node: Node) -> tuple[int, int]:
         """Checkpoint eviction order: demoted (dominated) first, then speculative ones (never
         hit yet: a finished request's tail or output), then proven-shared ones; LRU within."""
-        if node.ckpt_last_access < 0:
+        if RadixTree.is_demoted(node):
             return (0, node.ckpt_last_access)
         return (2 if node.ckpt_protected else 1, node.ckpt_last_access)
 

@@ -186,11 +186,7 @@ class AsyncEngine:
         for req in self._pending_add:
             outs.append(self.core._final_output(req, "abort", [], "", error="engine shut down"))
         self._pending_add = []
-        for rid in list(self.core.scheduler.requests):
-            out = self.core.abort_request(rid)
-            if out is not None:
-                outs.append(out)
-        return outs
+        return outs + self.core.abort_all()
 
     async def _run(self) -> None:
         assert self.core is not None and self._wakeup is not None
@@ -236,7 +232,7 @@ class AsyncEngine:
             return
         assert self.core is not None
         dt = now - self._window["t0"]
-        s = self.core.stats()
+        s = self._last_stats  # taken right after this step
         log.info(
             "engine.stats",
             gen_tok_s=round(self._window["tokens"] / dt, 1) if dt > 0 else 0.0,

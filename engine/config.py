@@ -16,7 +16,9 @@ from typing import Annotated, Any
 import msgspec
 import tomllib
 
+from cache.admission import ADMISSION_POLICIES
 from engine.errors import ConfigError
+from scheduler.policy import resolve_policy_class
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -118,13 +120,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.logging.stats_interval_s <= 0:
             raise bad("logging.stats_interval_s", self.logging.stats_interval_s, "must be > 0")
-        from cache.admission import ADMISSION_POLICIES
-
         if self.cache.checkpoint_policy not in ADMISSION_POLICIES:
             known = ", ".join(sorted(ADMISSION_POLICIES))
             raise bad("cache.checkpoint_policy", self.cache.checkpoint_policy, f"unknown; known: {known}")
-        from scheduler.policy import resolve_policy_class
-
         try:
             resolve_policy_class(self.scheduler.policy)
         except (ValueError, ImportError, AttributeError, TypeError) as e:

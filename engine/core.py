@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from kernels import get_ops
 from models import LoadedModel, load_model
 from scheduler.policy import make_policy
-from scheduler.request import Request, RequestStatus
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
 log = structlog.get_logger("deltaserve.engine")
@@ -107,7 +107,7 @@ class EngineCore:
             self.device,
         )
         self.runner.default_generator.manual_seed(config.model.seed)
-        self.salt = make_salt(str(self.loaded.path), config.model.dtype, cc.namespace)
+        self._salt_parts = (str(self.loaded.path), config.model.dtype, cc.namespace)
         self.eos_token_ids = set(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
         self._ids = itertools.count()
@@ -205,7 +205,7 @@ class EngineCore:
             prompt_token_ids=ids,
             sampling_params=params,
             priority=priority,
-            cache_salt=self.salt + b"\x1e" + (cache_salt or "").encode() if cache_salt else self.salt,
+            cache_salt=make_salt(*self._salt_parts, cache_salt),
         )
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -314,8 +314,7 @@ class EngineCore:
         out["time"] = time.time()
         return out
 
-    def shutdown(self) -> None:
-        """Abort whatever is left (used on engine exit)."""
-        for rid in list(self.scheduler.requests):
-            if self.scheduler.requests[rid].status is not RequestStatus.FINISHED:
-                self.abort_request(rid)
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request still queued or running (engine exit); their final outputs."""
+        outs = [self.abort_request(rid) for rid in list(self.scheduler.requests)]
+        return [o for o in outs if o is not None]

@@ -56,10 +56,8 @@ class ModelRunner:
         """BatchMetadata for the step, and the scheduled-seq index of each logits row."""
         bs = self.sizes.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
         cu = [0]
         seq_lens: list[int] = []
-        slot_mapping: list[int] = []
         state_slots: list[int] = []
         has_init: list[bool] = []
         logits_rows: list[int] = []
@@ -70,8 +68,6 @@ class ModelRunner:
             assert req.cache is not None
             table = req.cache.block_table
             input_ids.extend(req.token_ids[s.start : s.end])
-            positions.extend(range(s.start, s.end))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.end))
             cu.append(cu[-1] + s.end - s.start)
             seq_lens.append(s.end)
             state_slots.append(req.cache.state_slot)
@@ -82,16 +78,25 @@ class ModelRunner:
                 sample_seq.append(i)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
+        block_tables = self._tensor(padded).view(len(tables), width)
+        # Positions and flat KV slots of every token, vectorised (no per-token Python):
+        # token j of segment b sits at start_b + j, in block block_tables[b, pos // bs].
+        cu_t = self._tensor(cu)
+        lens = cu_t[1:] - cu_t[:-1]
+        seq_index = torch.repeat_interleave(torch.arange(len(tables), device=self.device), lens)
+        starts = self._tensor([s.start for s in out.seqs])
+        positions = starts[seq_index] + torch.arange(cu[-1], device=self.device) - cu_t[:-1][seq_index]
+        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         cap_seq = [c.item_index for c in out.plan.captures]
         cap_pos = [c.boundary - out.seqs[c.item_index].start for c in out.plan.captures]
         cap_slot = [c.slot for c in out.plan.captures]
         batch = BatchMetadata(
             input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            cu_seqlens=self._tensor(cu),
+            positions=positions,
+            cu_seqlens=cu_t,
             seq_lens=self._tensor(seq_lens),
-            block_tables=self._tensor(padded).view(len(tables), width),
-            slot_mapping=self._tensor(slot_mapping),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
             num_decodes=out.num_decodes,
             state_slots=self._tensor(state_slots),
             has_initial_state=self._tensor(has_init, torch.bool),

@@ -43,7 +43,3 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
         if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -19,9 +19,23 @@ import torch
 __all__ = ["copy_state_slots"]
 
 
-def _as_cpu_index(slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    # Slot lists are bookkeeping-sized; one host copy lets us validate them once for all tensors.
-    return torch.as_tensor(slots, dtype=torch.long).cpu().reshape(-1)
+def slot_pairs(
+    src_slots: torch.Tensor | Sequence[int], dst_slots: torch.Tensor | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Validated host copies of the slot lists (None when there is nothing to copy).
+
+    Slot lists are bookkeeping-sized; one host copy lets every backend validate them once for
+    all tensors: equal lengths, no duplicate destination.
+    """
+    src_cpu = torch.as_tensor(src_slots, dtype=torch.long).cpu().reshape(-1)
+    dst_cpu = torch.as_tensor(dst_slots, dtype=torch.long).cpu().reshape(-1)
+    if src_cpu.numel() != dst_cpu.numel():
+        raise ValueError(f"{src_cpu.numel()} source slots but {dst_cpu.numel()} destination slots")
+    if src_cpu.numel() == 0:
+        return None
+    if torch.unique(dst_cpu).numel() != dst_cpu.numel():
+        raise ValueError(f"duplicate destination slots in {dst_cpu.tolist()}")
+    return src_cpu, dst_cpu
 
 
 def copy_state_slots(
@@ -30,14 +44,10 @@ def copy_state_slots(
     dst_slots: torch.Tensor | Sequence[int],
 ) -> None:
     """Copy ``t[src_slots] -> t[dst_slots]`` on axis 0 of every tensor, in place."""
-    src_cpu = _as_cpu_index(src_slots)
-    dst_cpu = _as_cpu_index(dst_slots)
-    if src_cpu.numel() != dst_cpu.numel():
-        raise ValueError(f"{src_cpu.numel()} source slots but {dst_cpu.numel()} destination slots")
-    if src_cpu.numel() == 0:
+    pairs = slot_pairs(src_slots, dst_slots)
+    if pairs is None:
         return
-    if torch.unique(dst_cpu).numel() != dst_cpu.numel():
-        raise ValueError(f"duplicate destination slots in {dst_cpu.tolist()}")
+    src_cpu, dst_cpu = pairs
     for tensor in tensors:
         src = src_cpu.to(tensor.device)
         dst = dst_cpu.to(tensor.device)

@@ -83,13 +83,26 @@ class TextBackbone(nn.Module):
 class CausalLM(nn.Module):
     """Base of every model class. Built from a transformers *text* config and an ``Ops``."""
 
-    def __init__(self, config: Any, backbone: TextBackbone, *, ops: Ops, tie_word_embeddings: bool) -> None:
+    def __init__(
+        self, config: Any, norm_cls: type[nn.Module], *, ops: Ops, tie_word_embeddings: bool | None
+    ) -> None:
+        """Embedding, final norm (``norm_cls``), rope and head; subclasses append the layers.
+
+        ``tie_word_embeddings=None`` takes the config's flag (a VL folder passes its top-level one).
+        """
         super().__init__()
         self.config = config
         self.ops = ops
-        self.model = backbone
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.model = TextBackbone(
+            config.vocab_size,
+            config.hidden_size,
+            norm_cls(config.hidden_size, eps=config.rms_norm_eps),
+            RotaryEmbedding.from_config(config, self.head_dim),
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_word_embeddings = tie_word_embeddings
+        tie = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        self.tie_word_embeddings = bool(tie)
         self.num_gdn_layers = 0
 
     def finish_layers(self) -> None:

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from models.attention import PagedAttention
-from models.decoder import ATTENTION, CausalLM, DecoderLayer, TextBackbone
+from models.decoder import ATTENTION, CausalLM, DecoderLayer
 from models.mlp import GatedMLP
 from models.norms import RMSNorm
-from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from kernels import Ops
@@ -22,16 +21,8 @@ if TYPE_CHECKING:
 
 class Qwen3CausalLM(CausalLM):
     def __init__(self, config: Any, *, ops: Ops, tie_word_embeddings: bool | None = None) -> None:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        eps = config.rms_norm_eps
-        backbone = TextBackbone(
-            config.vocab_size,
-            config.hidden_size,
-            RMSNorm(config.hidden_size, eps=eps),
-            RotaryEmbedding.from_config(config, head_dim),
-        )
-        tie = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
-        super().__init__(config, backbone, ops=ops, tie_word_embeddings=bool(tie))
+        super().__init__(config, RMSNorm, ops=ops, tie_word_embeddings=tie_word_embeddings)
+        head_dim, eps = self.head_dim, config.rms_norm_eps
         layer_types = getattr(config, "layer_types", None) or [ATTENTION] * config.num_hidden_layers
         for i, layer_type in enumerate(layer_types[: config.num_hidden_layers]):
             if layer_type != ATTENTION:

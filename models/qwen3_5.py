@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from models.attention import PagedAttention
-from models.decoder import ATTENTION, LINEAR_ATTENTION, CausalLM, DecoderLayer, TextBackbone
+from models.decoder import ATTENTION, LINEAR_ATTENTION, CausalLM, DecoderLayer
 from models.gdn import GatedDeltaNet
 from models.mlp import GatedMLP
 from models.norms import ZeroCenteredRMSNorm
-from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from kernels import Ops
@@ -32,16 +31,8 @@ class Qwen35CausalLM(CausalLM):
     gdn_cls: type[GatedDeltaNet] = GatedDeltaNet
 
     def __init__(self, config: Any, *, ops: Ops, tie_word_embeddings: bool | None = None) -> None:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        eps = config.rms_norm_eps
-        backbone = TextBackbone(
-            config.vocab_size,
-            config.hidden_size,
-            ZeroCenteredRMSNorm(config.hidden_size, eps=eps),
-            RotaryEmbedding.from_config(config, head_dim),
-        )
-        tie = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
-        super().__init__(config, backbone, ops=ops, tie_word_embeddings=bool(tie))
+        super().__init__(config, ZeroCenteredRMSNorm, ops=ops, tie_word_embeddings=tie_word_embeddings)
+        head_dim, eps = self.head_dim, config.rms_norm_eps
         for i, layer_type in enumerate(config.layer_types[: config.num_hidden_layers]):
             if layer_type == ATTENTION:
                 mixer: nn.Module = PagedAttention(

@@ -102,10 +102,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -170,9 +166,8 @@ class Scheduler:
 
         # 1. decodes of running requests, oldest admission first
         for req in list(self.running):
+            # (a request preempted earlier in this loop is WAITING now)
             if req.status is not RequestStatus.RUNNING or not req.is_decoding or budget <= 0:
-                continue
-            if id(req) in scheduled:
                 continue
             scheduled.add(id(req))
             if not self._allocate_or_preempt(req, req.num_tokens, scheduled, ctx, preempted):
@@ -198,11 +193,8 @@ class Scheduler:
         # 3. admit waiting requests in policy order. ``max_num_partial_prefills`` bounds the
         # prompts that will still be partially prefilled after this step (a short prompt
         # prefilled whole in this step does not count).
-        num_partial = sum(
-            1
-            for r in self.running
-            if not r.is_decoding and not any(p.request is r and p.end == r.num_tokens for p in prefills)
-        )
+        completing = {id(p.request) for p in prefills if p.end == p.request.num_tokens}
+        num_partial = sum(1 for r in self.running if not r.is_decoding and id(r) not in completing)
         if self.waiting and budget > 0:
             for req in self.policy.order_waiting(self.waiting, ctx):
                 if len(self.running) >= self.max_num_seqs or budget <= 0:
@@ -223,11 +215,12 @@ class Scheduler:
                     req.cache_salt,
                     prompt_len=req.num_prompt_tokens,
                     hashes=req.block_hashes,
-                    count_stats=False,  # counted below, once the admission sticks
                 )
                 if seq is None:
                     break
-                end = self._chunk_end(seq.num_cached_tokens, req.num_tokens, budget)
+                # nothing changed since the lookup: admission found the same hit
+                assert seq.num_cached_tokens == hit
+                end = first_end
                 if not self.cache.allocate(seq, end):
                     self.cache.free(seq, publish_output=False)
                     break  # new requests never preempt running ones
@@ -237,8 +230,6 @@ class Scheduler:
                     req.num_cached_tokens = seq.num_cached_tokens
                     self.cache.record_query(req.num_tokens, seq.num_cached_tokens)
                 req.status = RequestStatus.RUNNING
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
                 self.waiting.remove(req)
                 self.running.append(req)
                 scheduled.add(id(req))

@@ -59,6 +59,7 @@ from cache.admission import ADMISSION_POLICIES  # noqa: E402
 from engine import cli as engine_cli  # noqa: E402  (engine/__init__ is lazy: no torch)
 from engine.log_setup import configure_logging  # noqa: E402
 from scheduler import Request, Scheduler, make_policy  # noqa: E402
+from tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn  # noqa: E402
 from tools.workloads import (  # noqa: E402
     ArrivalParams,
     RequestSpec,
@@ -288,13 +289,12 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
 
     assert not live and not tree_left, "simulation ended with requests in flight"
     c = cache.counters
-    prompt = sum(len(s.prompt_ids) for s, _ in finished)
-    hit = sum(h for _, h in finished)
-    by_turn: dict[int, list[int]] = {}
-    for s, h in finished:
-        acc = by_turn.setdefault(s.turn, [0, 0])
-        acc[0] += h
-        acc[1] += len(s.prompt_ids)
+    records = [
+        RequestRecord(rid=s.rid, turn=s.turn, num_prompt_tokens=len(s.prompt_ids), num_cached_tokens=h)
+        for s, h in finished
+    ]
+    prompt = sum(r.num_prompt_tokens for r in records)
+    hit = sum(r.num_cached_tokens for r in records)
     return SimResult(
         workload=workload.name,
         policy=policy,
@@ -307,8 +307,8 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
         rejected=rejected,
         prompt_tokens=prompt,
         hit_tokens=hit,
-        hit_rate=hit / prompt if prompt else 0.0,
-        hit_rate_per_turn={str(t): (a[0] / a[1] if a[1] else 0.0) for t, a in sorted(by_turn.items())},
+        hit_rate=hit_rate(records),
+        hit_rate_per_turn={str(t): v for t, v in hit_rate_per_turn(records).items()},
         checkpoints_stored=c["checkpoints.stored"],
         checkpoints_skipped_budget=c["checkpoints.skipped_budget"],
         checkpoints_skipped_pool=c["checkpoints.skipped_pool"],

@@ -17,8 +17,9 @@ reference sampler (plain torch ops, fine on the GPU):
 
 from __future__ import annotations
 
-from kernels.ops import Ops
-from kernels.sampler import sample
+from dataclasses import replace
+
+from kernels.ops import REFERENCE_OPS
 from kernels.triton._common import INTERPRET
 from kernels.triton.attention import paged_attention, store_kv
 from kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -37,7 +38,10 @@ __all__ = [
     "store_kv",
 ]
 
-TRITON_OPS = Ops(
+# Same table as the reference with every kernel swapped; the sampler stays torch (it is a few
+# small ops on the logits, fine on any device).
+TRITON_OPS = replace(
+    REFERENCE_OPS,
     name="triton",
     chunk_gated_delta_rule=chunk_gated_delta_rule,
     recurrent_gated_delta_rule=recurrent_gated_delta_rule,
@@ -46,5 +50,4 @@ TRITON_OPS = Ops(
     store_kv=store_kv,
     paged_attention=paged_attention,
     copy_state_slots=copy_state_slots,
-    sample=sample,
 )

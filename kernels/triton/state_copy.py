@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.state_copy import slot_pairs
+
 __all__ = ["copy_state_slots"]
 
 _WORDS_PER_PROGRAM = 2048
@@ -42,10 +44,6 @@ def _copy_rows_kernel(
         mask = offs < row_words
         words = tl.load(src + src_row * row_words + offs, mask=mask)
         tl.store(dst + dst_row * row_words + offs, words, mask=mask)
-
-
-def _as_cpu_index(slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    return torch.as_tensor(slots, dtype=torch.long).cpu().reshape(-1)
 
 
 def _word_rows(tensor: torch.Tensor) -> int | None:
@@ -79,14 +77,10 @@ def copy_state_slots(
     dst_slots: torch.Tensor | Sequence[int],
 ) -> None:
     """Copy ``t[src_slots] -> t[dst_slots]`` on axis 0 of every tensor, in place."""
-    src_cpu = _as_cpu_index(src_slots)
-    dst_cpu = _as_cpu_index(dst_slots)
-    if src_cpu.numel() != dst_cpu.numel():
-        raise ValueError(f"{src_cpu.numel()} source slots but {dst_cpu.numel()} destination slots")
-    if src_cpu.numel() == 0:
+    checked = slot_pairs(src_slots, dst_slots)
+    if checked is None:
         return
-    if torch.unique(dst_cpu).numel() != dst_cpu.numel():
-        raise ValueError(f"duplicate destination slots in {dst_cpu.tolist()}")
+    src_cpu, dst_cpu = checked
 
     by_device: dict[torch.device, list[tuple[torch.Tensor, int]]] = {}
     for tensor in tensors:

@@ -8,7 +8,6 @@ probabilities in the P·V product); ``store_kv`` must match exactly.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -16,15 +15,9 @@ import torch
 from kernels import Ops, get_ops
 from kernels.attention import paged_attention as ref_attention
 from kernels.attention import store_kv as ref_store
+from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.interpret,
-    pytest.mark.skipif(
-        not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need TRITON_INTERPRET=1 or CUDA"
-    ),
-]
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = TRITON_MARKS
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 BF16 = {"atol": 2e-2, "rtol": 2e-2}
 NUM_BLOCKS = 64

@@ -8,23 +8,15 @@ copies of inputs, so they must match exactly (``torch.equal``, NaN garbage inclu
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kernels import Ops, get_ops
 from kernels.conv1d import causal_conv1d_update as ref_update
 from kernels.conv1d import causal_conv1d_varlen as ref_varlen
+from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.interpret,
-    pytest.mark.skipif(
-        not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need TRITON_INTERPRET=1 or CUDA"
-    ),
-]
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = TRITON_MARKS
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 BF16 = {"atol": 1e-2, "rtol": 1e-2}
 

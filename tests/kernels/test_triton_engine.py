@@ -12,26 +12,18 @@ tests/engine/test_gpu_parity.py is the bigger GPU-only version (bf16 too).
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 from typing import Any
 
-import pytest
 import torch
 
 from engine import EngineCore
 from kernels import get_ops, sample
 from models import ensure_builtin_model, load_model
 from tests.engine.conftest import greedy, make_config, run_to_completion
+from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.interpret,
-    pytest.mark.skipif(
-        not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need TRITON_INTERPRET=1 or CUDA"
-    ),
-]
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = TRITON_MARKS
 
 
 def serve(backend: str) -> tuple[list[list[int]], list[torch.Tensor], dict[str, int]]:

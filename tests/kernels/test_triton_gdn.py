@@ -10,23 +10,15 @@ bf16 ulps at |o| ~ 1).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kernels import Ops, get_ops
 from kernels.gdn import chunk_gated_delta_rule as ref_chunk
 from kernels.gdn import recurrent_gated_delta_rule as ref_recurrent
+from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.interpret,
-    pytest.mark.skipif(
-        not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need TRITON_INTERPRET=1 or CUDA"
-    ),
-]
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = TRITON_MARKS
 FP32 = {"atol": 1e-4, "rtol": 1e-4}
 BF16 = {"atol": 2e-2, "rtol": 2e-2}
 DK, DV = 16, 32

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 import kernels
 from kernels import Ops, get_ops
+from tests.kernels.triton_env import DEVICE, INTERPRET, TRITON_MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.interpret,
-    pytest.mark.skipif(
-        not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need TRITON_INTERPRET=1 or CUDA"
-    ),
-]
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = TRITON_MARKS
 
 
 def test_triton_ops_table() -> None:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kernels import Ops, get_ops
 from kernels.state_copy import copy_state_slots as ref_copy
+from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.interpret,
-    pytest.mark.skipif(
-        not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need TRITON_INTERPRET=1 or CUDA"
-    ),
-]
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = TRITON_MARKS
 
 
 @pytest.fixture(scope="module")
