@@ -1,11 +1,16 @@
 """Torch-free cache bookkeeping: KV block pool, GDN state slots, radix prefix index, manager."""
 
-from cache.admission import ADMISSION_POLICIES, AdmissionPolicy, CaptureContext, get_admission_policy
-from cache.block_pool import BlockPool
-from cache.hashing import block_hashes, hash_block, make_salt
-from cache.manager import CacheManager, CacheManagerConfig, Capture, SeqCache, StepItem, StepPlan
-from cache.radix_tree import Node, RadixTree
-from cache.state_pool import SlotState, StatePool
+from deltaserve.cache.admission import (
+    ADMISSION_POLICIES,
+    AdmissionPolicy,
+    CaptureContext,
+    get_admission_policy,
+)
+from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.hashing import block_hashes, hash_block, make_salt
+from deltaserve.cache.manager import CacheManager, CacheManagerConfig, Capture, SeqCache, StepItem, StepPlan
+from deltaserve.cache.radix_tree import Node, RadixTree
+from deltaserve.cache.state_pool import SlotState, StatePool
 
 __all__ = [
     "ADMISSION_POLICIES",

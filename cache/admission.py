@@ -55,7 +55,12 @@ class AdmissionPolicy(ABC):
 
     def output_boundary(self, ctx: CaptureContext) -> int:
         """Boundary to (re)write the tracking slot at in this step, or 0."""
-        if self.track_output and ctx.end == ctx.target_len and ctx.end % ctx.unit == 0 and ctx.end > ctx.start:
+        if (
+            self.track_output
+            and ctx.end == ctx.target_len
+            and ctx.end % ctx.unit == 0
+            and ctx.end > ctx.start
+        ):
             return ctx.end
         return 0
 
@@ -135,7 +140,14 @@ class NoCheckpointPolicy(AdmissionPolicy):
 
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     cls.name: cls
-    for cls in (DefaultPolicy, IntervalPolicy, StepEndPolicy, SequenceEndPolicy, EveryUnitPolicy, NoCheckpointPolicy)
+    for cls in (
+        DefaultPolicy,
+        IntervalPolicy,
+        StepEndPolicy,
+        SequenceEndPolicy,
+        EveryUnitPolicy,
+        NoCheckpointPolicy,
+    )
 }
 
 

@@ -31,11 +31,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cache.admission import CaptureContext, get_admission_policy
-from cache.block_pool import BlockPool
-from cache.hashing import block_hashes
-from cache.radix_tree import Node, RadixTree
-from cache.state_pool import SlotState, StatePool
+from deltaserve.cache.admission import CaptureContext, get_admission_policy
+from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.hashing import block_hashes
+from deltaserve.cache.radix_tree import Node, RadixTree
+from deltaserve.cache.state_pool import SlotState, StatePool
 
 GDN_CHUNK_SIZE = 64
 
@@ -107,7 +107,9 @@ class StepPlan:
     items: list[StepItem]
     restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, live slot)
     captures: list[Capture] = field(default_factory=list)  # written by the prefill kernels
-    decode_copies: list[tuple[int, int]] = field(default_factory=list)  # (live slot, tracking slot) after forward
+    decode_copies: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (live slot, tracking slot) after forward
     restored: list[SeqCache] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)  # slots in RESERVED state for captures
 
@@ -117,7 +119,9 @@ class CacheManager:
         self.config = config
         self.block_size = config.block_size
         self.has_gdn = config.has_gdn
-        self.unit = math.lcm(config.block_size, config.gdn_chunk_size) if config.has_gdn else config.block_size
+        self.unit = (
+            math.lcm(config.block_size, config.gdn_chunk_size) if config.has_gdn else config.block_size
+        )
         interval = config.checkpoint_interval
         self.interval = -(-interval // self.unit) * self.unit if interval > 0 else 0
         self.enabled = config.enable_prefix_caching
@@ -199,7 +203,9 @@ class CacheManager:
         if self.has_gdn and self.slots.num_free_live == 0:
             return None
         path, hit, hashes = self._match(token_ids, salt, hashes)
-        seq = SeqCache(request_id=request_id, salt=salt, prompt_len=prompt_len or len(token_ids), hashes=hashes)
+        seq = SeqCache(
+            request_id=request_id, salt=salt, prompt_len=prompt_len or len(token_ids), hashes=hashes
+        )
         for node in path[:hit]:
             self.tree.pin(node)
             self.tree.touch(node)
@@ -561,7 +567,9 @@ class CacheManager:
         nodes = list(self.tree.nodes())
         assert len(nodes) == self.tree.num_nodes, "node count drift"
         assert self.tree.num_pinned == sum(1 for n in nodes if n.ref_count > 0), "pinned count drift"
-        assert self.tree.num_checkpoints == sum(1 for n in nodes if n.checkpoint_slot is not None), "ckpt count drift"
+        assert self.tree.num_checkpoints == sum(1 for n in nodes if n.checkpoint_slot is not None), (
+            "ckpt count drift"
+        )
         owner: dict[int, str] = {}
 
         def claim(block_id: int, who: str) -> None:
@@ -608,7 +616,9 @@ class CacheManager:
 
         # live slots: exactly the active requests'
         live = sorted(s.state_slot for s in self.active.values() if s.state_slot >= 0)
-        assert live == sorted(self.slots.live_in_use()), f"live slots {live} != in use {self.slots.live_in_use()}"
+        assert live == sorted(self.slots.live_in_use()), (
+            f"live slots {live} != in use {self.slots.live_in_use()}"
+        )
         if self.has_gdn:
             assert all(s.state_slot >= 0 for s in self.active.values()), "active request without live slot"
         # checkpoint slots: free / reserved / attached / tracking, each exactly once

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
-from engine.errors import (
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.errors import (
     ConfigError,
     DeltaServeError,
     EngineDeadError,
@@ -18,20 +18,24 @@ from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine, install_uvloop
-    from engine.core import EngineCore
+    from deltaserve.engine.async_engine import AsyncEngine, install_uvloop
+    from deltaserve.engine.core import EngineCore
 
-_LAZY = {"AsyncEngine": "engine.async_engine", "install_uvloop": "engine.async_engine", "EngineCore": "engine.core"}
+_LAZY = {
+    "AsyncEngine": "deltaserve.engine.async_engine",
+    "install_uvloop": "deltaserve.engine.async_engine",
+    "EngineCore": "deltaserve.engine.core",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'deltaserve.engine' has no attribute {name!r}")
 
 
 __all__ = [

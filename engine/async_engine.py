@@ -24,12 +24,12 @@ from typing import Any
 
 import structlog
 
-from engine.config import EngineConfig
-from engine.core import EngineCore, Prompt
-from engine.errors import EngineDeadError, InvalidRequestError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from scheduler.request import Request
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.core import EngineCore, Prompt
+from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.scheduler.request import Request
 
 log = structlog.get_logger("deltaserve.engine")
 
@@ -126,7 +126,9 @@ class AsyncEngine:
         self._wakeup.set()
         return self._stream(req.request_id, queue)
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -200,7 +202,9 @@ class AsyncEngine:
                     if self._pending_add or self._pending_abort:
                         continue
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), timeout=self.config.logging.stats_interval_s)
+                        await asyncio.wait_for(
+                            self._wakeup.wait(), timeout=self.config.logging.stats_interval_s
+                        )
                     continue
                 self._in_step = True
                 try:
@@ -220,7 +224,11 @@ class AsyncEngine:
             for rid, queue in list(self._queues.items()):
                 queue.put_nowait(
                     RequestOutput(
-                        request_id=rid, token_ids=[], text="", finished=True, finish_reason="error",
+                        request_id=rid,
+                        token_ids=[],
+                        text="",
+                        finished=True,
+                        finish_reason="error",
                         error=f"engine loop died: {e!r}",
                     )
                 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import EngineConfig, parse_override
+from deltaserve.engine.config import EngineConfig, parse_override
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -16,9 +16,9 @@ from typing import Annotated, Any
 import msgspec
 import tomllib
 
-from cache.admission import ADMISSION_POLICIES
-from engine.errors import ConfigError
-from scheduler.policy import resolve_policy_class
+from deltaserve.cache.admission import ADMISSION_POLICIES
+from deltaserve.engine.errors import ConfigError
+from deltaserve.scheduler.policy import resolve_policy_class
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]

@@ -21,19 +21,24 @@ from typing import Any
 import structlog
 import torch
 
-from cache.hashing import make_salt
-from cache.manager import CacheManager, CacheManagerConfig
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ConfigError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
-from engine.model_runner import ModelRunner, RunnerSizes
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kernels import get_ops
-from models import LoadedModel, load_model
-from scheduler.policy import make_policy
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from deltaserve.cache.hashing import make_salt
+from deltaserve.cache.manager import CacheManager, CacheManagerConfig
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.errors import (
+    ConfigError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from deltaserve.engine.model_runner import ModelRunner, RunnerSizes
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.kernels import get_ops
+from deltaserve.models import LoadedModel, load_model
+from deltaserve.scheduler.policy import make_policy
+from deltaserve.scheduler.request import Request
+from deltaserve.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger("deltaserve.engine")
 
@@ -53,7 +58,9 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.ops = get_ops(config.kernels.backend, self.device)
         torch.manual_seed(config.model.seed)
-        self.loaded = loaded or load_model(config.model.path, dtype=self.dtype, device=self.device, ops=self.ops)
+        self.loaded = loaded or load_model(
+            config.model.path, dtype=self.dtype, device=self.device, ops=self.ops
+        )
         self.tokenizer = self.loaded.tokenizer
         # Detokenization runs in the step thread while `generate` tokenizes on the event-loop
         # thread; HF fast tokenizers mutate themselves while encoding ("Already borrowed"), so
@@ -103,7 +110,9 @@ class EngineCore:
         self.runner = ModelRunner(
             self.loaded,
             self.ops,
-            RunnerSizes(num_blocks if spec.num_attn_layers else 1, cc.block_size, self.cache.slots.num_live, num_ckpt),
+            RunnerSizes(
+                num_blocks if spec.num_attn_layers else 1, cc.block_size, self.cache.slots.num_live, num_ckpt
+            ),
             self.device,
         )
         self.runner.default_generator.manual_seed(config.model.seed)
@@ -153,7 +162,9 @@ class EngineCore:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {m!r}")
             try:
-                text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(
+                    list(prompt), tokenize=False, add_generation_prompt=True
+                )
             except Exception as e:  # no template, or the template rejects these messages
                 raise InvalidRequestError(f"chat template could not render the messages: {e}") from e
             return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -162,7 +173,9 @@ class EngineCore:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise InvalidRequestError(f"prompt token {i} is {t!r}, not an int")
             if not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(f"prompt token {i} = {t} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidRequestError(
+                    f"prompt token {i} = {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
         return ids
 
     def make_request(
@@ -182,7 +195,9 @@ class EngineCore:
             raise InvalidRequestError(f"priority must be an int, got {priority!r}")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
-                raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidRequestError(
+                    f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from kernels import Ops
-from models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
-from scheduler.scheduler import SchedulerOutput
+from deltaserve.kernels import Ops
+from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
+from deltaserve.scheduler.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -45,7 +45,10 @@ class ModelRunner:
         self.device = device
         self.spec: CacheSpec = self.model.cache_spec()
         self.caches: ModelCaches = self.spec.allocate(
-            sizes.num_kv_blocks, sizes.block_size, sizes.num_state_slots if self.spec.num_gdn_layers else 0, device
+            sizes.num_kv_blocks,
+            sizes.block_size,
+            sizes.num_state_slots if self.spec.num_gdn_layers else 0,
+            device,
         )
         self.default_generator = torch.Generator(device=device)
 
@@ -123,7 +126,9 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(out.seqs)
         if sample_seq:
             params = [out.seqs[i].request.sampling_params for i in sample_seq]
-            gens: list[Any] = [out.seqs[i].request.extra.get("generator") or self.default_generator for i in sample_seq]
+            gens: list[Any] = [
+                out.seqs[i].request.extra.get("generator") or self.default_generator for i in sample_seq
+            ]
             tokens = self.ops.sample(
                 logits,
                 torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),

@@ -5,12 +5,12 @@ importing a backend module directly, so the Triton path can slot in behind the s
 Shapes and semantics: docs/contracts.md, "Kernel ops".
 """
 
-from kernels.attention import paged_attention, store_kv
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from kernels.ops import BACKENDS, REFERENCE_OPS, Ops, get_ops
-from kernels.sampler import sample
-from kernels.state_copy import copy_state_slots
+from deltaserve.kernels.attention import paged_attention, store_kv
+from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from deltaserve.kernels.ops import BACKENDS, REFERENCE_OPS, Ops, get_ops
+from deltaserve.kernels.sampler import sample
+from deltaserve.kernels.state_copy import copy_state_slots
 
 __all__ = [
     "BACKENDS",

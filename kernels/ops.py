@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import paged_attention, store_kv
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from kernels.sampler import sample
-from kernels.state_copy import copy_state_slots
+from deltaserve.kernels.attention import paged_attention, store_kv
+from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from deltaserve.kernels.sampler import sample
+from deltaserve.kernels.state_copy import copy_state_slots
 
 __all__ = ["BACKENDS", "REFERENCE_OPS", "Ops", "get_ops"]
 
@@ -93,7 +93,10 @@ def _triton_ops(device: torch.device) -> Ops:
         raise NotImplementedError(
             "the Triton kernel backend needs the 'triton' package (pip install 'deltaserve[triton]')"
         )
-    from kernels.triton import INTERPRET, TRITON_OPS  # lazy: triton.jit reads TRITON_INTERPRET at import
+    from deltaserve.kernels.triton import (  # lazy: triton.jit reads TRITON_INTERPRET at import
+        INTERPRET,
+        TRITON_OPS,
+    )
 
     if interpret != INTERPRET:
         raise NotImplementedError(

@@ -1,9 +1,9 @@
 """Models written for the engine's flattened varlen batch, their weight loader and the
 built-in tiny checkpoints. See docs/contracts.md for the batch and cache layouts."""
 
-from models.batch import BatchMetadata, CacheSpec, ModelCaches
-from models.builtin import ensure_builtin_model
-from models.loader import (
+from deltaserve.models.batch import BatchMetadata, CacheSpec, ModelCaches
+from deltaserve.models.builtin import ensure_builtin_model
+from deltaserve.models.loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
     ModelLoadError,

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from models.fusion import concat_linears
-from models.rope import apply_rotary
+from deltaserve.models.fusion import concat_linears
+from deltaserve.models.rope import apply_rotary
 
 if TYPE_CHECKING:
-    from kernels import Ops
-    from models.batch import BatchMetadata
+    from deltaserve.kernels import Ops
+    from deltaserve.models.batch import BatchMetadata
 
 
 class PagedAttention(nn.Module):

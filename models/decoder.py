@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from models.attention import PagedAttention
-from models.batch import BatchMetadata, CacheSpec, ModelCaches
-from models.gdn import GatedDeltaNet, GdnSegments
-from models.rope import RotaryEmbedding
+from deltaserve.models.attention import PagedAttention
+from deltaserve.models.batch import BatchMetadata, CacheSpec, ModelCaches
+from deltaserve.models.gdn import GatedDeltaNet, GdnSegments
+from deltaserve.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from kernels import Ops
+    from deltaserve.kernels import Ops
 
 ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"

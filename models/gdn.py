@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.fusion import concat_linears
-from models.norms import GatedRMSNorm
+from deltaserve.models.fusion import concat_linears
+from deltaserve.models.norms import GatedRMSNorm
 
 if TYPE_CHECKING:
-    from kernels import Ops
-    from models.batch import BatchMetadata
+    from deltaserve.kernels import Ops
+    from deltaserve.models.batch import BatchMetadata
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,9 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
         r = self.num_v_heads // hk
         if self.in_proj is not None:
-            qkvz_flat, ba_flat = self.in_proj(x).split([2 * self.key_dim + 2 * self.value_dim, 2 * self.num_v_heads], -1)
+            qkvz_flat, ba_flat = self.in_proj(x).split(
+                [2 * self.key_dim + 2 * self.value_dim, 2 * self.num_v_heads], -1
+            )
         else:
             qkvz_flat, ba_flat = self.in_proj_qkvz(x), self.in_proj_ba(x)
         qkvz = qkvz_flat.reshape(t, hk, 2 * dk + 2 * r * dv)

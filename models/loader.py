@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from models.decoder import CausalLM
-from models.fusion import fuse_model
-from models.qwen3 import Qwen3CausalLM
-from models.qwen3_5 import Qwen35CausalLM
-from models.qwen3_next import Qwen3NextCausalLM
+from deltaserve.models.decoder import CausalLM
+from deltaserve.models.fusion import fuse_model
+from deltaserve.models.qwen3 import Qwen3CausalLM
+from deltaserve.models.qwen3_5 import Qwen35CausalLM
+from deltaserve.models.qwen3_next import Qwen3NextCausalLM
 
 if TYPE_CHECKING:
-    from kernels import Ops
+    from deltaserve.kernels import Ops
 
 BUILTIN_PREFIX = "builtin:"
 _MAX_LISTED = 8
@@ -143,7 +143,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device | s
 
 def _resolve_folder(path: str | Path) -> Path:
     if isinstance(path, str) and path.startswith(BUILTIN_PREFIX):
-        from models.builtin import ensure_builtin_model
+        from deltaserve.models.builtin import ensure_builtin_model
 
         name = path[len(BUILTIN_PREFIX) :]
         try:

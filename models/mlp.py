@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from models.fusion import concat_linears
+from deltaserve.models.fusion import concat_linears
 
 
 class GatedMLP(nn.Module):

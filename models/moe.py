@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from models.mlp import GatedMLP
+from deltaserve.models.mlp import GatedMLP
 
 
 class TopKRouter(nn.Module):

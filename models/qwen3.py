@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from models.attention import PagedAttention
-from models.decoder import ATTENTION, CausalLM, DecoderLayer
-from models.mlp import GatedMLP
-from models.norms import RMSNorm
+from deltaserve.models.attention import PagedAttention
+from deltaserve.models.decoder import ATTENTION, CausalLM, DecoderLayer
+from deltaserve.models.mlp import GatedMLP
+from deltaserve.models.norms import RMSNorm
 
 if TYPE_CHECKING:
-    from kernels import Ops
+    from deltaserve.kernels import Ops
 
 
 class Qwen3CausalLM(CausalLM):

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from models.attention import PagedAttention
-from models.decoder import ATTENTION, LINEAR_ATTENTION, CausalLM, DecoderLayer
-from models.gdn import GatedDeltaNet
-from models.mlp import GatedMLP
-from models.norms import ZeroCenteredRMSNorm
+from deltaserve.models.attention import PagedAttention
+from deltaserve.models.decoder import ATTENTION, LINEAR_ATTENTION, CausalLM, DecoderLayer
+from deltaserve.models.gdn import GatedDeltaNet
+from deltaserve.models.mlp import GatedMLP
+from deltaserve.models.norms import ZeroCenteredRMSNorm
 
 if TYPE_CHECKING:
-    from kernels import Ops
+    from deltaserve.kernels import Ops
 
 
 class Qwen35CausalLM(CausalLM):

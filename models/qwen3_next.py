@@ -18,10 +18,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from models.gdn import FusedGatedDeltaNet, GatedDeltaNet
-from models.mlp import GatedMLP
-from models.moe import SparseMoeBlock, merge_per_expert_weights
-from models.qwen3_5 import Qwen35CausalLM
+from deltaserve.models.gdn import FusedGatedDeltaNet, GatedDeltaNet
+from deltaserve.models.mlp import GatedMLP
+from deltaserve.models.moe import SparseMoeBlock, merge_per_expert_weights
+from deltaserve.models.qwen3_5 import Qwen35CausalLM
 
 
 class Qwen3NextCausalLM(Qwen35CausalLM):

@@ -1,6 +1,6 @@
 """Continuous-batching scheduler and pluggable policies. Torch-free."""
 
-from scheduler.policy import (
+from deltaserve.scheduler.policy import (
     POLICIES,
     FCFSPolicy,
     LPMPolicy,
@@ -12,8 +12,8 @@ from scheduler.policy import (
     register_policy,
     resolve_policy_class,
 )
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from deltaserve.scheduler.request import Request, RequestStatus
+from deltaserve.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 __all__ = [
     "POLICIES",

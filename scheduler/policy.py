@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.request import Request
+from deltaserve.scheduler.request import Request
 
 
 @dataclass
@@ -161,7 +161,9 @@ def resolve_policy_class(name: str) -> type[SchedulingPolicy]:
     try:
         return POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy; known: {', '.join(sorted(POLICIES))}, or package.module:ClassName") from None
+        raise ValueError(
+            f"unknown policy; known: {', '.join(sorted(POLICIES))}, or package.module:ClassName"
+        ) from None
 
 
 def make_policy(name: str, options: dict[str, Any] | None = None) -> SchedulingPolicy:

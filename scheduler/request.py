@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache.manager import SeqCache
+from deltaserve.cache.manager import SeqCache
 
 
 class RequestStatus(enum.Enum):

@@ -23,9 +23,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from cache.manager import CacheManager, StepItem, StepPlan
-from scheduler.policy import PolicyContext, SchedulingPolicy
-from scheduler.request import Request, RequestStatus
+from deltaserve.cache.manager import CacheManager, StepItem, StepPlan
+from deltaserve.scheduler.policy import PolicyContext, SchedulingPolicy
+from deltaserve.scheduler.request import Request, RequestStatus
 
 
 @dataclass
@@ -242,7 +242,13 @@ class Scheduler:
         if not seqs:
             return None
         items = [
-            StepItem(seq=s.request.cache, token_ids=s.request.token_ids, start=s.start, end=s.end, is_decode=s.is_decode)  # type: ignore[arg-type]
+            StepItem(
+                seq=s.request.cache,
+                token_ids=s.request.token_ids,
+                start=s.start,
+                end=s.end,
+                is_decode=s.is_decode,
+            )  # type: ignore[arg-type]
             for s in seqs
         ]
         plan = self.cache.plan_step(items)
@@ -322,4 +328,7 @@ class Scheduler:
         assert all(r.status is RequestStatus.WAITING for r in self.waiting)
         assert len(self.running) <= self.max_num_seqs
         for r in self.running:
-            assert r.cache is not None and len(r.cache.block_table) * self.cache.block_size >= r.num_computed_tokens
+            assert (
+                r.cache is not None
+                and len(r.cache.block_table) * self.cache.block_size >= r.num_computed_tokens
+            )

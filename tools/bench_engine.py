@@ -20,17 +20,14 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine import EngineCore, SamplingParams  # noqa: E402
-from engine.cli import add_config_args, config_from_args  # noqa: E402
-from engine.log_setup import configure_logging  # noqa: E402
+from deltaserve.engine import EngineCore, SamplingParams
+from deltaserve.engine.cli import add_config_args, config_from_args
+from deltaserve.engine.log_setup import configure_logging
 
 
 def run_engine(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -75,7 +72,11 @@ def main() -> None:
     args = ap.parse_args()
     configure_logging("warning")
     # Prefix caching off: repetitions must not turn into cache hits (this measures batching).
-    base = {"scheduler.max_num_seqs": max(args.num, 8), "model.dtype": "float32", "cache.enable_prefix_caching": False}
+    base = {
+        "scheduler.max_num_seqs": max(args.num, 8),
+        "model.dtype": "float32",
+        "cache.enable_prefix_caching": False,
+    }
     config = config_from_args(args, base)
     core = EngineCore(config)
     from transformers import AutoModelForCausalLM
@@ -83,7 +84,10 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(core.loaded.path, dtype=torch.float32).eval()
     vocab = int(core.loaded.hf_config.vocab_size)
     rng = random.Random(args.seed)
-    mixed = [[rng.randrange(3, vocab) for _ in range(rng.randint(args.mixed_min, args.mixed_max))] for _ in range(args.num)]
+    mixed = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(args.mixed_min, args.mixed_max))]
+        for _ in range(args.num)
+    ]
     static = [[rng.randrange(3, vocab) for _ in range(args.static_len)] for _ in range(args.num)]
     n_out = args.num * args.max_tokens
     results: dict[str, dict[str, float]] = {}
@@ -107,12 +111,20 @@ def main() -> None:
         t, eng_static = run_engine(core, static, args.max_tokens)
         t_eng_static_all.append(t)
     med = statistics.median
-    results["mixed"] = {"hf_one_at_a_time_tok_s": n_out / med(t_hf_mixed_all), "engine_tok_s": n_out / med(t_eng_mixed_all)}
-    results["static"] = {"hf_static_batch_tok_s": n_out / med(t_hf_static_all), "engine_tok_s": n_out / med(t_eng_static_all)}
+    results["mixed"] = {
+        "hf_one_at_a_time_tok_s": n_out / med(t_hf_mixed_all),
+        "engine_tok_s": n_out / med(t_eng_mixed_all),
+    }
+    results["static"] = {
+        "hf_static_batch_tok_s": n_out / med(t_hf_static_all),
+        "engine_tok_s": n_out / med(t_eng_static_all),
+    }
 
     same_mixed = sum(a == b for a, b in zip(hf_mixed, eng_mixed, strict=True))
     same_static = sum(a == b for a, b in zip(hf_static, eng_static, strict=True))
-    print(f"\nmodel {core.loaded.path.name}  prompts {args.num}  max_tokens {args.max_tokens}  threads {torch.get_num_threads()}")
+    print(
+        f"\nmodel {core.loaded.path.name}  prompts {args.num}  max_tokens {args.max_tokens}  threads {torch.get_num_threads()}"
+    )
     print(f"{'workload':<10}{'transformers tok/s':>20}{'engine tok/s':>15}{'ratio':>8}{'identical':>11}")
     r = results["mixed"]
     print(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = Shapes(**{**shapes.__dict__, "context": args.context or shapes.context,
                            "prefill": args.prefill or shapes.prefill})  # fmt: skip
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from kernels import get_ops
+    from deltaserve.kernels import get_ops
 
     backends = {"triton": get_ops("triton", device)}
     if not args.skip_reference:

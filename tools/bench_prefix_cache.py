@@ -20,15 +20,12 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import EngineCore, SamplingParams  # noqa: E402
-from engine.cli import add_config_args, config_from_args  # noqa: E402
-from engine.log_setup import configure_logging  # noqa: E402
+from deltaserve.engine import EngineCore, SamplingParams
+from deltaserve.engine.cli import add_config_args, config_from_args
+from deltaserve.engine.log_setup import configure_logging
 
 WORDS = (
     "cache state model token prefix turn reply agent tool result query answer memory block "
@@ -60,7 +57,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")
     ap.add_argument("--reply-tokens", type=int, default=48)
-    ap.add_argument("--repeat", type=int, default=3, help="warm replicas and cold timings per turn (medians kept)")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="warm replicas and cold timings per turn (medians kept)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -82,9 +81,12 @@ def main() -> None:
     messages = [{"role": "system", "content": "You are a helpful assistant for cache experiments."}]
     rows = []
     for turn in range(args.turns):
-        messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(args.user_tokens))})
+        messages.append(
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(args.user_tokens))}
+        )
         prompt = tok.encode(
-            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
         )
         warm_times, cold_times, replies, cached_seen = [], [], [], set()
         for i in range(args.repeat):
@@ -100,13 +102,22 @@ def main() -> None:
         t_warm, t_cold = statistics.median(warm_times), statistics.median(cold_times)
         ideal = (len(prompt) - cached) / len(prompt)
         rows.append(
-            {"turn": turn, "prompt_tokens": len(prompt), "cached_tokens": cached, "ttft_warm_s": t_warm,
-             "ttft_cold_s": t_cold, "ratio": t_warm / t_cold, "ideal": ideal}
+            {
+                "turn": turn,
+                "prompt_tokens": len(prompt),
+                "cached_tokens": cached,
+                "ttft_warm_s": t_warm,
+                "ttft_cold_s": t_cold,
+                "ratio": t_warm / t_cold,
+                "ideal": ideal,
+            }
         )
         messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
     warm = base_core
 
-    print(f"\n{'turn':>4}{'prompt':>8}{'cached':>8}{'hit%':>7}{'warm ms':>9}{'cold ms':>9}{'ratio':>8}{'ideal':>8}{'ratio/ideal':>12}")
+    print(
+        f"\n{'turn':>4}{'prompt':>8}{'cached':>8}{'hit%':>7}{'warm ms':>9}{'cold ms':>9}{'ratio':>8}{'ideal':>8}{'ratio/ideal':>12}"
+    )
     for r in rows:
         print(
             f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{100 * r['cached_tokens'] / r['prompt_tokens']:>6.1f}%"

@@ -21,32 +21,24 @@ serving engine). Ratios are against the first column. Everything goes to ``--jso
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import math
 import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._paths import setup as _setup_paths  # noqa: E402
+import structlog
 
-_setup_paths()
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from collections.abc import AsyncIterator, Sequence  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import structlog  # noqa: E402
-
-from tools.metrics import RequestRecord, format_table, stats_delta, summarize  # noqa: E402
-from tools.workloads import (  # noqa: E402
+from deltaserve.tools.metrics import RequestRecord, format_table, stats_delta, summarize
+from deltaserve.tools.workloads import (
     HFCodec,
     RequestSpec,
     Workload,
@@ -85,7 +77,7 @@ class EngineBackend:
     kind = "engine"
 
     def __init__(self, core: Any, sampling: Sampling) -> None:
-        from engine import AsyncEngine
+        from deltaserve.engine import AsyncEngine
 
         self.core = core
         self.sampling = sampling
@@ -102,7 +94,7 @@ class EngineBackend:
         await self.engine.shutdown()
 
     async def stream(self, spec: RequestSpec) -> AsyncIterator[Delta]:
-        from engine import SamplingParams
+        from deltaserve.engine import SamplingParams
 
         params = SamplingParams(
             max_tokens=spec.max_tokens,
@@ -394,8 +386,8 @@ async def run_live(
 # ============================================================================ configs
 def compare_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """(label, EngineConfig) per column: ``--compare`` entries, else the base config."""
-    from engine.cli import config_from_args
-    from engine.config import EngineConfig, parse_override
+    from deltaserve.engine.cli import config_from_args
+    from deltaserve.engine.config import EngineConfig, parse_override
 
     base_overrides = dict(parse_override(s) for s in args.set)
     if not args.compare:
@@ -505,7 +497,7 @@ def plot(path: str, runs: Sequence[RunResult], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tools.metrics import e2e, itls, tpot, ttft
+    from deltaserve.tools.metrics import e2e, itls, tpot, ttft
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     panels = [
@@ -557,7 +549,7 @@ def plot(path: str, runs: Sequence[RunResult], title: str) -> None:
 
 # ============================================================================ main
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import add_config_args
+    from deltaserve.engine.cli import add_config_args
 
     parser = argparse.ArgumentParser(
         prog="loadgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -596,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def amain(args: argparse.Namespace) -> list[RunResult]:
-    from engine import EngineCore
+    from deltaserve.engine import EngineCore
 
     sampling = Sampling(args.temperature, args.top_p, args.ignore_eos, args.sampling_seed)
     columns = compare_configs(args)
@@ -654,10 +646,10 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
-    from engine.log_setup import configure_logging
+    from deltaserve.engine.log_setup import configure_logging
 
     configure_logging(args.log_level)
-    from engine import install_uvloop
+    from deltaserve.engine import install_uvloop
 
     install_uvloop()  # uvloop when installed, else the default asyncio loop
     runs = asyncio.run(amain(args))

@@ -30,37 +30,29 @@ loaded here without it).
 
 from __future__ import annotations
 
+import argparse
+import heapq
+import itertools
+import json
+import math
+import re
 import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._paths import setup as _setup_paths  # noqa: E402
+import structlog
 
-_setup_paths()
-
-import argparse  # noqa: E402
-import heapq  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-from collections import deque  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import asdict, dataclass, field, replace  # noqa: E402
-from typing import Any  # noqa: E402
-
-import structlog  # noqa: E402
-
-from cache import CacheManager, CacheManagerConfig  # noqa: E402
-from cache.admission import ADMISSION_POLICIES  # noqa: E402
-from engine import cli as engine_cli  # noqa: E402  (engine/__init__ is lazy: no torch)
-from engine.log_setup import configure_logging  # noqa: E402
-from scheduler import Request, Scheduler, make_policy  # noqa: E402
-from tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn  # noqa: E402
-from tools.workloads import (  # noqa: E402
+from deltaserve.cache import CacheManager, CacheManagerConfig
+from deltaserve.cache.admission import ADMISSION_POLICIES
+from deltaserve.engine import cli as engine_cli  # (engine/__init__ is lazy: no torch)
+from deltaserve.engine.log_setup import configure_logging
+from deltaserve.scheduler import Request, Scheduler, make_policy
+from deltaserve.tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn
+from deltaserve.tools.workloads import (
     ArrivalParams,
     RequestSpec,
     Workload,

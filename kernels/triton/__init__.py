@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kernels.ops import REFERENCE_OPS
-from kernels.triton._common import INTERPRET
-from kernels.triton.attention import paged_attention, store_kv
-from kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.triton.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from kernels.triton.state_copy import copy_state_slots
+from deltaserve.kernels.ops import REFERENCE_OPS
+from deltaserve.kernels.triton._common import INTERPRET
+from deltaserve.kernels.triton.attention import paged_attention, store_kv
+from deltaserve.kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.triton.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from deltaserve.kernels.triton.state_copy import copy_state_slots
 
 __all__ = [
     "INTERPRET",

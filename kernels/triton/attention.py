@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import (
+from deltaserve.kernels.triton._common import (
     INTERPRET,
     block,
     check_device,

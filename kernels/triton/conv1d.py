@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import block, check_device, host_lists, index_tensor, next_pow2
+from deltaserve.kernels.triton._common import block, check_device, host_lists, index_tensor, next_pow2
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdn import _plan_captures
-from kernels.triton._common import (
+from deltaserve.kernels.gdn import _plan_captures
+from deltaserve.kernels.triton._common import (
     block,
     check_device,
     dot_precision,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.state_copy import slot_pairs
+from deltaserve.kernels.state_copy import slot_pairs
 
 __all__ = ["copy_state_slots"]
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cache import CacheManager, CacheManagerConfig, SeqCache, StepItem
+from deltaserve.cache import CacheManager, CacheManagerConfig, SeqCache, StepItem
 
 # Few distinct prefixes so requests share and branch a lot.
 PREFIXES = [[p * 1000 + i for i in range(400)] for p in range(3)]

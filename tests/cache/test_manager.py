@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from cache import CacheManager, CacheManagerConfig, SlotState, StepItem
+from deltaserve.cache import CacheManager, CacheManagerConfig, SlotState, StepItem
 
 
 def make(**kw: object) -> CacheManager:
-    cfg = dict(block_size=16, num_kv_blocks=64, num_live_slots=4, num_checkpoint_slots=8, checkpoint_bytes=100)
+    cfg = dict(
+        block_size=16, num_kv_blocks=64, num_live_slots=4, num_checkpoint_slots=8, checkpoint_bytes=100
+    )
     cfg.update(kw)
     return CacheManager(CacheManagerConfig(**cfg))  # type: ignore[arg-type]
 
@@ -101,7 +103,9 @@ def test_staging_budget_and_pool_skips_are_counted() -> None:
 
 
 def test_checkpoint_lru_eviction_when_pool_is_short() -> None:
-    cm = make(num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_policy="interval", checkpoint_interval=256)
+    cm = make(
+        num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_policy="interval", checkpoint_interval=256
+    )
     run_prefill(cm, "a", list(range(300)))
     run_prefill(cm, "b", list(range(1000, 1300)))
     s = cm.stats()
@@ -119,7 +123,9 @@ def test_pinned_restore_source_survives_pool_pressure() -> None:
     other = list(range(2000, 2300))
     o = cm.admit("c", other, b"s")
     assert o is not None and cm.allocate(o, 300) and cm.allocate(seq, 320)
-    plan = cm.plan_step([StepItem(seq, list(range(300)) + [9] * 20, 256, 320, False), StepItem(o, other, 0, 300, False)])
+    plan = cm.plan_step(
+        [StepItem(seq, list(range(300)) + [9] * 20, 256, 320, False), StepItem(o, other, 0, 300, False)]
+    )
     assert plan.restores == [(seq.restore_node.checkpoint_slot, seq.state_slot)]
     assert cm.stats()["checkpoints.skipped_pool"] >= 1
     cm.commit_step(plan)

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine import EngineConfig, EngineCore, SamplingParams
-from kernels import get_ops
-from models import LoadedModel, ensure_builtin_model, load_model
+from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
+from deltaserve.kernels import get_ops
+from deltaserve.models import LoadedModel, ensure_builtin_model, load_model
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine import (
+from deltaserve.engine import (
     AsyncEngine,
     EngineCore,
     EngineOverloadedError,
@@ -38,11 +38,17 @@ async def test_seeded_sampling_is_reproducible_whatever_the_batch(core_factory: 
     async with AsyncEngine(core=core_factory()) as engine:
         alone = tokens_of(await collect(engine, prompt(40), params))
         others = [
-            collect(engine, prompt(30 + i, seed=i), SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True))
+            collect(
+                engine,
+                prompt(30 + i, seed=i),
+                SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True),
+            )
             for i in range(5)
         ]
         batched, *_ = await asyncio.gather(collect(engine, prompt(40), params), *others)
-        other_seed = tokens_of(await collect(engine, prompt(40), SamplingParams(**{**_fields(params), "seed": 99})))
+        other_seed = tokens_of(
+            await collect(engine, prompt(40), SamplingParams(**{**_fields(params), "seed": 99}))
+        )
     assert tokens_of(batched) == alone
     assert other_seed != alone
 
@@ -185,7 +191,9 @@ def test_overload_is_typed_and_immediate(core_factory: Any) -> None:
     core = core_factory(**{"scheduler.max_waiting": 2})
     core.add_request(core.make_request(prompt(10), greedy(2)))
     core.add_request(core.make_request(prompt(10, 1), greedy(2)))
-    with pytest.raises(EngineOverloadedError, match=r"waiting queue is full \(2 >= scheduler.max_waiting = 2\)"):
+    with pytest.raises(
+        EngineOverloadedError, match=r"waiting queue is full \(2 >= scheduler.max_waiting = 2\)"
+    ):
         core.add_request(core.make_request(prompt(10, 2), greedy(2)))
     run_to_completion(core)
 

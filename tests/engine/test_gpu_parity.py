@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import EngineCore
-from kernels import sample
+from deltaserve.engine import EngineCore
+from deltaserve.kernels import sample
 from tests.engine.conftest import greedy, make_config, run_to_completion
 
 pytestmark = [

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine import EngineCore
-from kernels import get_ops
-from models import ensure_builtin_model, load_model
+from deltaserve.engine import EngineCore
+from deltaserve.kernels import get_ops
+from deltaserve.models import ensure_builtin_model, load_model
 from tests.engine.conftest import greedy, hf_greedy, make_config, run_to_completion
 
 

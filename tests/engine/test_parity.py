@@ -6,7 +6,7 @@ import asyncio
 import random
 from typing import Any
 
-from engine import AsyncEngine, RequestOutput
+from deltaserve.engine import AsyncEngine, RequestOutput
 from tests.engine.conftest import greedy, hf_greedy, make_config
 
 LENGTHS = [1, 2, 5, 17, 63, 64, 65, 100, 128, 129, 200, 255, 300, 450, 601, 700]
@@ -18,7 +18,7 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 async def test_concurrent_staggered_requests_match_transformers(tiny_loaded: Any, hf_tiny: Any) -> None:
-    from engine import EngineCore
+    from deltaserve.engine import EngineCore
 
     prompts = make_prompts(int(tiny_loaded.hf_config.vocab_size))
     max_new = [4 + (i * 5) % 9 for i in range(len(prompts))]

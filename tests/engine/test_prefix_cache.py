@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import EngineCore
+from deltaserve.engine import EngineCore
 from tests.engine.conftest import greedy, hf_greedy, run_to_completion
 
 
@@ -40,13 +40,32 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
 
 def test_multi_turn_chat_hits_tail_and_matches_cache_off(core_factory: Any, hf_tiny: Any) -> None:
     rng = random.Random(1)
-    words = ["the", "cache", "keeps", "every", "state", "a", "model", "needs", "to", "resume", "from", "any", "turn", "of", "a", "chat"]
+    words = [
+        "the",
+        "cache",
+        "keeps",
+        "every",
+        "state",
+        "a",
+        "model",
+        "needs",
+        "to",
+        "resume",
+        "from",
+        "any",
+        "turn",
+        "of",
+        "a",
+        "chat",
+    ]
     cached = core_factory()
     plain = core_factory(**{"cache.enable_prefix_caching": False})
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are a terse assistant. " * 6}]
     prev_prompt_len = 0
     for turn in range(4):
-        messages.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(40 + 13 * turn))})
+        messages.append(
+            {"role": "user", "content": " ".join(rng.choice(words) for _ in range(40 + 13 * turn))}
+        )
         req = cached.make_request(messages, greedy(8))
         cached.add_request(req)
         out = run_to_completion(cached)[req.request_id]
@@ -57,7 +76,9 @@ def test_multi_turn_chat_hits_tail_and_matches_cache_off(core_factory: Any, hf_t
             assert warm == hf_greedy(hf_tiny, req.prompt_token_ids, 8)
         if turn > 0:
             tail = ((prev_prompt_len - 1) // cached.cache.unit) * cached.cache.unit
-            assert out[-1].num_cached_tokens >= tail > 0, f"turn {turn}: hit {out[-1].num_cached_tokens} < tail {tail}"
+            assert out[-1].num_cached_tokens >= tail > 0, (
+                f"turn {turn}: hit {out[-1].num_cached_tokens} < tail {tail}"
+            )
         prev_prompt_len = req.num_prompt_tokens
         reply = cached.tokenizer.decode(warm, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})

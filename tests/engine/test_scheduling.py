@@ -58,10 +58,12 @@ def test_long_prompt_does_not_stall_running_decodes(core_factory: Any) -> None:
 def test_policy_from_config_file_and_set_changes_engine_order(core_factory: Any, tmp_path: Any) -> None:
     import argparse
 
-    from engine import EngineCore
-    from engine.cli import add_config_args, config_from_args
+    from deltaserve.engine import EngineCore
+    from deltaserve.engine.cli import add_config_args, config_from_args
 
-    (tmp_path / "sjf.toml").write_text('[scheduler]\npolicy = "sjf"\nmax_num_seqs = 1\n[cache]\nnum_kv_blocks = 256\n')
+    (tmp_path / "sjf.toml").write_text(
+        '[scheduler]\npolicy = "sjf"\nmax_num_seqs = 1\n[cache]\nnum_kv_blocks = 256\n'
+    )
     parser = argparse.ArgumentParser()
     add_config_args(parser)
     loaded = core_factory().loaded
@@ -92,7 +94,9 @@ def test_policy_from_config_file_and_set_changes_engine_order(core_factory: Any,
 def test_without_chunked_prefill_a_prompt_is_one_step(core_factory: Any) -> None:
     rng = random.Random(3)
     chunked = core_factory(**{"scheduler.max_num_batched_tokens": 256})
-    whole = core_factory(**{"scheduler.max_num_batched_tokens": 256, "scheduler.enable_chunked_prefill": False})
+    whole = core_factory(
+        **{"scheduler.max_num_batched_tokens": 256, "scheduler.enable_chunked_prefill": False}
+    )
     p = rand_prompt(rng, 1000)
     outs = {}
     for name, core in (("chunked", chunked), ("whole", whole)):

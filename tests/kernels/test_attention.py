@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention import paged_attention, store_kv
+from deltaserve.kernels.attention import paged_attention, store_kv
 
 HEAD_DIM = 16
 NUM_BLOCKS = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 
 CHANNELS, KERNEL = 12, 4
 NUM_SLOTS = 40

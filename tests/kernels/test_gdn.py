@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from deltaserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 DK, DV = 16, 32
 NUM_SLOTS = 48

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
-from kernels import Ops, get_ops
+import deltaserve.kernels
+from deltaserve.kernels import Ops, get_ops
 
 CONTRACT_OPS = {
     "chunk_gated_delta_rule",
@@ -28,7 +28,7 @@ def test_reference_and_auto_give_the_reference_ops() -> None:
     assert get_ops() is ops and get_ops("auto", torch.device("cpu")) is ops
     assert {f.name for f in dataclasses.fields(Ops)} - {"name"} == CONTRACT_OPS
     for name in CONTRACT_OPS:
-        assert getattr(ops, name) is getattr(kernels, name)
+        assert getattr(ops, name) is getattr(deltaserve.kernels, name)
 
 
 def test_ops_is_immutable() -> None:

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.conv1d import causal_conv1d_varlen
-from kernels.gdn import chunk_gated_delta_rule
+from deltaserve.kernels.conv1d import causal_conv1d_varlen
+from deltaserve.kernels.gdn import chunk_gated_delta_rule
 from tests.kernels.test_conv1d import oracle_conv
 from tests.kernels.test_gdn import DK, DV, oracle_recurrence
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampler import sample
+from deltaserve.kernels.sampler import sample
 
 
 def _params(

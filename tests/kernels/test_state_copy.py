@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.state_copy import copy_state_slots
+from deltaserve.kernels.state_copy import copy_state_slots
 
 
 def _states(rng: torch.Generator) -> list[torch.Tensor]:

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from kernels import Ops, get_ops
-from kernels.attention import paged_attention as ref_attention
-from kernels.attention import store_kv as ref_store
+from deltaserve.kernels import Ops, get_ops
+from deltaserve.kernels.attention import paged_attention as ref_attention
+from deltaserve.kernels.attention import store_kv as ref_store
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
 pytestmark = TRITON_MARKS
@@ -94,7 +94,7 @@ def store_both(tops: Ops, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
 def test_paged_attention_matches_reference(
     tops: Ops, block_size: int, num_q_heads: int, num_kv_heads: int, rng: torch.Generator
 ) -> None:
-    from kernels.triton.attention import paged_attention_impl
+    from deltaserve.kernels.triton.attention import paged_attention_impl
 
     b = build_batch(block_size, num_q_heads, num_kv_heads, 16, torch.float32, rng)
     k_cache, v_cache = store_both(tops, b)
@@ -110,7 +110,7 @@ def test_paged_attention_matches_reference(
 
 
 def test_paged_attention_bf16_odd_head_dim(tops: Ops, rng: torch.Generator) -> None:
-    from kernels.triton.attention import paged_attention_impl
+    from deltaserve.kernels.triton.attention import paged_attention_impl
 
     b = build_batch(8, 8, 2, 24, torch.bfloat16, rng)  # GQA 4, head dim 24 (masked tail)
     k_cache, v_cache = store_both(tops, b)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import Ops, get_ops
-from kernels.conv1d import causal_conv1d_update as ref_update
-from kernels.conv1d import causal_conv1d_varlen as ref_varlen
+from deltaserve.kernels import Ops, get_ops
+from deltaserve.kernels.conv1d import causal_conv1d_update as ref_update
+from deltaserve.kernels.conv1d import causal_conv1d_varlen as ref_varlen
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
 pytestmark = TRITON_MARKS

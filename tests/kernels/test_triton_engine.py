@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from engine import EngineCore
-from kernels import get_ops, sample
-from models import ensure_builtin_model, load_model
+from deltaserve.engine import EngineCore
+from deltaserve.kernels import get_ops, sample
+from deltaserve.models import ensure_builtin_model, load_model
 from tests.engine.conftest import greedy, make_config, run_to_completion
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 

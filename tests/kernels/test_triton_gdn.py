@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import Ops, get_ops
-from kernels.gdn import chunk_gated_delta_rule as ref_chunk
-from kernels.gdn import recurrent_gated_delta_rule as ref_recurrent
+from deltaserve.kernels import Ops, get_ops
+from deltaserve.kernels.gdn import chunk_gated_delta_rule as ref_chunk
+from deltaserve.kernels.gdn import recurrent_gated_delta_rule as ref_recurrent
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
 pytestmark = TRITON_MARKS

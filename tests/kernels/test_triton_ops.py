@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
-from kernels import Ops, get_ops
+import deltaserve.kernels
+from deltaserve.kernels import Ops, get_ops
 from tests.kernels.triton_env import DEVICE, INTERPRET, TRITON_MARKS
 
 pytestmark = TRITON_MARKS
@@ -19,9 +19,9 @@ def test_triton_ops_table() -> None:
     assert ops.name == "triton" and get_ops("triton", torch.device(DEVICE)) is ops
     names = {f.name for f in dataclasses.fields(Ops)} - {"name"}
     for name in names - {"sample"}:
-        assert getattr(ops, name) is not getattr(kernels, name), f"{name} is still the reference"
-        assert getattr(ops, name).__module__.startswith("kernels.triton."), name
-    assert ops.sample is kernels.sample  # the sampler stays the (torch) reference
+        assert getattr(ops, name) is not getattr(deltaserve.kernels, name), f"{name} is still the reference"
+        assert getattr(ops, name).__module__.startswith("deltaserve.kernels.triton."), name
+    assert ops.sample is deltaserve.kernels.sample  # the sampler stays the (torch) reference
 
 
 def test_auto_picks_by_device() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import Ops, get_ops
-from kernels.state_copy import copy_state_slots as ref_copy
+from deltaserve.kernels import Ops, get_ops
+from deltaserve.kernels.state_copy import copy_state_slots as ref_copy
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
 pytestmark = TRITON_MARKS

@@ -21,9 +21,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from kernels import Ops, get_ops
-from models import LoadedModel, load_model
-from models.builtin import build_tokenizer, init_random_weights
+from deltaserve.kernels import Ops, get_ops
+from deltaserve.models import LoadedModel, load_model
+from deltaserve.models.builtin import build_tokenizer, init_random_weights
 from tests.models.driver import PagedRunner
 
 VOCAB = 1024  # the built-in tokenizer's size, so the tokenizer copied into each folder fits

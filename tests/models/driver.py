@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import Ops
-from models import BatchMetadata
-from models.decoder import CausalLM
+from deltaserve.kernels import Ops
+from deltaserve.models import BatchMetadata
+from deltaserve.models.decoder import CausalLM
 
 GDN_CHUNK = 64
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models import CacheSpec, ModelCaches
+from deltaserve.models import CacheSpec, ModelCaches
 
 
 def spec(dtype: torch.dtype = torch.bfloat16) -> CacheSpec:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from models import ensure_builtin_model, load_model
-from models.builtin import builtin_names
+from deltaserve.models import ensure_builtin_model, load_model
+from deltaserve.models.builtin import builtin_names
 from tests.models.driver import PagedRunner, Work
 from tests.models.test_parity import ATOL, assert_matches
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from models import (
+from deltaserve.models import (
     ModelLoadError,
     ModelNotFoundError,
     TokenizerLoadError,

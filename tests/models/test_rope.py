@@ -13,7 +13,7 @@ import transformers
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-from models.rope import RotaryEmbedding, apply_rotary
+from deltaserve.models.rope import RotaryEmbedding, apply_rotary
 
 POSITIONS = torch.tensor([0, 1, 2, 63, 64, 65, 1000, 8191])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler import PolicyContext, Request, SchedulingPolicy
+from deltaserve.scheduler import PolicyContext, Request, SchedulingPolicy
 
 
 class LongestFirst(SchedulingPolicy):

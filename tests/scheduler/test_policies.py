@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from cache import CacheManager, CacheManagerConfig
-from engine import ConfigError, EngineConfig
-from engine.cli import add_config_args, config_from_args
-from scheduler import PolicyContext, Request, Scheduler, make_policy
+from deltaserve.cache import CacheManager, CacheManagerConfig
+from deltaserve.engine import ConfigError, EngineConfig
+from deltaserve.engine.cli import add_config_args, config_from_args
+from deltaserve.scheduler import PolicyContext, Request, Scheduler, make_policy
 
 
 class Params:
@@ -20,7 +20,9 @@ class Params:
 
 
 def req(rid: str, n: int, *, t: float, prio: int = 0, step: int = 0, max_tokens: int = 4) -> Request:
-    r = Request(rid, list(range(1000 * len(rid) + n, 1000 * len(rid) + 2 * n)), Params(max_tokens), priority=prio)
+    r = Request(
+        rid, list(range(1000 * len(rid) + n, 1000 * len(rid) + 2 * n)), Params(max_tokens), priority=prio
+    )
     r.arrival_time = t
     r.arrival_step = step
     return r
@@ -30,7 +32,12 @@ def ctx(step: int = 0, hits: dict[str, int] | None = None) -> PolicyContext:
     return PolicyContext(step=step, now=0.0, cached_prefix=lambda r: (hits or {}).get(r.request_id, 0))
 
 
-QUEUE = [req("a", 300, t=1), req("b", 50, t=2, prio=2), req("c", 120, t=3, prio=-1), req("d", 50, t=4, prio=2)]
+QUEUE = [
+    req("a", 300, t=1),
+    req("b", 50, t=2, prio=2),
+    req("c", 120, t=3, prio=-1),
+    req("d", 50, t=4, prio=2),
+]
 
 
 def ids(rs: list[Request]) -> list[str]:
@@ -81,7 +88,9 @@ def test_sjf_order_aging_and_victim() -> None:
 
 
 def test_unknown_policy_lists_known_ones() -> None:
-    with pytest.raises(ConfigError, match="scheduler.policy = 'nope': unknown policy; known: fcfs, lpm, priority, sjf"):
+    with pytest.raises(
+        ConfigError, match="scheduler.policy = 'nope': unknown policy; known: fcfs, lpm, priority, sjf"
+    ):
         EngineConfig.load(None, {"scheduler.policy": "nope"})
     with pytest.raises(TypeError, match="takes no options"):
         make_policy("fcfs", {"x": 1})
@@ -97,7 +106,9 @@ def test_config_file_and_set_switch_policy(tmp_path: Path) -> None:
     assert make_policy(cfg.scheduler.policy, cfg.scheduler.policy_options).max_queue == 7  # type: ignore[attr-defined]
     parser = argparse.ArgumentParser()
     add_config_args(parser)
-    args = parser.parse_args(["--config", str(toml), "--set", "scheduler.policy=priority", "--set", "scheduler.policy_options={}"])
+    args = parser.parse_args(
+        ["--config", str(toml), "--set", "scheduler.policy=priority", "--set", "scheduler.policy_options={}"]
+    )
     assert config_from_args(args).scheduler.policy == "priority"
     js = tmp_path / "b.json"
     js.write_text(json.dumps({"scheduler": {"policy": "tests.scheduler.custom_policy:LongestFirst"}}))
@@ -113,7 +124,10 @@ def test_config_file_and_set_switch_policy(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         ({"scheduler.max_num_seqs": 0}, r"scheduler.max_num_seqs = 0: Expected `int` >= 1"),
-        ({"scheduler.max_num_seqs": "many"}, r"scheduler.max_num_seqs = 'many': Expected `int \| null`|scheduler.max_num_seqs = 'many': Expected `int`"),
+        (
+            {"scheduler.max_num_seqs": "many"},
+            r"scheduler.max_num_seqs = 'many': Expected `int \| null`|scheduler.max_num_seqs = 'many': Expected `int`",
+        ),
         ({"cache.block_size": -16}, r"cache.block_size = -16: Expected `int` >= 1"),
         ({"model.dtype": "fp8"}, r"model.dtype = 'fp8': expected one of float32, bfloat16, float16, auto"),
         ({"cache.bogus": 1}, r"cache.bogus: unknown key"),
@@ -127,9 +141,17 @@ def test_bad_config_values_name_key_and_value(overrides: dict[str, Any], message
 
 
 # ---------------------------------------------------------------------- scheduler simulation
-def make_scheduler(policy: str = "fcfs", *, blocks: int = 400, seqs: int = 16, budget: int = 512, **opts: Any) -> Scheduler:
+def make_scheduler(
+    policy: str = "fcfs", *, blocks: int = 400, seqs: int = 16, budget: int = 512, **opts: Any
+) -> Scheduler:
     cm = CacheManager(
-        CacheManagerConfig(block_size=16, num_kv_blocks=blocks, num_live_slots=seqs, num_checkpoint_slots=8, checkpoint_bytes=1)
+        CacheManagerConfig(
+            block_size=16,
+            num_kv_blocks=blocks,
+            num_live_slots=seqs,
+            num_checkpoint_slots=8,
+            checkpoint_bytes=1,
+        )
     )
     return Scheduler(cm, make_policy(policy, opts), max_num_seqs=seqs, max_num_batched_tokens=budget)
 

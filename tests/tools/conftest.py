@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from tools.workloads import Codec, SyntheticCodec, TokenizersCodec, builtin_model_dir
+from deltaserve.tools.workloads import Codec, SyntheticCodec, TokenizersCodec, builtin_model_dir
 
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     folder = builtin_model_dir("tiny-qwen3.5")
     if not (folder / "tokenizer.json").is_file():
-        from models import ensure_builtin_model  # builds it (imports torch)
+        from deltaserve.models import ensure_builtin_model  # builds it (imports torch)
 
         folder = Path(ensure_builtin_model("tiny-qwen3.5"))
     return folder

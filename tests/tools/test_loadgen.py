@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tools import loadgen
-from tools.metrics import TABLE_ROWS, RequestRecord, lookup
-from tools.workloads import HFCodec, TokenizersCodec
+from deltaserve.tools import loadgen
+from deltaserve.tools.metrics import TABLE_ROWS, RequestRecord, lookup
+from deltaserve.tools.workloads import HFCodec, TokenizersCodec
 
 QUIET = ["--no-progress", "--log-level", "warning", "--set", "logging.stats_interval_s=60"]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tools.metrics import (
+from deltaserve.tools.metrics import (
     TABLE_ROWS,
     RequestRecord,
     distribution,

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tools.simulate_cache import (
+from deltaserve.tools.simulate_cache import (
     SimConfig,
     compare_policies,
     main,
     parse_budget,
     simulate,
 )
-from tools.workloads import ArrivalParams, Codec, WorkloadParams, make_workload, workload_names
+from deltaserve.tools.workloads import ArrivalParams, Codec, WorkloadParams, make_workload, workload_names
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ["interval", "step-end", "sequence-end", "default", "every-unit", "none", "oracle"]

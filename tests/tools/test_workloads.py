@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.workloads import (
+from deltaserve.tools.workloads import (
     WORKLOADS,
     ArrivalParams,
     Codec,

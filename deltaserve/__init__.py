@@ -1,0 +1,64 @@
+"""deltaserve: a continuous-batching inference engine for hybrid Gated DeltaNet + attention LLMs.
+
+The public API::
+
+    from deltaserve import AsyncEngine, EngineConfig, SamplingParams, RequestOutput
+
+The source folders sit at the top of the repository (``engine/``, ``scheduler/``,
+``cache/``, ``kernels/``, ``models/``, ``tools/``) and install as subpackages of this one
+(``deltaserve.engine``, ``deltaserve.cache``, ...; see ``[tool.setuptools.package-dir]`` in
+``pyproject.toml``), so an application's own ``models.py`` or ``engine.py`` never clashes
+with ours. Torch-heavy names load on first use: ``deltaserve.EngineConfig`` and the cache
+simulator import no torch.
+
+The library never configures logging and never writes to stdout: it logs through
+structlog onto the standard ``logging`` module under the ``deltaserve`` logger, which the
+application configures (``deltaserve.engine.log_setup.configure_logging`` is a helper the
+tools use).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from deltaserve.engine import (
+    ConfigError,
+    DeltaServeError,
+    EngineConfig,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from deltaserve.engine import AsyncEngine, EngineCore, install_uvloop
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("AsyncEngine", "EngineCore", "install_uvloop"):
+        import deltaserve.engine
+
+        return getattr(deltaserve.engine, name)
+    raise AttributeError(f"module 'deltaserve' has no attribute {name!r}")
+
+
+__all__ = [
+    "AsyncEngine",
+    "ConfigError",
+    "DeltaServeError",
+    "EngineConfig",
+    "EngineCore",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+    "install_uvloop",
+]
