@@ -25,6 +25,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from deltaserve.scheduler.request import Request
@@ -42,8 +43,14 @@ class SchedulingPolicy(ABC):
 
     ``order_waiting`` returns the waiting requests in the order admission is tried (the
     scheduler stops at the first that does not fit, so the order is also a promise of
-    fairness). ``preemption_victim`` picks one of ``candidates`` (running requests not yet
-    scheduled in this step, plus the one that needs memory) to free and requeue.
+    fairness): a permutation of ``waiting``. ``preemption_victim`` picks one of
+    ``candidates`` (running requests not yet scheduled in this step) to free and requeue;
+    when there is no candidate the request that needs memory is preempted without asking.
+
+    The scheduler does not trust a policy (it may be a user's ``module:Class``): a call
+    that raises or breaks this contract is counted (``scheduler.policy_errors``), logged
+    once per kind of fault, and answered by FCFS for that call; an ordering that leaves
+    waiting requests out is completed with them in FCFS order. See ``Scheduler``.
     """
 
     name: str = ""
@@ -83,11 +90,17 @@ class PriorityPolicy(SchedulingPolicy):
             raise ValueError(f"priority: aging_steps must be an integer >= 1, got {aging_steps!r}")
         self.aging_steps = aging_steps
 
-    def effective(self, r: Request, ctx: PolicyContext) -> float:
-        return r.priority - (ctx.step - r.arrival_step) / self.aging_steps
+    def effective(self, r: Request, ctx: PolicyContext) -> Fraction:
+        """``priority - steps_waited / aging_steps``, exact (lower is served first)."""
+        return Fraction(self._scaled(r, ctx), self.aging_steps)
+
+    def _scaled(self, r: Request, ctx: PolicyContext) -> int:
+        # ``effective * aging_steps``: the same order, in integer arithmetic, so any int
+        # priority is safe (a float of 10**400 overflows) and no precision is lost on large ones.
+        return r.priority * self.aging_steps - (ctx.step - r.arrival_step)
 
     def order_waiting(self, waiting: Sequence[Request], ctx: PolicyContext) -> list[Request]:
-        return sorted(waiting, key=lambda r: (self.effective(r, ctx), *_fcfs_key(r)))
+        return sorted(waiting, key=lambda r: (self._scaled(r, ctx), *_fcfs_key(r)))
 
     def preemption_victim(self, candidates: Sequence[Request], ctx: PolicyContext) -> Request:
         return max(candidates, key=lambda r: (r.priority, *_fcfs_key(r)))

@@ -16,16 +16,41 @@ published prefix stays cached, which makes the recompute cheap.
 
 ``update`` applies a finished step; ``fail_step`` releases one that raised. The scheduler
 never touches torch; the engine decides stop conditions and calls ``finish``.
+
+Policy faults stay local. The policy may be a user's ``module:Class``, so every call into
+it (``order_waiting``, ``preemption_victim``, ``stats``) is checked: a call that raises,
+an ordering with an object that is not a waiting request or with a request twice, a victim
+that was not among the candidates, or malformed stats, is a *policy error*. Each is counted
+(``scheduler.policy_errors``), logged once per (call, kind of fault) on the
+``deltaserve.scheduler`` logger, and that one call is answered by FCFS (arrival order;
+the latest arrival is the victim). An ordering that leaves waiting requests out is also a
+policy error but keeps what it did order: the omitted requests follow in FCFS order, so a
+policy can never starve the queue (returning ``[]`` forever admits in FCFS order).
+
+The fallback is per call, not a permanent switch: a policy that fails on one odd input
+(one request's field, one queue shape) keeps its guarantees (priorities, aging, cache
+affinity) on every other step, while a policy that always fails costs one exception per
+step, which is small beside a model step, and one log line in all. The counter tells an
+operator which case they are in.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
 
 from deltaserve.cache.manager import CacheManager, StepItem, StepPlan
-from deltaserve.scheduler.policy import PolicyContext, SchedulingPolicy
+from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.request import Request, RequestStatus
+
+log = structlog.get_logger("deltaserve.scheduler")
+
+_FALLBACK = FCFSPolicy()  # answers a policy call that failed
 
 
 @dataclass
@@ -87,6 +112,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.policy_errors = 0
+        self._policy_faults_logged: set[tuple[str, str]] = set()
         self._inflight: SchedulerOutput | None = None
 
     # ------------------------------------------------------------------ queue
@@ -110,6 +137,86 @@ class Scheduler:
             return self.cache.lookup(r.token_ids, r.cache_salt, r.block_hashes)
 
         return PolicyContext(step=self.step_count, now=time.monotonic(), cached_prefix=cached_prefix)
+
+    # ------------------------------------------------------------------ policy calls
+    def _policy_fault(
+        self, call: str, kind: str, fallback: str = "fcfs for this call", **details: Any
+    ) -> None:
+        """Count a policy error; log the first of each (call, kind)."""
+        self.policy_errors += 1
+        if (call, kind) in self._policy_faults_logged:
+            return
+        self._policy_faults_logged.add((call, kind))
+        log.error(
+            "scheduler.policy_error",
+            policy=type(self.policy).__module__ + ":" + type(self.policy).__qualname__,
+            call=call,
+            fault=kind,
+            fallback=fallback,
+            **details,
+        )
+
+    def _order_waiting(self, ctx: PolicyContext) -> list[Request]:
+        """The policy's admission order, checked (see the module docstring)."""
+        waiting = self.waiting
+        try:
+            # a copy: a policy that sorts or pops its argument cannot corrupt the queue
+            result = self.policy.order_waiting(list(waiting), ctx)
+        except Exception as exc:
+            self._policy_fault("order_waiting", "raised", error=_describe(exc))
+            return _FALLBACK.order_waiting(waiting, ctx)
+        try:
+            # more items than waiting requests means a duplicate or a stranger; the bound also
+            # keeps an endless iterator from hanging the loop
+            order = list(itertools.islice(result, len(waiting) + 1))
+        except Exception as exc:  # not iterable, or a generator that raised
+            self._policy_fault("order_waiting", "bad_result", result=_describe(result), error=_describe(exc))
+            return _FALLBACK.order_waiting(waiting, ctx)
+        known = {id(r) for r in waiting}
+        seen: set[int] = set()
+        for r in order:
+            if id(r) not in known:
+                self._policy_fault("order_waiting", "unknown_item", item=_describe(r))
+                return _FALLBACK.order_waiting(waiting, ctx)
+            if id(r) in seen:
+                self._policy_fault("order_waiting", "duplicate", request_id=r.request_id)
+                return _FALLBACK.order_waiting(waiting, ctx)
+            seen.add(id(r))
+        if len(order) < len(waiting):
+            self._policy_fault(
+                "order_waiting",
+                "omitted",
+                "omitted requests follow in fcfs order",
+                omitted=len(waiting) - len(order),
+            )
+            order += [r for r in _FALLBACK.order_waiting(waiting, ctx) if id(r) not in seen]
+        return order
+
+    def _preemption_victim(self, candidates: Sequence[Request], ctx: PolicyContext) -> Request:
+        """The policy's victim among ``candidates``, checked (see the module docstring)."""
+        try:
+            victim = self.policy.preemption_victim(list(candidates), ctx)
+        except Exception as exc:
+            self._policy_fault("preemption_victim", "raised", error=_describe(exc))
+            return _FALLBACK.preemption_victim(candidates, ctx)
+        if not any(victim is c for c in candidates):
+            self._policy_fault("preemption_victim", "not_a_candidate", victim=_describe(victim))
+            return _FALLBACK.preemption_victim(candidates, ctx)
+        return victim
+
+    def _policy_stats(self) -> dict[str, float]:
+        try:
+            items = list(self.policy.stats().items())
+        except Exception as exc:
+            self._policy_fault("stats", "raised", "no policy stats", error=_describe(exc))
+            return {}
+        out: dict[str, float] = {}
+        for k, v in items:
+            if isinstance(k, str) and isinstance(v, (int, float)):
+                out[k] = v
+            else:
+                self._policy_fault("stats", "bad_entry", "entry dropped", entry=_describe((k, v)))
+        return out
 
     # ------------------------------------------------------------------ scheduling
     def _chunk_end(self, start: int, target: int, budget: int) -> int:
@@ -147,7 +254,7 @@ class Scheduler:
         assert req.cache is not None
         while not self.cache.allocate(req.cache, end):
             candidates = [r for r in self.running if id(r) not in scheduled]
-            victim = self.policy.preemption_victim(candidates, ctx) if candidates else req
+            victim = self._preemption_victim(candidates, ctx) if candidates else req
             self._preempt(victim)
             preempted.append(victim)
             if victim is req:
@@ -196,7 +303,7 @@ class Scheduler:
         completing = {id(p.request) for p in prefills if p.end == p.request.num_tokens}
         num_partial = sum(1 for r in self.running if not r.is_decoding and id(r) not in completing)
         if self.waiting and budget > 0:
-            for req in self.policy.order_waiting(self.waiting, ctx):
+            for req in self._order_waiting(ctx):
                 if len(self.running) >= self.max_num_seqs or budget <= 0:
                     break
                 if self.cache.num_free_live_slots == 0:
@@ -307,6 +414,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, float]:
+        policy_stats = self._policy_stats()  # first: a fault in it is counted below
         now = time.monotonic()
         oldest = max((now - r.arrival_time for r in self.waiting), default=0.0)
         out: dict[str, float] = {
@@ -315,8 +423,9 @@ class Scheduler:
             "scheduler.preemptions": self.num_preemptions,
             "scheduler.oldest_waiting_s": oldest,
             "scheduler.steps": self.step_count,
+            "scheduler.policy_errors": self.policy_errors,
         }
-        out.update({f"scheduler.policy.{k}": v for k, v in self.policy.stats().items()})
+        out.update({f"scheduler.policy.{k}": v for k, v in policy_stats.items()})
         return out
 
     def check_integrity(self) -> None:
@@ -332,3 +441,14 @@ class Scheduler:
                 r.cache is not None
                 and len(r.cache.block_table) * self.cache.block_size >= r.num_computed_tokens
             )
+
+
+def _describe(value: object, limit: int = 200) -> str:
+    """A short, never-raising description of what a policy gave back or raised."""
+    if isinstance(value, Request):
+        return f"Request({value.request_id!r})"
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__} with a failing repr>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

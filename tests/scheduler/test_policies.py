@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,9 @@ def test_priority_order_victim_and_aging() -> None:
     new_high = req("new", 10, t=9, prio=0, step=100)
     # after 100 steps the old prio-5 request is effectively prio -5: ahead of a fresh prio 0
     assert ids(p.order_waiting([new_high, old_low], ctx(step=100))) == ["old", "new"]
+    # exact integer arithmetic: a fraction of a level still counts, any int priority is safe
+    assert p.effective(old_low, ctx(step=15)) == Fraction(7, 2)  # type: ignore[attr-defined]
+    assert p.effective(req("huge", 5, t=0, prio=10**400), ctx(step=10)) == 10**400 - 1  # type: ignore[attr-defined]
 
 
 def test_lpm_order_and_fallback() -> None:
