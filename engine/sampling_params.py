@@ -1,47 +1,141 @@
 """SamplingParams: how one request is decoded. Validated on creation, then immutable.
 
 One object flows by reference from ``generate`` to the sampler and the stop checker.
+Every field is range-checked here, so a value that passes can neither fail a step (and
+with it the other requests in the batch) nor make the sampler produce NaN.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import msgspec
 
 from deltaserve.engine.errors import InvalidRequestError
 
+MAX_TOKENS_LIMIT = 2**31 - 1  # max_tokens and top_k stay below 2**31 (int32 anywhere downstream)
+TOP_K_LIMIT = 2**31 - 1
+SEED_LIMIT = 2**64 - 1  # torch.Generator.manual_seed takes [0, 2**64) as its seed space
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this decodes greedily (kernels/sampler.py)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+TOKEN_ID_LIMIT = 2**31 - 1
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one request is decoded: keyword-only, validated on creation, then immutable.
+
+    A value out of range raises ``InvalidRequestError`` naming the field and the value
+    (``SamplingParams.top_k=-5: ...``); nothing is clamped silently.
+
+    Fields (default, accepted range):
+
+    max_tokens (16; 1 <= max_tokens < 2**31)
+        The most tokens to generate. The engine also stops at ``max_model_len``; a
+        request whose prompt plus ``max_tokens`` can never fit the KV pool is rejected
+        at ``generate``.
+    temperature (1.0; a finite number >= 0)
+        Divides the logits before sampling. ``0`` decodes greedily (argmax); so does any
+        value below ``1e-5`` (``GREEDY_TEMPERATURE``): that is the limit of sampling as
+        the temperature goes to 0, and dividing by a tinier value overflows float32.
+        Large values flatten the distribution towards uniform.
+    top_k (0; -1 <= top_k < 2**31)
+        Keep only the ``top_k`` most likely tokens (ties broken by lower token id).
+        ``0`` or ``-1`` turns it off, and so does any value >= the vocabulary size.
+    top_p (1.0; 0 < top_p <= 1)
+        Nucleus sampling: keep the shortest set of most likely tokens whose probability
+        reaches ``top_p`` (always at least the most likely one). ``1`` turns it off.
+    seed (None; None or 0 <= seed < 2**64)
+        Seeds a generator of this request's own, so its tokens are reproducible whatever
+        else is in the batch. ``None`` draws from the engine's shared generator. The
+        range is the generator's whole seed space: two different accepted seeds never
+        alias.
+    stop ([]; at most 16 non-empty strings of at most 256 characters each)
+        Generation stops when the output text contains one of them; the stop string and
+        anything after it are not returned.
+    stop_token_ids ([]; at most 1024 ids, each 0 <= id < 2**31)
+        Generation stops after sampling one of these token ids (the engine also checks
+        each id against the model's vocabulary at ``generate``).
+    ignore_eos (False; a bool)
+        Keep generating past the model's end-of-sequence tokens.
+    min_tokens (0; 0 <= min_tokens <= max_tokens)
+        Stop conditions (EOS, stop strings, stop token ids) are ignored until this many
+        tokens have been generated.
+
+    Integers must be ``int`` (``bool`` is not accepted as an integer, nor as a number);
+    floats must be finite.
+    """
+
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # <= 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int | None = None  # per-request generator: reproducible whatever the batch
-    stop: list[str] = []  # stop strings (not included in the output text)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    min_tokens: int = 0  # stop conditions are ignored before this many tokens
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+            return InvalidRequestError(f"SamplingParams.{field}={_short_repr(getattr(self, field))}: {why}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature < float("inf")):
-            raise bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise bad("top_k", "must be an integer (<= 0 disables)")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not _int_in(self.max_tokens, 1, MAX_TOKENS_LIMIT):
+            raise bad("max_tokens", "must be an integer >= 1 and < 2**31")
+        if not (_finite(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", "must be a finite number >= 0 (0: greedy)")
+        if not _int_in(self.top_k, -1, TOP_K_LIMIT):
+            raise bad("top_k", "must be an integer >= -1 and < 2**31 (-1 or 0: off)")
+        if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
-        ):
-            raise bad("seed", "must be a non-negative integer or None")
+        if self.seed is not None and not _int_in(self.seed, 0, SEED_LIMIT):
+            raise bad("seed", "must be a non-negative integer or None, below 2**64")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            _int_in(t, 0, TOKEN_ID_LIMIT) for t in self.stop_token_ids
         ):
-            raise bad("stop_token_ids", "must be a list of non-negative token ids")
-        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise bad("stop_token_ids", "must be a list of non-negative token ids below 2**31")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(
+                "stop_token_ids",
+                f"must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        if not _int_in(self.min_tokens, 0, self.max_tokens):
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+
+
+def _int_in(value: Any, lo: int, hi: int) -> bool:
+    """``value`` is an ``int`` (not a ``bool``) with ``lo <= value <= hi``."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _finite(value: Any) -> bool:
+    """``value`` is a finite real number (``int`` or ``float``, not ``bool``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """A bounded repr for error messages (a 5,000-digit int cannot even be repr'd)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<{'-' if value < 0 else ''}int of {value.bit_length()} bits>"
+    if isinstance(value, list) and len(value) > 8:
+        return f"<list of {len(value)} items>"
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

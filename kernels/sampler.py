@@ -2,7 +2,9 @@
 
 Contract (docs/contracts.md, "Kernel ops"), per row ``i`` of ``logits [B, V]``:
 
-* ``temperature[i] == 0`` (any value <= 0): greedy, ``argmax`` of the raw logits (first index on ties);
+* ``temperature[i] < GREEDY_TEMPERATURE`` (1e-5: so 0, negatives and NaN too): greedy, ``argmax`` of
+  the raw logits (first index on ties). Greedy is the limit of sampling as the temperature goes to
+  0, and dividing by a tinier temperature overflows float32 (inf - inf = NaN in the softmax);
 * otherwise ``logits / temperature``, then top-k (``top_k[i] <= 0`` or ``>= V``: off; exactly the
   ``k`` largest are kept, ties broken by lower token id), then top-p / nucleus on the renormalised
   top-k distribution (``top_p[i] >= 1``: off): keep the shortest prefix of the descending-sorted
@@ -11,8 +13,14 @@ Contract (docs/contracts.md, "Kernel ops"), per row ``i`` of ``logits [B, V]``:
   RNG when it is None. A row's token therefore depends only on its own logits, parameters and
   generator: a seeded request samples the same tokens whatever else is in the batch.
 
-``temperature``, ``top_k`` and ``top_p`` are ``[B]`` tensors (Python sequences are accepted too).
-All math in float32.
+``temperature``, ``top_k`` and ``top_p`` are ``[B]`` tensors (Python sequences are accepted too;
+a Python ``top_k`` of any size is clamped, so it never overflows int64). All math in float32.
+
+Total: no parameter value raises and no NaN reaches the draw. After scaling, a NaN logit counts
+as ``-inf`` (never drawn) and ``+inf`` as the largest float32; a row whose filtered distribution
+is still not a distribution (every logit NaN or ``-inf``) takes its first token in sorted order,
+as greedy would. ``SamplingParams`` range-checks the values before they get here; this is the
+second line of defence, so one request's values can never fail a step for the whole batch.
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["sample"]
+__all__ = ["GREEDY_TEMPERATURE", "sample"]
+
+GREEDY_TEMPERATURE = 1e-5  # rows below it are greedy (engine/sampling_params.py documents it)
+_TOP_K_CLAMP = 2**62  # Python top_k values beyond any vocabulary are clamped before int64
 
 
 def _per_row(
@@ -31,6 +42,8 @@ def _per_row(
     device: torch.device,
     name: str,
 ) -> torch.Tensor:
+    if dtype == torch.long and not isinstance(values, torch.Tensor):
+        values = [min(max(int(v), -1), _TOP_K_CLAMP) for v in values]  # 2**63 would overflow int64
     tensor = torch.as_tensor(values, dtype=dtype).to(device).reshape(-1)
     if tensor.numel() != rows:
         raise ValueError(f"{name} has {tensor.numel()} entries for {rows} rows of logits")
@@ -48,6 +61,11 @@ def _filtered_sorted_probs(
     """
     vocab = logits.shape[-1]
     scaled = logits.float() / temperature[:, None]
+    # NaN (a NaN logit, or inf / inf) is never drawn; +inf is the largest value, so the softmax of
+    # a row with an infinite logit is defined (it picks that token) instead of NaN.
+    scaled = torch.nan_to_num(
+        scaled, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf")
+    )
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
 
@@ -60,6 +78,10 @@ def _filtered_sorted_probs(
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (rank > 0)
     probs = probs.masked_fill(drop, 0.0)
+    # A row with no finite logit has NaN probabilities: it takes its first sorted token (what
+    # greedy would) instead of failing the draw for the whole batch. No host sync here.
+    valid = torch.isfinite(probs).all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0)
+    probs = torch.where(valid, probs, (rank == 0).to(probs.dtype))
     # No renormalisation needed: multinomial takes unnormalised non-negative weights.
     return probs, order
 
@@ -81,7 +103,7 @@ def sample(
         raise ValueError(f"{len(generators)} generators for {rows} rows of logits")
 
     tokens = logits.float().argmax(dim=-1)  # greedy rows keep this
-    sampled = [i for i, t in enumerate(temperature.tolist()) if t > 0]
+    sampled = [i for i, t in enumerate(temperature.tolist()) if t >= GREEDY_TEMPERATURE]  # NaN: greedy
     if not sampled:
         return tokens
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels.sampler import sample
+from deltaserve.kernels.sampler import GREEDY_TEMPERATURE, sample
 
 
 def _params(
@@ -134,3 +134,65 @@ def test_masked_tokens_never_sampled(rng: torch.Generator) -> None:
     logits[:, 3:] = float("-inf")
     tokens = sample(logits, *_params(500, temperature=5.0), [None] * 500)
     assert (tokens < 3).all()
+
+
+# ---------------------------------------------------------------------- total on any values (issue 10)
+def test_huge_python_top_k_is_top_k_off(rng: torch.Generator) -> None:
+    logits = torch.randn(3, 40, generator=rng)
+    for huge in (2**63, 2**64, 10**400):
+        gens = [torch.Generator().manual_seed(i) for i in range(3)]
+        off = [torch.Generator().manual_seed(i) for i in range(3)]
+        tokens = sample(logits, [1.0] * 3, [huge, 0, huge], [1.0] * 3, gens)
+        assert torch.equal(tokens, sample(logits, [1.0] * 3, [0] * 3, [1.0] * 3, off))
+    # a tensor top_k far beyond the vocabulary is off too
+    tokens = sample(logits, [1.0] * 3, torch.full((3,), 2**62), [1.0] * 3, [None] * 3)
+    assert ((tokens >= 0) & (tokens < 40)).all()
+
+
+def test_tiny_temperatures_are_greedy_and_never_nan(rng: torch.Generator) -> None:
+    logits = torch.randn(4, 50, generator=rng) * 30.0
+    for t in (1e-38, 1e-30, 1e-8, 9.9e-6, -1.0, float("nan")):
+        gens = [torch.Generator().manual_seed(i) for i in range(4)]
+        assert torch.equal(sample(logits, [t] * 4, [0] * 4, [1.0] * 4, gens), logits.argmax(-1)), t
+    # at the threshold the row samples (no longer the greedy path), from a finite distribution
+    # that is all but one-hot on the argmax
+    big = torch.randn(4, 50, generator=rng) * 1e4
+    assert torch.equal(sample(big, [GREEDY_TEMPERATURE] * 4, [0] * 4, [1.0] * 4, [None] * 4), big.argmax(-1))
+
+
+def test_huge_temperature_is_near_uniform_and_keeps_masks(rng: torch.Generator) -> None:
+    logits = torch.randn(2000, 6, generator=rng)
+    logits[:, 4:] = float("-inf")
+    for t in (1e30, 1e300, float("inf")):  # 1e300 and inf are inf in float32
+        tokens = sample(logits, [t] * 2000, [0] * 2000, [1.0] * 2000, [None] * 2000)
+        counts = torch.bincount(tokens, minlength=6)
+        assert counts[4:].sum() == 0 and (counts[:4] > 350).all(), (t, counts)
+
+
+def test_non_finite_logits_never_fail_the_batch(rng: torch.Generator) -> None:
+    vocab = 30
+    good = torch.randn(vocab, generator=rng)
+    alone = sample(good[None], [0.9], [5], [0.8], [torch.Generator().manual_seed(3)])
+    nan_row = torch.full((vocab,), float("nan"))
+    masked_row = torch.full((vocab,), float("-inf"))
+    inf_row = torch.randn(vocab, generator=rng)
+    inf_row[17] = float("inf")
+    some_nan = torch.randn(vocab, generator=rng)
+    some_nan[::2] = float("nan")
+    logits = torch.stack([nan_row, masked_row, good, inf_row, some_nan])
+    temperature, top_k, top_p = [0.9] * 5, [5, 0, 5, 0, 0], [1.0, 1.0, 0.8, 1.0, 0.5]
+    for _ in range(20):
+        tokens = sample(logits, temperature, top_k, top_p, [None] * 5)
+        assert ((tokens >= 0) & (tokens < vocab)).all()
+        assert tokens[3] == 17  # an infinite logit wins
+        assert tokens[4] % 2 == 1  # a NaN logit is never drawn
+    gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(3), None, None]
+    tokens = sample(logits, temperature, top_k, top_p, gens)
+    assert tokens[2] == alone[0]  # the bad rows did not change the good one's draw
+
+
+def test_nan_top_p_and_temperature_do_not_raise(rng: torch.Generator) -> None:
+    logits = torch.randn(3, 20, generator=rng)
+    tokens = sample(logits, [float("nan"), 1.0, 1.0], [0, 0, -(2**70)], [1.0, float("nan"), -1.0], [None] * 3)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()  # top_p <= 0: top token
+    assert 0 <= tokens[1] < 20
