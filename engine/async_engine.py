@@ -22,16 +22,15 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import structlog
-
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core import EngineCore, Prompt
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request
 
-log = structlog.get_logger("deltaserve.engine")
+log = get_logger("deltaserve.engine")
 
 
 def install_uvloop() -> bool:
@@ -201,9 +200,10 @@ class AsyncEngine:
                     self._wakeup.clear()
                     if self._pending_add or self._pending_abort:
                         continue
+                    # idle: wake for work, or for the periodic stats line (0 = none)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(
-                            self._wakeup.wait(), timeout=self.config.logging.stats_interval_s
+                            self._wakeup.wait(), timeout=self.config.logging.stats_interval_s or None
                         )
                     continue
                 self._in_step = True
@@ -235,8 +235,9 @@ class AsyncEngine:
             self._queues.clear()
 
     def _maybe_log(self) -> None:
+        interval = self.config.logging.stats_interval_s
         now = time.monotonic()
-        if now - self._last_log < self.config.logging.stats_interval_s:
+        if interval <= 0 or now - self._last_log < interval:
             return
         assert self.core is not None
         dt = now - self._window["t0"]

@@ -1,14 +1,24 @@
-"""EngineConfig: typed msgspec structs in sections, validated on load.
+"""EngineConfig: typed msgspec structs in sections, validated on load *and* on construction.
 
 ``EngineConfig.load(path, overrides={"scheduler.policy": "lpm"})`` reads TOML, JSON or
 YAML (by extension), applies dotted overrides, and converts strictly: an unknown key, a
 wrong type or an out-of-range value raises ``ConfigError`` naming the key and the value.
-Every tool accepts ``--config FILE`` and ``--set section.key=value`` (see ``engine.cli``).
+Building the structs in code (``CacheConfig(block_size=0)``) runs the same checks, so no
+invalid config can reach the engine. Every tool accepts ``--config FILE`` and
+``--set section.key=value`` (see ``deltaserve.engine.cli``).
+
+Every field carries its documentation (``msgspec.Meta(description=...)``);
+``docs/config.md`` is generated from it (``python tools/gen_config_docs.py``) and a test
+fails when the two disagree.
+
+This module never imports torch (the cache simulator loads it).
 """
 
 from __future__ import annotations
 
+import enum
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,67 +27,299 @@ import msgspec
 import tomllib
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
+from deltaserve.cache.manager import GDN_CHUNK_SIZE
 from deltaserve.engine.errors import ConfigError
-from deltaserve.scheduler.policy import resolve_policy_class
+from deltaserve.scheduler.policy import make_policy, resolve_policy_class
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+def _doc(text: str, **constraints: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **constraints)
+
+
+class DType(str, enum.Enum):
+    """Model weights and KV-cache dtype (the recurrent GDN state is always float32)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    AUTO = "auto"  # bfloat16 on CUDA, float32 on the CPU
+
+
+class KernelBackend(str, enum.Enum):
+    """Which implementation of the kernel ops runs (``deltaserve.kernels.get_ops``)."""
+
+    AUTO = "auto"  # Triton on CUDA, the PyTorch reference on the CPU
+    REFERENCE = "reference"
+    TRITON = "triton"
+
+
+class LogLevel(str, enum.Enum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A config section: its fields are checked against their declared types and
+    constraints when it is built in code too (msgspec checks them only when decoding)."""
+
+    def __post_init__(self) -> None:
+        for f in msgspec.structs.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, msgspec.Struct):
+                continue  # a nested section validated itself when it was built
+            try:
+                msgspec.convert(value, f.type, strict=True)
+            except msgspec.ValidationError as e:
+                reason = re.sub(r" - at `\$[^`]*`", "", str(e))
+                key = f"{_section_name(type(self))}.{f.name}"
+                raise ConfigError(f"{key} = {value!r}: {_enum_hint(reason, f.type)}") from None
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field rules of the section; raise ``ConfigError``."""
+
+
+def _section_name(cls: type) -> str:
+    return {
+        "ModelConfig": "model",
+        "CacheConfig": "cache",
+        "SchedulerConfig": "scheduler",
+        "KernelsConfig": "kernels",
+        "LoggingConfig": "logging",
+    }.get(cls.__name__, cls.__name__)
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{key} = {value!r}: {why}")
+
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
 class ModelConfig(_Section):
-    path: str = "builtin:tiny-qwen3.5"
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp32 on CPU)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    max_model_len: PosInt | None = None  # default: the model's max_position_embeddings
-    seed: NonNegInt = 0  # RNG for requests without their own seed
+    """``[model]``: which model runs, where, in which dtype."""
+
+    path: Annotated[
+        str,
+        _doc(
+            "The model: `builtin:tiny-qwen3.5` (default), `builtin:tiny-qwen3-next`, `builtin:tiny-qwen3`, "
+            "or a local Hugging Face-format folder (config.json + safetensors + tokenizer files).",
+            min_length=1,
+        ),
+    ] = "builtin:tiny-qwen3.5"
+    dtype: Annotated[
+        DType,
+        _doc(
+            "Weights and KV-cache dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on CPU)."
+        ),
+    ] = DType.FLOAT32
+    device: Annotated[
+        str, _doc("cpu, cuda or cuda:N. A CUDA device that is not there is a ConfigError at engine start.")
+    ] = "cpu"
+    max_model_len: Annotated[
+        PosInt | None,
+        _doc(
+            "Longest sequence (prompt + output) a request may reach. Default: the smaller of the model's "
+            "maximum and what the KV pool can hold for one request; an explicit value the pool cannot "
+            "hold is a ConfigError naming both numbers."
+        ),
+    ] = None
+    seed: Annotated[
+        int, _doc("Seed of the random generator used by requests without their own seed.", ge=0, le=2**63 - 1)
+    ] = 0
+
+    def check(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise _bad("model.device", self.device, "expected cpu, cuda or cuda:N")
 
 
 class CacheConfig(_Section):
-    block_size: PosInt = 16
-    num_kv_blocks: PosInt | None = None  # wins over kv_cache_bytes when set
-    kv_cache_bytes: PosInt = 256 * 1024**2
-    enable_prefix_caching: bool = True
-    checkpoint_pool_bytes: NonNegInt = 64 * 1024**2
-    checkpoint_staging_bytes: NonNegInt | None = None  # per step; None = unbounded
-    checkpoint_interval: NonNegInt = 2048  # tokens (rounded up to the checkpoint unit); 0 = off
-    checkpoint_policy: str = "default"
-    namespace: str = ""  # salt separating caches that must not share (e.g. adapters)
+    """``[cache]``: the memory budget and how it is split; the prefix cache's behaviour.
+
+    Split rule (``deltaserve.engine.sizing.plan_capacity``): the budget is
+    ``memory_bytes`` on the CPU, or ``gpu_memory_utilization`` x device memory minus the
+    weights and the measured activation peak on CUDA. Live GDN state slots come first
+    (one per ``scheduler.max_num_seqs``; at most half the budget: beyond that the number
+    of live slots is cut and a warning says so). Of the rest, ``checkpoint_fraction``
+    goes to checkpoint slots and what remains to KV blocks. An explicit pool size
+    (``num_kv_blocks`` / ``kv_cache_bytes``, ``checkpoint_pool_bytes``) replaces that pool's
+    share; explicit sizes that add up to more than the budget are used as given, with a
+    warning.
+    """
+
+    block_size: Annotated[int, _doc("Tokens per KV block (the prefix-hash granularity).", ge=1, le=1024)] = 16
+    memory_bytes: Annotated[
+        PosInt | None,
+        _doc(
+            "CPU: the cache memory budget in bytes (KV blocks + checkpoint slots + live state slots). "
+            "Default 1 GiB. Ignored on CUDA (see gpu_memory_utilization)."
+        ),
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float,
+        _doc(
+            "CUDA: fraction of the device's memory the engine may use in total; the cache budget is this "
+            "minus the weights and the activation peak measured by a profiling forward.",
+            gt=0.0,
+            le=1.0,
+        ),
+    ] = 0.9
+    checkpoint_fraction: Annotated[
+        float,
+        _doc("Share of the budget (after live slots) given to checkpoint slots when no pool size is explicit.",
+             ge=0.0, lt=1.0),
+    ] = 0.2  # fmt: skip
+    num_kv_blocks: Annotated[
+        PosInt | None, _doc("Explicit number of KV blocks (wins over kv_cache_bytes).")
+    ] = None
+    kv_cache_bytes: Annotated[PosInt | None, _doc("Explicit KV pool size in bytes.")] = None
+    checkpoint_pool_bytes: Annotated[
+        NonNegInt | None, _doc("Explicit checkpoint pool size in bytes (0: no checkpoints).")
+    ] = None
+    enable_prefix_caching: Annotated[
+        bool,
+        _doc("Reuse cached prefixes (KV blocks + GDN checkpoints). Off: every prompt is computed whole."),
+    ] = True
+    checkpoint_staging_bytes: Annotated[
+        NonNegInt | None,
+        _doc(
+            "Per-step budget of checkpoint captures in bytes; captures beyond it are skipped. None: unbounded."
+        ),
+    ] = None
+    checkpoint_interval: Annotated[
+        NonNegInt,
+        _doc("Also checkpoint every this many tokens (rounded up to the checkpoint unit); 0 = off."),
+    ] = 2048
+    checkpoint_policy: Annotated[
+        str,
+        _doc(
+            "Checkpoint admission policy: default | interval | step-end | sequence-end | every-unit | none "
+            "(deltaserve.cache.admission)."
+        ),
+    ] = "default"
+    namespace: Annotated[
+        str, _doc("Salt separating caches that must never share (e.g. adapters); part of every block hash.")
+    ] = ""
+
+    def check(self) -> None:
+        if self.checkpoint_policy not in ADMISSION_POLICIES:
+            known = ", ".join(sorted(ADMISSION_POLICIES))
+            raise _bad("cache.checkpoint_policy", self.checkpoint_policy, f"unknown; known: {known}")
 
 
 class SchedulerConfig(_Section):
-    policy: str = "fcfs"  # a registered name or "package.module:ClassName"
-    policy_options: dict[str, Any] = {}
-    max_num_seqs: PosInt = 64
-    max_num_batched_tokens: PosInt = 2048
-    max_num_partial_prefills: PosInt = 4
-    enable_chunked_prefill: bool = True  # false: each prompt is prefilled whole in one step
-    long_prefill_token_threshold: NonNegInt = 0  # >0: at most this many prompt tokens per request per step
-    max_waiting: PosInt = 4096
+    """``[scheduler]``: continuous batching limits and the scheduling policy."""
+
+    policy: Annotated[
+        str,
+        _doc("Scheduling policy: fcfs | priority | lpm | sjf, or `package.module:ClassName` of your own."),
+    ] = "fcfs"
+    policy_options: Annotated[
+        dict[str, Any], _doc("Keyword arguments of the policy, e.g. `{aging_steps = 64}` for priority.")
+    ] = {}
+    max_num_seqs: Annotated[
+        int, _doc("Most requests running at once (each holds one live GDN state slot).", ge=1, le=65536)
+    ] = 64
+    max_num_batched_tokens: Annotated[
+        int,
+        _doc(
+            "Token budget of one step (decodes + prefill chunks); >= the checkpoint unit.", ge=GDN_CHUNK_SIZE
+        ),
+    ] = 2048
+    max_num_partial_prefills: Annotated[int, _doc("Prompts left partially prefilled at once.", ge=1)] = 4
+    enable_chunked_prefill: Annotated[
+        bool,
+        _doc("Split long prompts into chunks across steps; off: each prompt is prefilled whole in one step."),
+    ] = True
+    long_prefill_token_threshold: Annotated[
+        NonNegInt,
+        _doc(">0: at most this many prompt tokens per request per step, so prompts prefill side by side."),
+    ] = 0
+    max_waiting: Annotated[
+        int, _doc("Most waiting requests; beyond, generate raises EngineOverloadedError.", ge=1)
+    ] = 4096
+
+    def check(self) -> None:
+        try:
+            resolve_policy_class(self.policy)
+        except (ValueError, ImportError, AttributeError, TypeError) as e:
+            raise _bad("scheduler.policy", self.policy, str(e)) from None
+        try:
+            make_policy(self.policy, self.policy_options)
+        except Exception as e:  # a user's policy may raise anything from its constructor
+            raise _bad("scheduler.policy_options", self.policy_options, f"{type(e).__name__}: {e}") from None
 
 
 class KernelsConfig(_Section):
-    backend: str = "auto"  # auto | reference | triton
+    """``[kernels]``: which kernel implementation runs."""
+
+    backend: Annotated[
+        KernelBackend,
+        _doc(
+            "auto (Triton on CUDA, reference on CPU) | reference | triton (CUDA, or the CPU under TRITON_INTERPRET=1)."
+        ),
+    ] = KernelBackend.AUTO
 
 
 class LoggingConfig(_Section):
-    stats_interval_s: float = 5.0
-    level: str = "info"
+    """``[logging]``: what the engine logs. The application configures where logs go."""
+
+    level: Annotated[
+        LogLevel,
+        _doc(
+            "Level of the `deltaserve` logger (stdlib logging); the application's handlers decide where it goes."
+        ),
+    ] = LogLevel.INFO
+    stats_interval_s: Annotated[
+        float, _doc("Seconds between periodic `engine.stats` log lines; 0 = none.", ge=0.0, le=86400.0)
+    ] = 5.0
+
+    def check(self) -> None:
+        if not math.isfinite(self.stats_interval_s):
+            raise _bad("logging.stats_interval_s", self.stats_interval_s, "must be a finite number >= 0")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The whole engine configuration: ``[model]``, ``[cache]``, ``[scheduler]``, ``[kernels]``,
+    ``[logging]`` (every key: docs/config.md).
+
+    Build it with ``EngineConfig.load(path, overrides)`` (TOML/JSON/YAML), ``from_dict``, or
+    in code (``EngineConfig(cache=CacheConfig(block_size=32))``); all three validate and
+    raise ``ConfigError`` naming the key and the value. ``replace(**{"a.b": v})`` returns a
+    validated copy.
+    """
+
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     kernels: KernelsConfig = msgspec.field(default_factory=KernelsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
+    def __post_init__(self) -> None:
+        for name, cls in (
+            ("model", ModelConfig),
+            ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
+            ("kernels", KernelsConfig),
+            ("logging", LoggingConfig),
+        ):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(
+                    f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
+                )
+        self.validate()
+
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+        """Read ``path`` (TOML, JSON or YAML; None: defaults) and apply dotted ``overrides``."""
         data: dict[str, Any] = read_config_file(path) if path is not None else {}
         for key, value in (overrides or {}).items():
             set_dotted(data, key, value)
@@ -85,14 +327,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Convert nested plain data (as read from a file) strictly; ``ConfigError`` if invalid."""
         try:
-            config = msgspec.convert(data, cls, strict=True)
+            return msgspec.convert(data, cls, strict=True)
         except msgspec.ValidationError as e:
             raise ConfigError(_explain(str(e), data)) from None
-        config.validate()
-        return config
 
     def to_dict(self) -> dict[str, Any]:
+        """Nested plain data (enums as their values), the inverse of ``from_dict``."""
         return msgspec.to_builtins(self)
 
     def replace(self, **dotted: Any) -> EngineConfig:
@@ -103,55 +345,38 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return EngineConfig.from_dict(data)
 
     def validate(self) -> None:
-        def bad(key: str, value: Any, why: str) -> ConfigError:
-            return ConfigError(f"{key} = {value!r}: {why}")
-
-        if self.model.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            raise bad("model.dtype", self.model.dtype, "expected one of float32, bfloat16, float16, auto")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.model.device):
-            raise bad("model.device", self.model.device, "expected cpu, cuda or cuda:N")
-        if self.kernels.backend not in ("auto", "reference", "triton"):
-            raise bad("kernels.backend", self.kernels.backend, "expected one of auto, reference, triton")
-        if self.scheduler.max_num_batched_tokens < 64:
-            raise bad(
-                "scheduler.max_num_batched_tokens",
-                self.scheduler.max_num_batched_tokens,
-                "must be >= 64 (one GDN chunk)",
-            )
-        if self.logging.stats_interval_s <= 0:
-            raise bad("logging.stats_interval_s", self.logging.stats_interval_s, "must be > 0")
-        if self.cache.checkpoint_policy not in ADMISSION_POLICIES:
-            known = ", ".join(sorted(ADMISSION_POLICIES))
-            raise bad("cache.checkpoint_policy", self.cache.checkpoint_policy, f"unknown; known: {known}")
-        try:
-            resolve_policy_class(self.scheduler.policy)
-        except (ValueError, ImportError, AttributeError, TypeError) as e:
-            raise bad("scheduler.policy", self.scheduler.policy, str(e)) from None
+        """Rules across sections; raise ``ConfigError``."""
+        # (the checkpoint unit lcm(block_size, 64) may exceed the token budget: checked by
+        # the engine, which knows whether the model has GDN layers at all)
 
 
 # ---------------------------------------------------------------------- helpers
 def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The top-level table of a TOML, JSON or YAML file; ``ConfigError`` if unreadable."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    text = p.read_text()
     suffix = p.suffix.lower()
+    if suffix not in (".toml", ".json", ".yaml", ".yml"):
+        raise ConfigError(f"{p}: unknown config format {suffix!r} (use .toml, .json, .yaml)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":
             data = json.loads(text)
-        elif suffix in (".yaml", ".yml"):
+        else:
             import yaml
 
             data = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError(f"{p}: unknown config format {suffix!r} (use .toml, .json, .yaml)")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as e:
         raise ConfigError(f"{p}: {e}") from None
-    except Exception as e:  # yaml errors
-        if isinstance(e, ConfigError):
-            raise
+    except Exception as e:  # yaml's own error types
         raise ConfigError(f"{p}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a table/object")
@@ -159,6 +384,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``data["a"]["b"] = value`` for ``key = "a.b"``, creating sections as needed."""
     parts = key.split(".")
     if len(parts) < 2 or not all(parts):
         raise ConfigError(f"override key {key!r} must be section.key")
@@ -186,8 +412,37 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _enum_hint(reason: str, typ: Any) -> str:
+    """msgspec says 'Invalid enum value'; say which values are allowed."""
+    if "Invalid enum value" in reason:
+        base = getattr(typ, "__origin__", typ)
+        args = getattr(typ, "__args__", ())
+        for t in (base, *args):
+            if isinstance(t, type) and issubclass(t, enum.Enum):
+                return "expected one of " + ", ".join(m.value for m in t)
+    return reason
+
+
+def _field_type(section: str, key: str) -> Any:
+    cls = {
+        "model": ModelConfig,
+        "cache": CacheConfig,
+        "scheduler": SchedulerConfig,
+        "kernels": KernelsConfig,
+        "logging": LoggingConfig,
+    }.get(section)
+    if cls is None:
+        return None
+    for f in msgspec.structs.fields(cls):
+        if f.name == key:
+            return f.type
+    return None
+
+
 def _explain(message: str, data: dict[str, Any]) -> str:
     """Turn msgspec's message into one naming the dotted key and the offending value."""
+    if re.match(r"^\S+\.\S+ = ", message):  # already ours (raised by a section's __post_init__)
+        return re.sub(r" - at `\$[^`]*`$", "", message)
     m = re.search(r" - at `\$\.?([^`]*)`", message)
     where = m.group(1) if m else ""
     reason = message[: m.start()] if m else message
@@ -195,7 +450,12 @@ def _explain(message: str, data: dict[str, Any]) -> str:
     if unknown:
         key = ".".join(p for p in (where, unknown.group(1)) if p)
         return f"{key}: unknown key"
+    if reason.startswith(tuple(f"{s}." for s in ("model", "cache", "scheduler", "kernels", "logging"))):
+        return reason  # a ConfigError message from a section's check, wrapped by msgspec
     node: Any = data
     for part in where.split(".") if where else []:
         node = node.get(part) if isinstance(node, dict) else None
+    parts = where.split(".")
+    if len(parts) == 2:
+        reason = _enum_hint(reason, _field_type(*parts))
     return f"{where} = {node!r}: {reason}"

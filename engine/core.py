@@ -18,12 +18,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
 import torch
 
 from deltaserve.cache.hashing import make_salt
-from deltaserve.cache.manager import CacheManager, CacheManagerConfig
-from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.config import DType, EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import (
     ConfigError,
@@ -31,32 +29,92 @@ from deltaserve.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
-from deltaserve.engine.model_runner import ModelRunner, RunnerSizes
+from deltaserve.engine.model_runner import ModelRunner, RequestState, RunnerSizes
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sizing import Capacity, ModelShape, build_scheduler, plan_capacity
 from deltaserve.kernels import get_ops
-from deltaserve.models import LoadedModel, load_model
-from deltaserve.scheduler.policy import make_policy
+from deltaserve.logs import get_logger, set_level
+from deltaserve.models import CacheSpec, LoadedModel, load_model
 from deltaserve.scheduler.request import Request
-from deltaserve.scheduler.scheduler import Scheduler
 
-log = structlog.get_logger("deltaserve.engine")
+log = get_logger("deltaserve.engine")
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
+TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
+
+def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
+    """The torch dtype of ``model.dtype`` (``auto``: bfloat16 on CUDA, float32 elsewhere)."""
+    dtype = DType(name)
+    if dtype is DType.AUTO:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return TORCH_DTYPES[dtype]
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """``model.device`` as a torch device; ``ConfigError`` if it is not there."""
+    device = torch.device(config.model.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"model.device = {config.model.device!r}: CUDA is not available on this machine"
+            )
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"model.device = {config.model.device!r}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def model_shape(spec: CacheSpec, max_position_embeddings: int) -> ModelShape:
+    """The torch-free numbers capacity planning needs."""
+    return ModelShape(
+        kv_bytes_per_token=spec.kv_block_bytes(1) if spec.num_attn_layers else 0,
+        state_bytes=spec.state_slot_bytes() if spec.num_gdn_layers else 0,
+        max_position_embeddings=max_position_embeddings,
+        gdn_chunk_size=spec.gdn_chunk_size,
+    )
+
+
+def _cuda_cache_budget(config: EngineConfig, runner_probe: Any, device: torch.device) -> int:
+    """CUDA: ``gpu_memory_utilization`` x device memory, minus what the process holds after
+    loading the weights and the activation peak of a profiling forward."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner_probe()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(config.cache.gpu_memory_utilization * total) - peak - max(used_by_others, 0)
+    if budget <= 0:
+        raise ConfigError(
+            f"cache.gpu_memory_utilization = {config.cache.gpu_memory_utilization}: {total / 2**30:.1f} GiB device, "
+            f"weights + activations take {peak / 2**30:.2f} GiB, nothing is left for the cache"
+        )
+    return budget
 
 
 class EngineCore:
+    """The synchronous engine: ``make_request`` / ``add_request`` / ``step`` / ``abort_request``.
+
+    Construction loads the model (or takes ``loaded``), plans the cache capacity from one
+    memory budget (``deltaserve.engine.sizing``), builds the scheduler and cache manager,
+    and allocates the cache tensors. ``capacity`` tells what was built.
+    """
+
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.device = torch.device(config.model.device)
+        set_level(config.logging.level.value)
+        self.device = resolve_device(config)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self.ops = get_ops(config.kernels.backend, self.device)
+        try:
+            self.ops = get_ops(config.kernels.backend.value, self.device)
+        except NotImplementedError as e:
+            raise ConfigError(f"kernels.backend = {config.kernels.backend.value!r}: {e}") from None
         torch.manual_seed(config.model.seed)
         self.loaded = loaded or load_model(
             config.model.path, dtype=self.dtype, device=self.device, ops=self.ops
@@ -66,60 +124,40 @@ class EngineCore:
         # thread; HF fast tokenizers mutate themselves while encoding ("Already borrowed"), so
         # each thread gets its own instance.
         self.detok_tokenizer = copy.deepcopy(self.tokenizer)
-        spec = self.loaded.model.cache_spec()
-        self.spec = spec
-        cc, sc = config.cache, config.scheduler
-        self.max_model_len = config.model.max_model_len or self.loaded.max_position_embeddings
-        if spec.num_attn_layers:
-            num_blocks = cc.num_kv_blocks or max(cc.kv_cache_bytes // spec.kv_block_bytes(cc.block_size), 1)
-        else:
-            num_blocks = cc.num_kv_blocks or 1 << 20  # a pure-GDN model: blocks are bookkeeping only
-        has_gdn = spec.num_gdn_layers > 0
-        ckpt_bytes = spec.state_slot_bytes() if has_gdn else 0
-        num_ckpt = cc.checkpoint_pool_bytes // ckpt_bytes if has_gdn else 0
-        if not cc.enable_prefix_caching:
-            num_ckpt = 0
-        self.cache = CacheManager(
-            CacheManagerConfig(
-                block_size=cc.block_size,
-                num_kv_blocks=num_blocks,
-                num_live_slots=sc.max_num_seqs if has_gdn else 0,
-                num_checkpoint_slots=num_ckpt,
-                checkpoint_bytes=ckpt_bytes,
-                staging_bytes=cc.checkpoint_staging_bytes,
-                has_gdn=has_gdn,
-                checkpoint_interval=cc.checkpoint_interval,
-                checkpoint_policy=cc.checkpoint_policy,
-                enable_prefix_caching=cc.enable_prefix_caching,
+        self.spec = spec = self.loaded.model.cache_spec()
+        shape = model_shape(spec, self.loaded.max_position_embeddings)
+        budget = None
+        if self.device.type == "cuda":
+            tokens, bs = config.scheduler.max_num_batched_tokens, config.cache.block_size
+            budget = _cuda_cache_budget(
+                config,
+                lambda: ModelRunner.profile(self.loaded, self.ops, tokens, bs, self.device),
+                self.device,
             )
-        )
-        if sc.max_num_batched_tokens < self.cache.unit:
-            raise ConfigError(
-                f"scheduler.max_num_batched_tokens = {sc.max_num_batched_tokens}: must be >= the checkpoint "
-                f"unit lcm(block_size, 64) = {self.cache.unit}"
-            )
-        self.scheduler = Scheduler(
-            self.cache,
-            make_policy(sc.policy, sc.policy_options),
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            max_num_partial_prefills=sc.max_num_partial_prefills,
-            enable_chunked_prefill=sc.enable_chunked_prefill,
-            long_prefill_token_threshold=sc.long_prefill_token_threshold,
-        )
+        self.capacity: Capacity = plan_capacity(config, shape, budget_bytes=budget)
+        for warning in self.capacity.warnings:
+            log.warning("engine.capacity", detail=warning)
+        self.scheduler = build_scheduler(config, self.capacity)
+        self.cache = self.scheduler.cache
+        self.max_model_len = self.capacity.max_model_len
         self.runner = ModelRunner(
             self.loaded,
             self.ops,
             RunnerSizes(
-                num_blocks if spec.num_attn_layers else 1, cc.block_size, self.cache.slots.num_live, num_ckpt
+                self.capacity.num_kv_blocks if spec.num_attn_layers else 1,
+                config.cache.block_size,
+                self.cache.slots.num_live,
+                self.cache.slots.num_checkpoint,
             ),
             self.device,
         )
         self.runner.default_generator.manual_seed(config.model.seed)
-        self._salt_parts = (str(self.loaded.path), config.model.dtype, cc.namespace)
-        self.eos_token_ids = set(self.loaded.eos_token_ids)
+        self._salt_parts = (str(self.loaded.path), config.model.dtype.value, config.cache.namespace)
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
         self._ids = itertools.count()
+        # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
+        self.states: dict[str, RequestState] = {}
         self.counters = {
             "requests.finished": 0,
             "requests.aborted": 0,
@@ -136,12 +174,9 @@ class EngineCore:
             dtype=str(self.dtype),
             device=str(self.device),
             kernels=self.ops.name,
-            kv_blocks=num_blocks,
-            block_size=cc.block_size,
-            checkpoint_slots=num_ckpt,
-            checkpoint_mib=round(num_ckpt * ckpt_bytes / 2**20, 2),
-            live_slots=self.cache.slots.num_live,
-            max_model_len=self.max_model_len,
+            block_size=config.cache.block_size,
+            checkpoint_unit=self.cache.unit,
+            **self.capacity.describe(),
         )
 
     # ------------------------------------------------------------------ requests
@@ -204,12 +239,6 @@ class EngineCore:
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (room for at least one "
                 f"generated token is needed)"
             )
-        need = min(len(ids) + params.max_tokens, self.max_model_len)
-        if not self.cache.can_ever_fit(need):
-            raise PromptTooLongError(
-                f"request needs {need} tokens of KV cache but the whole pool holds "
-                f"{self.cache.blocks.num_blocks * self.cache.block_size}"
-            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError(f"request_id must be a non-empty str, got {rid!r}")
@@ -222,16 +251,22 @@ class EngineCore:
             priority=priority,
             cache_salt=make_salt(*self._salt_parts, cache_salt),
         )
+        return req
+
+    def _new_state(self, req: Request) -> RequestState:
+        params: SamplingParams = req.sampling_params
+        generator = None
         if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-            req.extra["generator"] = gen
-        stop_ids = set(params.stop_token_ids)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        req.extra["stop_ids"] = stop_ids
-        req.extra["detok"] = IncrementalDetokenizer(self.detok_tokenizer, params.stop)
-        return req
+        return RequestState(
+            detokenizer=IncrementalDetokenizer(self.detok_tokenizer, params.stop),
+            stop_ids=stop_ids,
+            generator=generator,
+        )
 
     def check_capacity(self, pending: int = 0) -> None:
         """Admission control: raise EngineOverloadedError when the waiting queue is full."""
@@ -243,8 +278,11 @@ class EngineCore:
             )
 
     def add_request(self, req: Request) -> None:
+        """Queue a request built by ``make_request``; its engine-side state is created here."""
         self.check_capacity()
+        state = self._new_state(req)
         self.scheduler.add(req)
+        self.states[req.request_id] = state
         self.counters["tokens.prompt"] += req.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -264,7 +302,7 @@ class EngineCore:
         if out is None:
             return []
         try:
-            sampled = self.runner.execute(out)
+            sampled = self.runner.execute(out, self.states)
         except Exception as e:  # one failed step ends only its own requests
             self.counters["steps.failed"] += 1
             log.error("step.failed", error=repr(e), requests=[s.request.request_id for s in out.seqs])
@@ -283,11 +321,12 @@ class EngineCore:
     def _process_token(self, req: Request, token: int) -> RequestOutput:
         params: SamplingParams = req.sampling_params
         self.counters["tokens.generated"] += 1
-        detok: IncrementalDetokenizer = req.extra["detok"]
+        state = self.states[req.request_id]
+        detok = state.detokenizer
         text = detok.add([token])
         n_out = req.num_output_tokens
         reason: str | None = None
-        if n_out >= params.min_tokens and (token in req.extra["stop_ids"] or detok.stopped):
+        if n_out >= params.min_tokens and (token in state.stop_ids or detok.stopped):
             reason = "stop"
         if reason is None and (n_out >= params.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
@@ -307,6 +346,8 @@ class EngineCore:
     def _final_output(
         self, req: Request, reason: str, token_ids: list[int], text: str, error: str | None = None
     ) -> RequestOutput:
+        """The last output of a request that has ended; its engine-side state goes."""
+        self.states.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id,
             token_ids=token_ids,

@@ -14,14 +14,25 @@ Only this module (and the models it calls) touch torch on the engine side.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.kernels import Ops
 from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
 from deltaserve.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Engine-side state of one request, kept by ``EngineCore.states`` beside the torch-free
+    scheduler ``Request`` (created at ``add_request``, dropped when the request ends)."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_ids: frozenset[int]  # stop_token_ids, plus the model's EOS ids unless ignore_eos
+    generator: torch.Generator | None  # per-request RNG when SamplingParams.seed is set
 
 
 @dataclass
@@ -51,6 +62,39 @@ class ModelRunner:
             device,
         )
         self.default_generator = torch.Generator(device=device)
+
+    @staticmethod
+    @torch.inference_mode()
+    def profile(
+        loaded: LoadedModel, ops: Ops, num_tokens: int, block_size: int, device: torch.device
+    ) -> None:
+        """One forward of a ``num_tokens`` prefill on throw-away minimal caches: the activation
+        peak of the largest step (CUDA capacity planning measures memory around it)."""
+        spec = loaded.model.cache_spec()
+        num_blocks = -(-num_tokens // block_size)
+        caches = spec.allocate(num_blocks, block_size, 1 if spec.num_gdn_layers else 0, device)
+
+        def t(data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype, device=device)
+
+        positions = torch.arange(num_tokens, device=device)
+        batch = BatchMetadata(
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+            positions=positions,
+            cu_seqlens=t([0, num_tokens]),
+            seq_lens=t([num_tokens]),
+            block_tables=torch.arange(num_blocks, device=device).view(1, num_blocks),
+            slot_mapping=positions.clone(),
+            num_decodes=0,
+            state_slots=t([0]),
+            has_initial_state=t([False], torch.bool),
+            capture_seq=t([]),
+            capture_pos=t([]),
+            capture_slots=t([]),
+            logits_indices=t([num_tokens - 1]),
+        )
+        loaded.model.forward(batch, caches)
+        del caches
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -117,7 +161,7 @@ class ModelRunner:
             self.ops.copy_state_slots(self.caches.state_tensors(), src, dst)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
+    def execute(self, out: SchedulerOutput, states: Mapping[str, RequestState]) -> list[int | None]:
         """Run one step; the sampled token per scheduled seq (None where none is due)."""
         batch, sample_seq = self.build_batch(out)
         self._copy_states(out.plan.restores)
@@ -126,8 +170,8 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(out.seqs)
         if sample_seq:
             params = [out.seqs[i].request.sampling_params for i in sample_seq]
-            gens: list[Any] = [
-                out.seqs[i].request.extra.get("generator") or self.default_generator for i in sample_seq
+            gens = [
+                states[out.seqs[i].request.request_id].generator or self.default_generator for i in sample_seq
             ]
             tokens = self.ops.sample(
                 logits,

@@ -40,6 +40,11 @@ __all__ = ["chunk_gated_delta_rule", "l2norm", "recurrent_gated_delta_rule"]
 _L2NORM_EPS = 1e-6
 
 
+#: Tokens per chunk of the chunked GDN kernels. Checkpoint boundaries are multiples of it (the
+#: cache manager's torch-free ``GDN_CHUNK_SIZE`` is the same number; a test holds them equal).
+GDN_CHUNK_SIZE = 64
+
+
 def l2norm(x: torch.Tensor, eps: float = _L2NORM_EPS) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + eps)`` over the last axis (the FLA / Hugging Face convention)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -139,7 +144,7 @@ def chunk_gated_delta_rule(
     capture_seq: torch.Tensor | None = None,
     capture_pos: torch.Tensor | None = None,
     capture_slots: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = GDN_CHUNK_SIZE,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """Chunked gated delta rule over a varlen batch; returns ``o [T, Hv, Dv]`` in ``v.dtype``.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -93,17 +93,26 @@ def _triton_ops(device: torch.device) -> Ops:
         raise NotImplementedError(
             "the Triton kernel backend needs the 'triton' package (pip install 'deltaserve[triton]')"
         )
-    from deltaserve.kernels.triton import (  # lazy: triton.jit reads TRITON_INTERPRET at import
-        INTERPRET,
-        TRITON_OPS,
-    )
+    import deltaserve.kernels.triton as tk  # lazy: triton.jit reads TRITON_INTERPRET at import
 
-    if interpret != INTERPRET:
+    if interpret != tk.INTERPRET:
         raise NotImplementedError(
-            f"kernels.triton was first imported with TRITON_INTERPRET={'1' if INTERPRET else 'unset'}, but it "
+            f"kernels.triton was first imported with TRITON_INTERPRET={'1' if tk.INTERPRET else 'unset'}, but it "
             f"is {'1' if interpret else 'unset'} now; set it before the process imports the Triton kernels"
         )
-    return TRITON_OPS
+    # Same table as the reference with every kernel swapped; the sampler stays torch (a few small
+    # ops on the logits, fine on any device).
+    return replace(
+        REFERENCE_OPS,
+        name="triton",
+        chunk_gated_delta_rule=tk.chunk_gated_delta_rule,
+        recurrent_gated_delta_rule=tk.recurrent_gated_delta_rule,
+        causal_conv1d_varlen=tk.causal_conv1d_varlen,
+        causal_conv1d_update=tk.causal_conv1d_update,
+        store_kv=tk.store_kv,
+        paged_attention=tk.paged_attention,
+        copy_state_slots=tk.copy_state_slots,
+    )
 
 
 def get_ops(backend: str = "auto", device: str | torch.device = "cpu") -> Ops:

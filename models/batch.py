@@ -6,7 +6,7 @@ Contract (docs/contracts.md, "Batch layout" and "Cache tensors"):
   token axis; **decodes come first**: sequences ``[0, num_decodes)`` contribute exactly one
   token each and continue from their live state (recurrent path); sequences
   ``[num_decodes, B)`` are prefill segments (chunked path), each starting at a multiple of
-  the GDN chunk size (64).
+  the GDN chunk size (``GDN_CHUNK_SIZE``, 64).
 * ``ModelCaches`` holds, per full-attention layer ordinal ``i``, ``k_cache[i]`` /
   ``v_cache[i]`` of shape ``[num_blocks, block_size, Hkv, D]`` (model dtype), and per GDN
   layer ordinal ``j``, ``conv_state[j]`` ``[num_state_slots, conv_dim, K - 1]`` (model
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from deltaserve.kernels.gdn import GDN_CHUNK_SIZE
 
 # The recurrent state is accumulated over thousands of tokens: keep it in fp32 whatever the
 # model dtype (contracts.md fixes this).
@@ -83,6 +85,7 @@ class CacheSpec:
     key_head_dim: int
     value_head_dim: int
     dtype: torch.dtype
+    gdn_chunk_size: int = GDN_CHUNK_SIZE  # checkpoint boundaries are multiples of it
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one KV block id across ALL full-attention layers (K and V)."""

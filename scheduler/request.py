@@ -40,7 +40,6 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
     num_preemptions: int = 0
     finish_reason: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # engine-side state (detokenizer, generator)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

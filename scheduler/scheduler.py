@@ -42,13 +42,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from deltaserve.cache.manager import CacheManager, StepItem, StepPlan
+from deltaserve.logs import get_logger
 from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.request import Request, RequestStatus
 
-log = structlog.get_logger("deltaserve.scheduler")
+log = get_logger("deltaserve.scheduler")
 
 _FALLBACK = FCFSPolicy()  # answers a policy call that failed
 

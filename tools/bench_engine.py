@@ -27,7 +27,7 @@ import torch
 
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.cli import add_config_args, config_from_args
-from deltaserve.engine.log_setup import configure_logging
+from deltaserve.logs import configure_logging
 
 
 def run_engine(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:

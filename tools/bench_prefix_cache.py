@@ -25,7 +25,7 @@ from pathlib import Path
 
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.cli import add_config_args, config_from_args
-from deltaserve.engine.log_setup import configure_logging
+from deltaserve.logs import configure_logging
 
 WORDS = (
     "cache state model token prefix turn reply agent tool result query answer memory block "

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from deltaserve.logs import get_logger
 from deltaserve.tools.metrics import RequestRecord, format_table, stats_delta, summarize
 from deltaserve.tools.workloads import (
     HFCodec,
@@ -49,7 +48,7 @@ from deltaserve.tools.workloads import (
     plan_arrivals,
 )
 
-log = structlog.get_logger("deltaserve.loadgen")
+log = get_logger("deltaserve.loadgen")
 
 
 # ============================================================================ backends
@@ -646,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
-    from deltaserve.engine.log_setup import configure_logging
+    from deltaserve.logs import configure_logging
 
     configure_logging(args.log_level)
     from deltaserve.engine import install_uvloop

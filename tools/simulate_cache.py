@@ -44,13 +44,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import structlog
-
-from deltaserve.cache import CacheManager, CacheManagerConfig
 from deltaserve.cache.admission import ADMISSION_POLICIES
+from deltaserve.cache.manager import GDN_CHUNK_SIZE
 from deltaserve.engine import cli as engine_cli  # (engine/__init__ is lazy: no torch)
-from deltaserve.engine.log_setup import configure_logging
-from deltaserve.scheduler import Request, Scheduler, make_policy
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.sizing import Capacity, build_scheduler
+from deltaserve.logs import configure_logging, get_logger
+from deltaserve.scheduler import Request
 from deltaserve.tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn
 from deltaserve.tools.workloads import (
     ArrivalParams,
@@ -67,7 +67,7 @@ from deltaserve.tools.workloads import (
     workload_names,
 )
 
-log = structlog.get_logger("deltaserve.simulate")
+log = get_logger("deltaserve.simulate")
 
 MiB = 1024**2
 DEFAULT_POLICIES = ("interval", "step-end", "sequence-end", "default", "oracle")
@@ -79,21 +79,51 @@ DEFAULT_KV_MB = 2048
 # ============================================================================ config
 @dataclass
 class SimConfig:
-    block_size: int = 16
+    """Pool sizes of a simulated model, and the engine config every other setting comes from
+    (block size, checkpoint interval and staging, scheduler policy and limits): the simulator
+    builds its scheduler with the engine's own ``build_scheduler``."""
+
     kv_blocks: int = 4096
     checkpoint_slots: int = DEFAULT_CHECKPOINT_SLOTS
     checkpoint_bytes: int = 50 * MiB
     kv_bytes_per_token: int = 32 * 1024
-    staging_bytes: int | None = None
-    checkpoint_interval: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_num_partial_prefills: int = 4
-    scheduler_policy: str = "fcfs"
-    policy_options: dict[str, Any] = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     step_s: float = 0.015  # virtual seconds per step ...
     token_s: float = 0.0002  # ... plus per computed token
     check_integrity: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.cache.block_size
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.engine.cache.checkpoint_interval
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
+    def capacity(self, kv_blocks: int, checkpoint_slots: int) -> Capacity:
+        """The engine's ``Capacity`` for these pool sizes (the model's maximum length is unbounded)."""
+        return Capacity(
+            budget_bytes=kv_blocks * self.block_size * self.kv_bytes_per_token
+            + (checkpoint_slots + self.max_num_seqs) * self.checkpoint_bytes,
+            block_size=self.block_size,
+            num_kv_blocks=kv_blocks,
+            kv_block_bytes=self.block_size * self.kv_bytes_per_token,
+            num_live_slots=self.max_num_seqs,
+            num_checkpoint_slots=checkpoint_slots,
+            state_bytes=self.checkpoint_bytes,
+            max_model_len=kv_blocks * self.block_size,
+            model_max_len=1 << 30,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "engine"}
+        out["engine"] = self.engine.to_dict()
+        return out
 
     @property
     def kv_bytes(self) -> int:
@@ -143,7 +173,7 @@ def oracle_sizes(workload: Workload, cfg: SimConfig) -> tuple[int, int]:
     for spec, _ in expand(workload):
         total += len(spec.prompt_ids) + spec.max_tokens
         n += 1
-    unit = math.lcm(cfg.block_size, 64)
+    unit = math.lcm(cfg.block_size, GDN_CHUNK_SIZE)
     blocks = total // cfg.block_size + 2 * n + 16
     slots = total // unit + 2 * n + cfg.max_num_seqs + 16
     return blocks, slots
@@ -156,31 +186,13 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
     admission = "every-unit" if oracle else policy
     if admission not in ADMISSION_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: oracle, {', '.join(sorted(ADMISSION_POLICIES))}")
-    kv_blocks, slots, staging = cfg.kv_blocks, cfg.checkpoint_slots, cfg.staging_bytes
+    kv_blocks, slots, engine = cfg.kv_blocks, cfg.checkpoint_slots, cfg.engine
     if oracle:
         kv_blocks, slots = oracle_sizes(workload, cfg)
-        staging = None
-    cache = CacheManager(
-        CacheManagerConfig(
-            block_size=cfg.block_size,
-            num_kv_blocks=kv_blocks,
-            num_live_slots=cfg.max_num_seqs,
-            num_checkpoint_slots=slots,
-            checkpoint_bytes=cfg.checkpoint_bytes,
-            staging_bytes=staging,
-            has_gdn=True,
-            checkpoint_interval=cfg.checkpoint_interval,
-            checkpoint_policy=admission,
-            enable_prefix_caching=True,
-        )
-    )
-    sched = Scheduler(
-        cache,
-        make_policy(cfg.scheduler_policy, cfg.policy_options),
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_partial_prefills=cfg.max_num_partial_prefills,
-    )
+        engine = engine.replace(**{"cache.checkpoint_staging_bytes": None})
+    engine = engine.replace(**{"cache.enable_prefix_caching": True})
+    sched = build_scheduler(engine, cfg.capacity(kv_blocks, slots), checkpoint_policy=admission)
+    cache = sched.cache
     roots = workload.roots()
     plan = plan_arrivals(roots, arrival, workload.seed)
     clock = 0.0
@@ -387,7 +399,7 @@ def _grid(rows: list[list[str]]) -> str:
 def header_line(workload: Workload, cfg: SimConfig, arrival_mode: str) -> str:
     reqs = expand(workload)
     prompt = sum(len(s.prompt_ids) for s, _ in reqs)
-    unit = math.lcm(cfg.block_size, 64)
+    unit = math.lcm(cfg.block_size, GDN_CHUNK_SIZE)
     return (
         f"workload {workload.name}: {len(reqs)} requests, {prompt} prompt tokens, {arrival_mode}; "
         f"KV {cfg.kv_blocks} blocks x {cfg.block_size} tok = {cfg.kv_bytes / MiB:.0f} MiB; "
@@ -479,8 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
-    ecfg = engine_cli.config_from_args(args)
-    cc, sc = ecfg.cache, ecfg.scheduler
+    base: dict[str, object] = {}
+    if args.checkpoint_interval is not None:
+        base["cache.checkpoint_interval"] = args.checkpoint_interval
+    if args.staging_mb is not None:
+        base["cache.checkpoint_staging_bytes"] = int(args.staging_mb * MiB)
+    ecfg = engine_cli.config_from_args(args, base)
+    cc = ecfg.cache
     ckpt_bytes = args.checkpoint_bytes
     if args.kv_blocks is not None:
         kv_blocks = args.kv_blocks
@@ -496,22 +513,12 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         slots = int(args.checkpoint_mb * MiB // ckpt_bytes)
     else:
         slots = DEFAULT_CHECKPOINT_SLOTS
-    staging = int(args.staging_mb * MiB) if args.staging_mb is not None else cc.checkpoint_staging_bytes
     return SimConfig(
-        block_size=cc.block_size,
         kv_blocks=max(kv_blocks, 1),
         checkpoint_slots=max(slots, 0),
         checkpoint_bytes=ckpt_bytes,
         kv_bytes_per_token=args.kv_bytes_per_token,
-        staging_bytes=staging,
-        checkpoint_interval=args.checkpoint_interval
-        if args.checkpoint_interval is not None
-        else cc.checkpoint_interval,
-        max_num_seqs=sc.max_num_seqs,
-        max_num_batched_tokens=sc.max_num_batched_tokens,
-        max_num_partial_prefills=sc.max_num_partial_prefills,
-        scheduler_policy=sc.policy,
-        policy_options=dict(sc.policy_options),
+        engine=ecfg,
         step_s=args.step_ms / 1000,
         token_s=args.ms_per_token / 1000,
         check_integrity=args.check,
@@ -538,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "tool": "deltaserve.simulate_cache",
         "argv": list(argv) if argv is not None else sys.argv[1:],
-        "sim_config": asdict(cfg),
+        "sim_config": cfg.to_dict(),
         "codec": codec.name,
         "policies": policies,
         "workloads": {},

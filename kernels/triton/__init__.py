@@ -1,7 +1,8 @@
 """Triton kernels for deltaserve: the GPU data path, same signatures as the PyTorch reference ops.
 
-Get them through ``kernels.get_ops("triton", device)`` (or ``"auto"`` on a CUDA device); this
-package is imported lazily by ``kernels/ops.py`` because ``triton.jit`` decides at import time
+Get them through ``deltaserve.kernels.get_ops("triton", device)`` (or ``"auto"`` on a CUDA device); this
+package is imported lazily by ``kernels/ops.py`` (which builds the ``Ops`` table from it; this
+package never imports ``ops.py``, so there is no import circle) because ``triton.jit`` decides at import time
 whether the kernels are compiled for the GPU or run by the interpreter (``TRITON_INTERPRET=1``,
 how the CPU tests run them).
 
@@ -17,9 +18,6 @@ reference sampler (plain torch ops, fine on the GPU):
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from deltaserve.kernels.ops import REFERENCE_OPS
 from deltaserve.kernels.triton._common import INTERPRET
 from deltaserve.kernels.triton.attention import paged_attention, store_kv
 from deltaserve.kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -28,7 +26,6 @@ from deltaserve.kernels.triton.state_copy import copy_state_slots
 
 __all__ = [
     "INTERPRET",
-    "TRITON_OPS",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "chunk_gated_delta_rule",
@@ -37,17 +34,3 @@ __all__ = [
     "recurrent_gated_delta_rule",
     "store_kv",
 ]
-
-# Same table as the reference with every kernel swapped; the sampler stays torch (it is a few
-# small ops on the logits, fine on any device).
-TRITON_OPS = replace(
-    REFERENCE_OPS,
-    name="triton",
-    chunk_gated_delta_rule=chunk_gated_delta_rule,
-    recurrent_gated_delta_rule=recurrent_gated_delta_rule,
-    causal_conv1d_varlen=causal_conv1d_varlen,
-    causal_conv1d_update=causal_conv1d_update,
-    store_kv=store_kv,
-    paged_attention=paged_attention,
-    copy_state_slots=copy_state_slots,
-)

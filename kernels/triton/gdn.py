@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels.gdn import _plan_captures
+from deltaserve.kernels.gdn import GDN_CHUNK_SIZE, _plan_captures
 from deltaserve.kernels.triton._common import (
     block,
     check_device,
@@ -273,7 +273,7 @@ def chunk_gated_delta_rule(
     capture_seq: torch.Tensor | None = None,
     capture_pos: torch.Tensor | None = None,
     capture_slots: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = GDN_CHUNK_SIZE,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """Chunked gated delta rule over a varlen batch; returns ``o [T, Hv, Dv]`` in ``v.dtype``."""

@@ -52,6 +52,7 @@ def make_config(**dotted: Any) -> EngineConfig:
         "scheduler.max_num_batched_tokens": 256,
         "scheduler.max_num_seqs": 8,
         "cache.num_kv_blocks": 512,
+        "cache.memory_bytes": 256 * 1024**2,
         "logging.stats_interval_s": 60.0,
     }
     base.update(dotted)

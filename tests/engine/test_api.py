@@ -10,6 +10,7 @@ import pytest
 
 from deltaserve.engine import (
     AsyncEngine,
+    ConfigError,
     EngineCore,
     EngineOverloadedError,
     InvalidRequestError,
@@ -97,9 +98,11 @@ def test_eos_stops_unless_ignored(core_factory: Any) -> None:
     # force EOS: make it a stop id via the model's own eos set, checked with ignore_eos both ways
     p = prompt(20, 3)
     r1 = core.make_request(p, SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[]))
-    assert eos in r1.extra["stop_ids"]
     r2 = core.make_request(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    assert eos not in r2.extra["stop_ids"]
+    core.add_request(r1)
+    core.add_request(r2)
+    assert eos in core.states[r1.request_id].stop_ids
+    assert eos not in core.states[r2.request_id].stop_ids
 
 
 async def test_abort_mid_stream_frees_everything(core_factory: Any) -> None:
@@ -182,9 +185,14 @@ def test_invalid_sampling_params(kwargs: dict[str, Any], message: str) -> None:
 
 
 def test_request_larger_than_kv_pool_rejected(core_factory: Any) -> None:
+    # max_model_len defaults to what the KV pool holds for one request (8 blocks x 16)
     core = core_factory(**{"cache.num_kv_blocks": 8})
-    with pytest.raises(PromptTooLongError, match="needs 210 tokens of KV cache but the whole pool holds 128"):
+    assert core.max_model_len == 128
+    with pytest.raises(PromptTooLongError, match="prompt has 200 tokens; max_model_len is 128"):
         core.make_request(prompt(200), greedy(10))
+    # an explicit max_model_len the pool cannot hold is refused at start, naming both numbers
+    with pytest.raises(ConfigError, match=r"model.max_model_len = 1000: the KV pool holds only 128 tokens"):
+        core_factory(**{"cache.num_kv_blocks": 8, "model.max_model_len": 1000})
 
 
 def test_overload_is_typed_and_immediate(core_factory: Any) -> None:
@@ -205,11 +213,11 @@ def test_failed_step_ends_only_its_requests(core_factory: Any, monkeypatch: Any)
     real = core.runner.execute
     calls = {"n": 0}
 
-    def flaky(out: Any) -> Any:
+    def flaky(out: Any, states: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
-        return real(out)
+        return real(out, states)
 
     monkeypatch.setattr(core.runner, "execute", flaky)
     outs = run_to_completion(core)[first.request_id]

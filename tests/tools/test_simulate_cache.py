@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from deltaserve.engine.config import EngineConfig
 from deltaserve.tools.simulate_cache import (
     SimConfig,
     compare_policies,
@@ -61,8 +62,10 @@ def test_oracle_is_an_upper_bound(name: str, tiny_codec: Codec) -> None:
         (2, 120, ArrivalParams(), True),  # KV pressure: evictions, maybe preemptions
         (16, 4096, ArrivalParams(concurrency=1), False),
     ]:
-        cfg = SimConfig(checkpoint_slots=slots, kv_blocks=kv_blocks, max_num_batched_tokens=256,
-                        checkpoint_interval=128, check_integrity=check)  # fmt: skip
+        engine = EngineConfig.load(
+            None, {"scheduler.max_num_batched_tokens": 256, "cache.checkpoint_interval": 128}
+        )
+        cfg = SimConfig(checkpoint_slots=slots, kv_blocks=kv_blocks, engine=engine, check_integrity=check)
         results = compare_policies(w, POLICIES, cfg, arrival)
         oracle = results[-1]
         assert oracle.policy == "oracle" and oracle.checkpoints_evicted == 0 and oracle.kv_evicted_blocks == 0
@@ -79,7 +82,9 @@ def test_oracle_is_an_upper_bound(name: str, tiny_codec: Codec) -> None:
 
 def test_policies_see_the_same_requests_and_are_deterministic(tiny_codec: Codec) -> None:
     w = make_workload(WorkloadParams(name="chat", **TINY["chat"]), tiny_codec)  # type: ignore[arg-type]
-    cfg = SimConfig(checkpoint_slots=2, max_num_batched_tokens=256)
+    cfg = SimConfig(
+        checkpoint_slots=2, engine=EngineConfig.load(None, {"scheduler.max_num_batched_tokens": 256})
+    )
     a = [r.to_dict() for r in compare_policies(w, POLICIES, cfg, ArrivalParams())]
     b = [r.to_dict() for r in compare_policies(w, POLICIES, cfg, ArrivalParams())]
     for x in a + b:
@@ -123,7 +128,8 @@ def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "shared-prefix" in out and "vs oracle" in out and "sweep over checkpoint budgets" in out
     saved = json.loads(js.read_text())
     assert saved == json.loads(json.dumps(doc))
-    assert saved["sim_config"]["block_size"] == 32 and saved["sim_config"]["checkpoint_slots"] == 2
+    assert saved["sim_config"]["engine"]["cache"]["block_size"] == 32
+    assert saved["sim_config"]["checkpoint_slots"] == 2
     assert saved["sim_config"]["kv_blocks"] == 64 * 1024**2 // (32 * 1024 * 32)
     res = saved["workloads"]["shared-prefix"]["results"]
     assert [r["policy"] for r in res] == ["interval", "step-end", "sequence-end", "default", "oracle"]
