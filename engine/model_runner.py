@@ -7,7 +7,10 @@ It owns the cache tensors (paged KV per attention layer, state slots per GDN lay
 2. the model forward (decodes first, then prefill segments; prefill captures are written
    by the kernels straight into their reserved slots);
 3. decode-time output tracking copies (live slot -> tracking slot);
-4. sampling, only for sequences whose piece reaches the end of their known tokens.
+4. sampling, only for sequences whose piece reaches the end of their known tokens: raw
+   log-probabilities first for requests that asked for them (``SamplingParams.logprobs``),
+   then penalties and min-p on the rows that use them (``kernels/sampler.py``), then the
+   ``sample`` op.
 
 Only this module (and the models it calls) touch torch on the engine side.
 """
@@ -15,13 +18,16 @@ Only this module (and the models it calls) touch torch on the engine side.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.kernels import Ops
+from deltaserve.kernels.sampler import apply_min_p, apply_penalties, compute_logprobs
 from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
+from deltaserve.scheduler.request import Request
 from deltaserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -33,6 +39,9 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     stop_ids: frozenset[int]  # stop_token_ids, plus the model's EOS ids unless ignore_eos
     generator: torch.Generator | None  # per-request RNG when SamplingParams.seed is set
+    # log-probabilities of the tokens sampled since the engine last took them (logprobs requests)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_ids: torch.Tensor | None = None  # the prompt as a tensor, built once (repetition penalty)
 
 
 @dataclass
@@ -169,17 +178,74 @@ class ModelRunner:
         self._copy_states(out.plan.decode_copies)
         sampled: list[int | None] = [None] * len(out.seqs)
         if sample_seq:
-            params = [out.seqs[i].request.sampling_params for i in sample_seq]
-            gens = [
-                states[out.seqs[i].request.request_id].generator or self.default_generator for i in sample_seq
-            ]
-            tokens = self.ops.sample(
-                logits,
-                torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
-                torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
-                gens,
-            )
-            for i, t in zip(sample_seq, tokens.tolist(), strict=True):
-                sampled[i] = int(t)
+            reqs = [out.seqs[i].request for i in sample_seq]
+            sampled_rows = self.sample(logits, reqs, states)
+            for i, t in zip(sample_seq, sampled_rows, strict=True):
+                sampled[i] = t
         return sampled
+
+    @torch.inference_mode()
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request], states: Mapping[str, RequestState]
+    ) -> list[int]:
+        """One token per row of ``logits`` (row ``i`` belongs to ``reqs[i]``)."""
+        params = [r.sampling_params for r in reqs]
+        dev = self.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        raw = logits
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalised:
+            index = self._tensor(penalised)
+            sub = [params[i] for i in penalised]
+            need_prompt = any(p.repetition_penalty != 1.0 for p in sub)
+            prompts = None
+            if need_prompt:
+                prompts = []
+                for i in penalised:
+                    st = states[reqs[i].request_id]
+                    if st.prompt_ids is None:
+                        st.prompt_ids = self._tensor(reqs[i].prompt_token_ids)
+                    prompts.append(st.prompt_ids)
+            logits = logits.float().clone()
+            logits[index] = apply_penalties(
+                logits[index],
+                [reqs[i].output_token_ids for i in penalised],
+                [p.presence_penalty for p in sub],
+                [p.frequency_penalty for p in sub],
+                [p.repetition_penalty for p in sub],
+                prompts,
+            )
+        with_min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        if with_min_p:
+            index = self._tensor(with_min_p)
+            if logits is raw:
+                logits = logits.float().clone()
+            logits[index] = apply_min_p(
+                logits[index], [params[i].min_p for i in with_min_p], temperature[index]
+            )
+        gens = [states[r.request_id].generator or self.default_generator for r in reqs]
+        tokens = self.ops.sample(
+            logits,
+            temperature,
+            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            gens,
+        )
+        token_list = [int(t) for t in tokens.tolist()]
+        wants = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wants:
+            index = self._tensor(wants)
+            k = max(params[i].logprobs or 0 for i in wants)
+            chosen, rank, top_ids, top_lp = compute_logprobs(raw[index], tokens[index], k)
+            chosen_l, rank_l, ids_l, lp_l = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
+            for j, i in enumerate(wants):
+                n_top = params[i].logprobs or 0
+                states[reqs[i].request_id].logprobs.append(
+                    TokenLogprob(
+                        token_id=token_list[i],
+                        logprob=chosen_l[j],
+                        rank=rank_l[j],
+                        top=list(zip(ids_l[j][:n_top], lp_l[j][:n_top], strict=True)),
+                    )
+                )
+        return token_list

@@ -22,6 +22,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 TOKEN_ID_LIMIT = 2**31 - 1
+MAX_N = 128  # OpenAI's bound on `n`
+MAX_LOGPROBS = 20  # OpenAI's bound on `top_logprobs` (vLLM's default max_logprobs)
+PENALTY_LIMIT = 2.0  # presence / frequency penalties live in [-2, 2] (OpenAI)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,6 +66,26 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_tokens (0; 0 <= min_tokens <= max_tokens)
         Stop conditions (EOS, stop strings, stop token ids) are ignored until this many
         tokens have been generated.
+    n (1; 1 <= n <= 128)
+        Independent completions of the same prompt. The prompt is prefilled once: the
+        first completion runs alone until its prompt is in the prefix cache, then the
+        others start from the cache. With a ``seed``, completion ``i`` uses ``seed + i``
+        (mod 2**64). Outputs carry ``RequestOutput.index``.
+    logprobs (None; None or 0 <= logprobs <= 20)
+        Return the log-probability of each generated token, plus that many most likely
+        alternatives (``0``: the chosen token only), in ``RequestOutput.logprobs``. These
+        are the model's raw log-probabilities (log-softmax of its logits before penalties,
+        temperature, top-k/top-p/min-p: vLLM's default), whatever the sampling settings.
+    presence_penalty (0.0; -2 <= presence_penalty <= 2)
+        Subtracted from the logit of every token that already occurs in the output.
+    frequency_penalty (0.0; -2 <= frequency_penalty <= 2)
+        Subtracted from a token's logit once per occurrence in the output.
+    repetition_penalty (1.0; a finite number > 0)
+        For every token in the prompt or the output: a positive logit is divided by it, a
+        negative one multiplied (``> 1`` discourages repeats; ``1`` turns it off).
+    min_p (0.0; 0 <= min_p <= 1)
+        After the temperature, drop tokens whose probability is below ``min_p`` times the
+        most likely token's (``0`` turns it off). Greedy decoding ignores it.
 
     Integers must be ``int`` (``bool`` is not accepted as an integer, nor as a number);
     floats must be finite.
@@ -77,6 +100,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
@@ -111,6 +140,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise bad("ignore_eos", "must be a bool")
         if not _int_in(self.min_tokens, 0, self.max_tokens):
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if not _int_in(self.n, 1, MAX_N):
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
+            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT):
+                raise bad(name, "must be a number in [-2, 2] (0: off)")
+        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1: off)")
+        if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be in [0, 1] (0: off)")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must apply repetition / frequency / presence penalties."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _int_in(value: Any, lo: int, hi: int) -> bool:

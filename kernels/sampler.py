@@ -21,15 +21,31 @@ as ``-inf`` (never drawn) and ``+inf`` as the largest float32; a row whose filte
 is still not a distribution (every logit NaN or ``-inf``) takes its first token in sorted order,
 as greedy would. ``SamplingParams`` range-checks the values before they get here; this is the
 second line of defence, so one request's values can never fail a step for the whole batch.
+
+Logits processors the runner applies *before* ``sample`` (each a row-wise, vectorised torch op
+over the rows that need it; ``sample``'s contract is unchanged):
+
+* ``apply_penalties``: repetition (prompt and output tokens), frequency and presence penalties
+  (output tokens), vLLM's / OpenAI's definitions;
+* ``apply_min_p``: min-p filtering expressed on the raw logits: after dividing by the
+  temperature, ``p_i < min_p * p_max`` is ``logit_i < logit_max + T * log(min_p)``, so masking
+  those logits before ``sample`` is exactly min-p applied after the temperature and before
+  top-k / top-p (vLLM's order);
+
+and ``compute_logprobs`` returns log-probabilities of the chosen tokens and the top-k
+alternatives. They are the *raw* model log-probabilities (log-softmax of the logits the model
+produced, before penalties, temperature and filtering): vLLM's default (``raw_logprobs``), and
+what a client comparing models or scoring text wants.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["GREEDY_TEMPERATURE", "sample"]
+__all__ = ["GREEDY_TEMPERATURE", "apply_min_p", "apply_penalties", "compute_logprobs", "sample"]
 
 GREEDY_TEMPERATURE = 1e-5  # rows below it are greedy (engine/sampling_params.py documents it)
 _TOP_K_CLAMP = 2**62  # Python top_k values beyond any vocabulary are clamped before int64
@@ -122,3 +138,100 @@ def sample(
             choice[j] = torch.multinomial(probs[j], 1, generator=generator)[0]
     tokens[index] = order.gather(1, choice[:, None]).squeeze(-1)
     return tokens
+
+
+# ---------------------------------------------------------------------------- logits processors
+def _row_counts(
+    token_ids: Sequence[Sequence[int] | torch.Tensor], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """``[B, V]`` float32 occurrence counts of each row's token ids (ids outside ``[0, V)`` are
+    ignored), from one flat bincount: no per-token Python work beyond building the id list."""
+    rows = len(token_ids)
+    parts = [torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(device) for ids in token_ids]
+    lengths = torch.tensor([p.numel() for p in parts], dtype=torch.long, device=device)
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+    row = torch.repeat_interleave(torch.arange(rows, device=device), lengths)
+    keep = (flat >= 0) & (flat < vocab)
+    index = row[keep] * vocab + flat[keep]
+    return torch.bincount(index, minlength=rows * vocab).view(rows, vocab).float()
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_token_ids: Sequence[Sequence[int] | torch.Tensor],
+    presence_penalty: torch.Tensor | Sequence[float],
+    frequency_penalty: torch.Tensor | Sequence[float],
+    repetition_penalty: torch.Tensor | Sequence[float],
+    prompt_token_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Penalised float32 copy of ``logits [B, V]``; row ``i`` uses the tokens it has generated
+    (``output_token_ids[i]``) and, for the repetition penalty, its prompt too.
+
+    In vLLM's order: repetition (a token seen in the prompt or the output: a positive logit is
+    divided by ``r``, a negative one multiplied; ``r = 1`` off), then frequency
+    (``logit -= f * count``) and presence (``logit -= p * (count > 0)``), both over output tokens
+    only (OpenAI's definition). ``prompt_token_ids`` may be None when no row has ``r != 1``.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    presence = _per_row(presence_penalty, torch.float32, rows, device, "presence_penalty")
+    frequency = _per_row(frequency_penalty, torch.float32, rows, device, "frequency_penalty")
+    repetition = _per_row(repetition_penalty, torch.float32, rows, device, "repetition_penalty")
+    if len(output_token_ids) != rows:
+        raise ValueError(f"{len(output_token_ids)} output token lists for {rows} rows of logits")
+    out = logits.float().clone()
+    counts = _row_counts(output_token_ids, vocab, device)
+    seen = counts > 0
+    if prompt_token_ids is not None:
+        if len(prompt_token_ids) != rows:
+            raise ValueError(f"{len(prompt_token_ids)} prompt token lists for {rows} rows of logits")
+        seen_any = seen | (_row_counts(prompt_token_ids, vocab, device) > 0)
+        r = repetition[:, None]
+        penalised = torch.where(out > 0, out / r, out * r)
+        out = torch.where(seen_any & (r != 1.0), penalised, out)
+    out -= frequency[:, None] * counts
+    out -= presence[:, None] * seen.float()
+    return out
+
+
+def apply_min_p(
+    logits: torch.Tensor, min_p: torch.Tensor | Sequence[float], temperature: torch.Tensor | Sequence[float]
+) -> torch.Tensor:
+    """A copy of ``logits [B, V]`` with the tokens min-p drops set to ``-inf``: those whose
+    probability after the temperature is below ``min_p * p_max``. Rows with ``min_p <= 0`` or a
+    greedy temperature are unchanged (the most likely token is always kept)."""
+    rows, _ = logits.shape
+    device = logits.device
+    min_p = _per_row(min_p, torch.float32, rows, device, "min_p")
+    temperature = _per_row(temperature, torch.float32, rows, device, "temperature")
+    out = logits.float().clone()
+    active = (min_p > 0) & (temperature >= GREEDY_TEMPERATURE)
+    # log(p_i / p_max) = (l_i - l_max) / T  <  log(min_p)   <=>   l_i < l_max + T * log(min_p)
+    top = torch.nan_to_num(out, nan=float("-inf")).amax(dim=-1)
+    threshold = top + temperature * torch.log(min_p.clamp(min=math.ulp(0.0)))
+    drop = (out < threshold[:, None]) & active[:, None]
+    return out.masked_fill(drop, float("-inf"))
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log-probabilities (``log_softmax`` of ``logits [B, V]`` in float32).
+
+    Returns the chosen token's log-probability ``[B]``, its rank (1 = most likely) ``[B]``, and
+    the ``num_top`` most likely tokens' ids ``[B, k]`` and log-probabilities ``[B, k]``
+    (descending). NaN logits give NaN log-probabilities (they are
+    reported, never used to sample).
+    """
+    rows, vocab = logits.shape
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tokens = torch.as_tensor(token_ids, dtype=torch.long).to(logits.device).reshape(rows, 1)
+    chosen = lp.gather(1, tokens)
+    rank = (lp > chosen).sum(dim=-1) + 1
+    k = max(0, min(int(num_top), vocab))
+    if k:
+        top_lp, top_ids = torch.topk(lp, k, dim=-1, sorted=True)
+    else:
+        top_lp = lp.new_zeros(rows, 0)
+        top_ids = torch.zeros(rows, 0, dtype=torch.long, device=logits.device)
+    return chosen.squeeze(-1), rank, top_ids, top_lp

@@ -196,3 +196,54 @@ def test_nan_top_p_and_temperature_do_not_raise(rng: torch.Generator) -> None:
     tokens = sample(logits, [float("nan"), 1.0, 1.0], [0, 0, -(2**70)], [1.0, float("nan"), -1.0], [None] * 3)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()  # top_p <= 0: top token
     assert 0 <= tokens[1] < 20
+
+
+# ---------------------------------------------------------------------- processors and logprobs (issue 12)
+def test_penalties_match_their_definitions(rng: torch.Generator) -> None:
+    from deltaserve.kernels.sampler import apply_penalties
+
+    logits = torch.randn(3, 12, generator=rng) * 3
+    outputs = [[1, 1, 4], [], [11, 0, 0, 0]]
+    prompts = [[2, 3], [5], [4]]
+    got = apply_penalties(logits, outputs, [0.5, 1.0, -0.3], [0.25, 2.0, 0.1], [1.0, 1.5, 2.0], prompts)
+    want = logits.clone()
+    for i, (out, prompt) in enumerate(zip(outputs, prompts)):
+        presence, frequency, rep = [0.5, 1.0, -0.3][i], [0.25, 2.0, 0.1][i], [1.0, 1.5, 2.0][i]
+        for t in set(out) | set(prompt):
+            want[i, t] = want[i, t] / rep if want[i, t] > 0 else want[i, t] * rep
+        for t in set(out):
+            want[i, t] -= frequency * out.count(t) + presence
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(got[1], logits[1].where(torch.arange(12) != 5, got[1]))  # row 1: only the prompt token
+    # no repetition penalty anywhere: prompts are not needed
+    got = apply_penalties(logits, outputs, [0.5] * 3, [0.0] * 3, [1.0] * 3)
+    assert torch.allclose(got[0, 1], logits[0, 1] - 0.5) and torch.equal(got[1], logits[1])
+
+
+def test_min_p_is_relative_to_the_tempered_top_token() -> None:
+    from deltaserve.kernels.sampler import apply_min_p
+
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])
+    logits = probs.log()[None].repeat(3, 1)
+    out = apply_min_p(logits, [0.2, 0.2, 0.5], [1.0, 0.0, 2.0])
+    assert torch.isinf(out[0]).tolist() == [False, False, False, True]  # 0.08 < 0.2 * 0.5
+    assert torch.equal(out[1], logits[1])  # greedy: untouched
+    # T = 2: tempered probs ~ sqrt(p); 0.08 -> sqrt(0.08/0.5) = 0.4 < 0.5, 0.12 -> 0.49 < 0.5
+    assert torch.isinf(out[2]).tolist() == [False, False, True, True]
+    for _ in range(50):
+        assert sample(out[:1], [1.0], [0], [1.0], [None])[0] != 3
+
+
+def test_logprobs_are_raw_log_softmax(rng: torch.Generator) -> None:
+    from deltaserve.kernels.sampler import compute_logprobs
+
+    logits = torch.randn(4, 30, generator=rng)
+    tokens = torch.tensor([0, 5, 29, 7])
+    chosen, rank, top_ids, top_lp = compute_logprobs(logits, tokens, 3)
+    ref = torch.log_softmax(logits.double(), -1)
+    assert torch.allclose(chosen.double(), ref[torch.arange(4), tokens], atol=1e-5)
+    assert torch.equal(top_ids, ref.topk(3, -1).indices)
+    assert torch.allclose(top_lp.double(), ref.topk(3, -1).values, atol=1e-5)
+    assert rank.tolist() == [int((ref[i] > ref[i, t]).sum()) + 1 for i, t in enumerate(tokens.tolist())]
+    _, _, ids0, lp0 = compute_logprobs(logits, tokens, 0)
+    assert ids0.shape == (4, 0) and lp0.shape == (4, 0)
