@@ -4,17 +4,27 @@ The public API::
 
     from deltaserve import AsyncEngine, EngineConfig, SamplingParams, RequestOutput
 
+    config = EngineConfig.load("examples/serve.toml")      # every key: docs/config.md
+    async with AsyncEngine(config) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(out.text, end="")                         # out: a RequestOutput delta
+
+plus the error types (``DeltaServeError`` and its subclasses ``ConfigError``,
+``InvalidRequestError``, ``PromptTooLongError``, ``EngineOverloadedError``,
+``EngineDeadError``) and ``install_uvloop``. A multi-turn chat that passes token ids back
+so each turn reuses the cache: ``examples/chat.py``.
+
 The source folders sit at the top of the repository (``engine/``, ``scheduler/``,
 ``cache/``, ``kernels/``, ``models/``, ``tools/``) and install as subpackages of this one
 (``deltaserve.engine``, ``deltaserve.cache``, ...; see ``[tool.setuptools.package-dir]`` in
-``pyproject.toml``), so an application's own ``models.py`` or ``engine.py`` never clashes
-with ours. Torch-heavy names load on first use: ``deltaserve.EngineConfig`` and the cache
-simulator import no torch.
+``pyproject.toml``), so an application's own ``models.py``, ``engine.py`` or ``cache/``
+never clashes with ours. Torch-heavy names (``AsyncEngine``, ``EngineCore``) load on first
+use: ``deltaserve.EngineConfig`` and the cache simulator import no torch.
 
-The library never configures logging and never writes to stdout: it logs through
-structlog onto the standard ``logging`` module under the ``deltaserve`` logger, which the
-application configures (``deltaserve.engine.log_setup.configure_logging`` is a helper the
-tools use).
+The library never configures logging and never writes to stdout: it logs through the
+standard ``logging`` module under the ``deltaserve`` logger (``deltaserve.logs``), which
+the application configures; ``logging.level`` in the config sets that logger's level.
+``deltaserve.logs.configure_logging(level)`` is a helper (one stderr handler) the tools use.
 """
 
 from __future__ import annotations

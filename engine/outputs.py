@@ -18,6 +18,49 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
+    """One streamed delta of a request, as ``AsyncEngine.generate`` yields them.
+
+    A request yields one ``RequestOutput`` per generated token (or a few tokens at once);
+    its last one has ``finished=True`` and a ``finish_reason``. ``token_ids`` and ``text``
+    are *deltas*: concatenate them to get the whole reply.
+
+    Fields:
+
+    request_id (str)
+        The request's id: the ``request_id`` given to ``generate``, or a generated one.
+    token_ids (list[int])
+        Token ids generated since the previous output of this request. The last output
+        includes the token the request stopped on (an end-of-sequence or stop token id),
+        so appending every ``token_ids`` to the prompt ids gives exactly the sequence the
+        model produced: pass it back as the next turn's prompt to reuse the cache (see
+        ``examples/chat.py``). Empty when a request ends by abort or error.
+    text (str)
+        Text decoded since the previous output (special tokens skipped). Text that could
+        still turn into a stop string is held back until it cannot; a stop string and
+        anything after it are never returned.
+    finished (bool, default False)
+        True on the request's last output; nothing follows it.
+    finish_reason (str | None, default None)
+        Set when ``finished``: ``"stop"`` (an end-of-sequence token, a stop token id or a
+        stop string), ``"length"`` (``max_tokens`` or ``max_model_len`` reached),
+        ``"abort"`` (``engine.abort``, the consumer left the loop or was cancelled, the
+        engine shut down) or ``"error"`` (a failed model step or engine loop; ``error``
+        says why, and other requests are not affected by a failed step).
+    num_prompt_tokens (int, default 0)
+        Tokens in the prompt (after chat messages were rendered with the chat template).
+    num_cached_tokens (int, default 0)
+        Prompt tokens served from the prefix cache instead of computed; 0 until the
+        request is admitted. On a hybrid model a multiple of the checkpoint unit
+        lcm(``cache.block_size``, 64); on an attention-only model, of ``block_size``.
+    error (str | None, default None)
+        Why the request failed (``finish_reason="error"``); it may also explain an abort
+        the application did not ask for (e.g. ``"engine shut down"``).
+    index (int, default 0)
+        Which of the request's ``SamplingParams.n`` completions this delta belongs to.
+    logprobs (list[TokenLogprob] | None, default None)
+        With ``SamplingParams.logprobs`` set: one ``TokenLogprob`` per id in ``token_ids``.
+    """
+
     request_id: str
     token_ids: list[int]  # new since the previous output of this request
     text: str  # new text since the previous output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,27 @@ def test_check_mode_and_no_torch(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", probe, str(script), str(stale)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert stale.read_text(encoding="utf-8") == DOC.read_text(encoding="utf-8")
+
+
+def test_request_output_docstring_lists_every_field() -> None:
+    from deltaserve import RequestOutput
+
+    doc = RequestOutput.__doc__ or ""
+    for field in msgspec.structs.fields(RequestOutput):
+        assert re.search(rf"^    {field.name} \(", doc, re.M), f"RequestOutput docstring lacks {field.name}"
+
+
+def test_error_types_are_documented() -> None:
+    import deltaserve
+    from deltaserve import DeltaServeError
+
+    for name in (
+        "ConfigError",
+        "InvalidRequestError",
+        "PromptTooLongError",
+        "EngineOverloadedError",
+        "EngineDeadError",
+    ):
+        cls = getattr(deltaserve, name)
+        assert issubclass(cls, DeltaServeError)
+        assert cls.__doc__ and len(cls.__doc__) > 80, f"{name} needs a docstring saying when it is raised"
