@@ -2,20 +2,31 @@
 
 ::
 
-    async with AsyncEngine(EngineConfig.load("serve.toml")) as engine:
+    async with AsyncEngine(EngineConfig.load("examples/serve.toml")) as engine:
         async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
             print(out.text, end="")
 
-``generate`` validates eagerly (typed errors are raised at the call, before iteration)
-and returns an async iterator of ``RequestOutput`` deltas; leaving the iteration early or
-cancelling the consuming task aborts the request. The engine loop runs each model step
-in a single worker thread, so the event loop stays responsive while a step runs; new
-requests and aborts are applied between steps, never concurrently with one.
+Contract:
+
+* ``generate`` validates eagerly (typed errors are raised at the call, before iteration)
+  and returns a ``RequestStream``: an async iterator of ``RequestOutput`` deltas whose last
+  item has ``finished=True`` and a ``finish_reason`` (stop, length, abort, error).
+* Leaving an ``async for`` early (``break``, an exception), cancelling the consuming task,
+  or ``await stream.aclose()`` aborts the request; so does ``engine.abort(request_id)``
+  (it acts at once; awaiting it waits until the abort is applied).
+* A request id belongs to the stream that created it: a stale stream of a finished
+  request never aborts a newer request that reuses the id.
+* The engine loop runs each model step in one worker thread, so the event loop stays
+  responsive; requests and aborts are applied between steps, never during one.
+* Nothing is lost: if the loop dies for any reason (``BaseException`` included, or its
+  task is cancelled) the engine is marked dead, every open stream ends with ``error``,
+  ``generate`` raises ``EngineDeadError`` at once and ``shutdown()`` still returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +43,9 @@ from deltaserve.scheduler.request import Request
 
 log = get_logger("deltaserve.engine")
 
+#: how long the loop sleeps when requests wait but nothing could be scheduled
+_IDLE_RETRY_S = 0.05
+
 
 def install_uvloop() -> bool:
     """Use uvloop for new event loops when it is installed; True if it is."""
@@ -43,16 +57,77 @@ def install_uvloop() -> bool:
     return True
 
 
+class RequestStream:
+    """The handle ``generate`` returns: async-iterate it for one request's ``RequestOutput`` deltas.
+
+    ``async for out in stream`` iterates through a fresh inner generator: when the loop is
+    left early that generator is dropped and finalised, which aborts the request even while
+    the application still holds ``stream``. ``await stream.__anext__()`` reads one delta;
+    ``await stream.aclose()`` aborts an unfinished request. ``request_id`` names it.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                yield await self._next()
+        finally:
+            if not self.finished:
+                self._engine._abandon(self)
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            return await self._next()
+        except asyncio.CancelledError:
+            self._engine._abandon(self)
+            raise
+
+    async def _next(self) -> RequestOutput:
+        out = await self._queue.get()
+        if out.finished:
+            self.finished = True
+        return out
+
+    async def aclose(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        if not self.finished:
+            self._engine._abandon(self)
+
+    def _put(self, out: RequestOutput) -> None:
+        self._queue.put_nowait(out)
+
+
 class AsyncEngine:
+    """An asyncio engine: one model, continuous batching, a joint KV + GDN-state prefix cache.
+
+    Use it as ``async with AsyncEngine(config) as engine`` (or ``await engine.start()`` and
+    ``await engine.shutdown()``). ``generate`` submits a request; ``abort`` cancels one;
+    ``stats`` returns counters; ``is_healthy`` and ``await check_integrity()`` let an
+    application (or a test) watch the engine without touching its internals.
+    """
+
     def __init__(self, config: EngineConfig | None = None, *, core: EngineCore | None = None) -> None:
         self.config = config or (core.config if core else EngineConfig())
         self.core: EngineCore | None = core
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-step")
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, RequestStream] = {}  # request id -> the stream that owns it
         self._pending_add: list[Request] = []
-        self._pending_abort: list[str] = []
+        # (request id, the stream asking, or None for `abort(id)`, a future resolved when applied)
+        self._pending_abort: list[tuple[str, RequestStream | None, asyncio.Future[bool] | None]] = []
+        self._pending_checks: list[asyncio.Future[None]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._step: concurrent.futures.Future[list[RequestOutput]] | None = None
         self._closed = False
         self._in_step = False  # a step runs in the worker: the scheduler/cache are not ours to read
         self._last_stats: dict[str, Any] = {}
@@ -62,27 +137,38 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> AsyncEngine:
+        """Load the model (in the worker thread, off the event loop) and start the engine loop."""
         if self._task is not None:
             return self
         loop = asyncio.get_running_loop()
         if self.core is None:
-            # Loading builds/reads weights: keep the event loop free meanwhile.
             self.core = await loop.run_in_executor(self._executor, EngineCore, self.config)
         self._wakeup = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="deltaserve-engine-loop")
+        self._task.add_done_callback(self._on_loop_done)
         return self
 
     async def shutdown(self) -> None:
+        """Stop the loop, abort every open request (their streams end with ``abort``), free the
+        worker thread. Never raises because the loop died; safe to call twice."""
         self._closed = True
         if self._wakeup is not None:
             self._wakeup.set()
         if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+            await asyncio.wait([self._task])  # its failure is reported by the streams, not here
+        if self._step is not None and not self._step.done():
+            # a step cut off by a dying loop still runs in the worker: let it finish first
+            await asyncio.wait([asyncio.wrap_future(self._step)])
         if self.core is not None:
-            for out in self._drain_all_aborted():
-                self._route(out)
+            try:
+                for out in self._drain_all_aborted():
+                    self._route(out)
+            except Exception:
+                if self._dead is None:
+                    raise
+                # the loop died (perhaps of a corrupt cache): its requests were already ended
+                log.exception("engine.shutdown_cleanup_failed")
+        self._resolve_pending(EngineDeadError("engine shut down"))
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> AsyncEngine:
@@ -96,6 +182,10 @@ class AsyncEngine:
         assert self.core is not None, "engine not started"
         return self.core.tokenizer
 
+    def is_healthy(self) -> bool:
+        """True while the engine loop runs and can serve requests."""
+        return self._task is not None and not self._task.done() and self._dead is None and not self._closed
+
     # ------------------------------------------------------------------ API
     def generate(
         self,
@@ -105,50 +195,43 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit a request; iterate the result for its ``RequestOutput`` deltas."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
-        if self.core is None or self._task is None or self._closed:
-            raise EngineDeadError("engine is not running (use `async with AsyncEngine(config) as engine`)")
+    ) -> RequestStream:
+        """Submit a request; iterate the returned stream for its ``RequestOutput`` deltas.
+
+        ``prompt`` is a str, a list of token ids, or chat messages (``[{"role", "content"}]``,
+        rendered with the tokenizer's chat template). ``priority`` matters to the ``priority``
+        policy (lower first); ``cache_salt`` keeps tenants' cached prefixes apart. Raises
+        ``InvalidRequestError`` / ``PromptTooLongError`` for bad input, ``EngineOverloadedError``
+        when the waiting queue is full, ``EngineDeadError`` when the engine cannot serve.
+        """
+        self._check_alive()
+        assert self.core is not None
         req = self.core.make_request(
             prompt, sampling_params, request_id=request_id, priority=priority, cache_salt=cache_salt
         )
-        if req.request_id in self._queues:
+        if req.request_id in self._streams:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
         # Admission control happens here, at once, not when the loop gets to it.
         self.core.check_capacity(pending=len(self._pending_add))
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[req.request_id] = queue
+        stream = RequestStream(self, req.request_id)
+        self._streams[req.request_id] = stream
         self._pending_add.append(req)
-        assert self._wakeup is not None
-        self._wakeup.set()
-        return self._stream(req.request_id, queue)
+        self._wake()
+        return stream
 
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput]
-    ) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._request_abort(request_id)
+    def abort(self, request_id: str) -> asyncio.Future[bool]:
+        """Abort a request; its stream ends with ``finish_reason="abort"``.
 
-    def _request_abort(self, request_id: str) -> None:
-        if request_id in self._queues:
-            self._pending_abort.append(request_id)
-            if self._wakeup is not None:
-                self._wakeup.set()
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its iterator ends with ``finish_reason="abort"``."""
-        self._request_abort(request_id)
+        Takes effect whether or not the result is awaited; awaiting it waits until the abort
+        is applied (between steps) and gives True if a request was aborted.
+        """
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if request_id not in self._streams or not self.is_healthy():
+            fut.set_result(False)
+            return fut
+        self._pending_abort.append((request_id, None, fut))
+        self._wake()
+        return fut
 
     def stats(self) -> dict[str, Any]:
         """Engine counters; while a step runs, the snapshot taken after the previous one."""
@@ -158,57 +241,103 @@ class AsyncEngine:
             return dict(self._last_stats)
         return self.core.stats()
 
-    # ------------------------------------------------------------------ loop
+    async def check_integrity(self) -> None:
+        """Assert the cache and scheduler accounting (every block and slot in exactly one state),
+        between two steps. Raises ``AssertionError`` when broken, ``EngineDeadError`` if the loop died."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if self.core is None:
+            return
+        if not self.is_healthy():  # not started, or shut down: nothing runs
+            self.core.check_integrity()
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_checks.append(fut)
+        self._wake()
+        await fut
+
+    # ------------------------------------------------------------------ plumbing
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if self._task is not None and self._task.done() and not self._closed:
+            raise EngineDeadError("engine loop has stopped")
+        if self.core is None or self._task is None or self._closed:
+            raise EngineDeadError("engine is not running (use `async with AsyncEngine(config) as engine`)")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _abandon(self, stream: RequestStream) -> None:
+        """A stream was left before its request finished: abort the request it owns."""
+        if self._streams.get(stream.request_id) is stream and self.is_healthy():
+            self._pending_abort.append((stream.request_id, stream, None))
+            self._wake()
+
+    def _route(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        stream._put(out)
+        if out.finished:
+            del self._streams[out.request_id]
+
     def _apply_pending(self) -> None:
         assert self.core is not None
         adds, self._pending_add = self._pending_add, []
         for req in adds:
             try:
                 self.core.add_request(req)
-            except Exception as e:  # overload raced past the eager check
-                self._route(self.core._final_output(req, "error", [], "", error=str(e)))
+            except Exception as e:  # e.g. overload raced past the eager check
+                self._route(self.core._final_output(req, "error", [], "", error=f"{type(e).__name__}: {e}"))
         aborts, self._pending_abort = self._pending_abort, []
-        for rid in aborts:
-            out = self.core.abort_request(rid)
-            if out is not None:
-                self._route(out)
-
-    def _route(self, out: RequestOutput) -> None:
-        queue = self._queues.get(out.request_id)
-        if queue is None:
-            return
-        queue.put_nowait(out)
-        if out.finished:
-            del self._queues[out.request_id]
+        for rid, stream, fut in aborts:
+            # the id may have been finished and reused since: only its owner's abort applies
+            owner = self._streams.get(rid)
+            out = None
+            if owner is not None and (stream is None or owner is stream):
+                out = self.core.abort_request(rid)
+                if out is not None:
+                    self._route(out)
+            if fut is not None and not fut.done():
+                fut.set_result(out is not None)
+        checks, self._pending_checks = self._pending_checks, []
+        for fut in checks:
+            try:
+                self.core.check_integrity()
+            except BaseException as e:  # noqa: BLE001 - reported to the caller, who asked
+                if not fut.done():
+                    fut.set_exception(e)
+            else:
+                if not fut.done():
+                    fut.set_result(None)
 
     def _drain_all_aborted(self) -> list[RequestOutput]:
         assert self.core is not None
-        outs: list[RequestOutput] = []
-        for req in self._pending_add:
-            outs.append(self.core._final_output(req, "abort", [], "", error="engine shut down"))
+        outs = [
+            self.core._final_output(r, "abort", [], "", error="engine shut down") for r in self._pending_add
+        ]
         self._pending_add = []
         return outs + self.core.abort_all()
 
     async def _run(self) -> None:
         assert self.core is not None and self._wakeup is not None
         core = self.core
-        loop = asyncio.get_running_loop()
         try:
             while not self._closed:
                 self._apply_pending()
                 if not core.has_work():
                     self._wakeup.clear()
-                    if self._pending_add or self._pending_abort:
+                    if self._pending_add or self._pending_abort or self._pending_checks:
                         continue
-                    # idle: wake for work, or for the periodic stats line (0 = none)
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(
-                            self._wakeup.wait(), timeout=self.config.logging.stats_interval_s or None
-                        )
+                    await self._idle(self.config.logging.stats_interval_s or None)
                     continue
+                steps_before = core.scheduler.step_count
                 self._in_step = True
                 try:
-                    outputs = await loop.run_in_executor(self._executor, core.step)
+                    self._step = self._executor.submit(core.step)
+                    outputs = await asyncio.wrap_future(self._step)
                 finally:
                     self._in_step = False
                 self._last_stats = core.stats()
@@ -217,29 +346,61 @@ class AsyncEngine:
                 self._window["steps"] += 1
                 self._window["tokens"] += len(outputs)
                 self._maybe_log()
-                await asyncio.sleep(0)  # let producers and consumers run between steps
-        except Exception as e:
-            self._dead = e
-            log.exception("engine.loop_died")
-            for rid, queue in list(self._queues.items()):
-                queue.put_nowait(
-                    RequestOutput(
-                        request_id=rid,
-                        token_ids=[],
-                        text="",
-                        finished=True,
-                        finish_reason="error",
-                        error=f"engine loop died: {e!r}",
-                    )
+                if core.scheduler.step_count == steps_before:
+                    # requests wait but none could be scheduled: do not spin
+                    self._wakeup.clear()
+                    await self._idle(_IDLE_RETRY_S)
+                else:
+                    await asyncio.sleep(0)  # let producers and consumers run between steps
+        except BaseException as e:
+            self._die(e)
+            if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+                raise  # keep the semantics of cancellation and interpreter exit
+
+    async def _idle(self, timeout: float | None) -> None:
+        assert self._wakeup is not None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
+
+    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
+        # covers a loop task cancelled before its body ever ran; retrieves the task's exception
+        exc = asyncio.CancelledError("engine loop task cancelled") if task.cancelled() else task.exception()
+        if not self._closed and self._dead is None:
+            self._die(exc or RuntimeError("engine loop exited"))
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop stopped for good: mark the engine dead and end every open stream."""
+        if self._dead is not None:
+            return
+        if self._closed and isinstance(exc, asyncio.CancelledError):
+            return  # shutdown racing a cancel: streams are ended by shutdown
+        self._dead = exc
+        log.error("engine.loop_died", error=repr(exc), open_requests=len(self._streams), exc_info=exc)
+        message = f"engine loop died: {exc!r}"
+        for rid, stream in list(self._streams.items()):
+            stream._put(
+                RequestOutput(
+                    request_id=rid, token_ids=[], text="", finished=True, finish_reason="error", error=message
                 )
-            self._queues.clear()
+            )
+        self._streams.clear()
+        self._resolve_pending(EngineDeadError(message))
+
+    def _resolve_pending(self, error: Exception) -> None:
+        for _, _, fut in self._pending_abort:
+            if fut is not None and not fut.done():
+                fut.set_result(False)
+        self._pending_abort = []
+        for fut in self._pending_checks:
+            if not fut.done():
+                fut.set_exception(error)
+        self._pending_checks = []
 
     def _maybe_log(self) -> None:
         interval = self.config.logging.stats_interval_s
         now = time.monotonic()
         if interval <= 0 or now - self._last_log < interval:
             return
-        assert self.core is not None
         dt = now - self._window["t0"]
         s = self._last_stats  # taken right after this step
         log.info(

@@ -11,6 +11,7 @@ returns to its pool.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
@@ -36,13 +37,27 @@ from deltaserve.engine.sizing import Capacity, ModelShape, build_scheduler, plan
 from deltaserve.kernels import get_ops
 from deltaserve.logs import get_logger, set_level
 from deltaserve.models import CacheSpec, LoadedModel, load_model
-from deltaserve.scheduler.request import Request
+from deltaserve.scheduler.request import Request, RequestStatus
+from deltaserve.scheduler.scheduler import SchedulerOutput
 
 log = get_logger("deltaserve.engine")
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
+#: longest request_id / cache_salt accepted
+MAX_NAME_CHARS = 1024
+
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """repr() of a value cut to ``limit`` characters (a 5,000-digit int must not flood a message)."""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**30
+        else f"<int of {len(str(value))} digits>"
+    )
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
@@ -155,6 +170,8 @@ class EngineCore:
         self._salt_parts = (str(self.loaded.path), config.model.dtype.value, config.cache.namespace)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
+        # no token covers more characters of text than its longest vocabulary entry
+        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
         self._ids = itertools.count()
         # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
         self.states: dict[str, RequestState] = {}
@@ -181,11 +198,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a str, a list of token ids, or chat messages; typed errors."""
+        """Token ids of a str, a list of token ids, or chat messages; typed errors.
+
+        A text prompt that cannot fit in ``max_model_len`` tokens whatever the tokenizer does
+        (longer than ``max_model_len`` x the longest vocabulary entry) is refused before it is
+        tokenized, so an oversized input never blocks the caller.
+        """
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            self._check_text("prompt", prompt)
+            return self._encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(
                 f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
@@ -196,13 +219,20 @@ class EngineCore:
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {m!r}")
+                self._check_text(f"message {i} role", m["role"])
+                self._check_text(f"message {i} content", m["content"])
+            self._check_length(sum(len(m["content"]) for m in prompt), "messages")
             try:
                 text = self.tokenizer.apply_chat_template(
                     list(prompt), tokenize=False, add_generation_prompt=True
                 )
             except Exception as e:  # no template, or the template rejects these messages
                 raise InvalidRequestError(f"chat template could not render the messages: {e}") from e
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self._encode(text)
+        if len(prompt) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
+            )
         ids = list(prompt)
         for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool):
@@ -213,6 +243,28 @@ class EngineCore:
                 )
         return ids
 
+    def _check_text(self, what: str, text: str) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"{what} is not valid Unicode text ({e.reason} at index {e.start})"
+            ) from None
+        self._check_length(len(text), what)
+
+    def _check_length(self, num_chars: int, what: str) -> None:
+        if num_chars > self.max_model_len * self.max_token_chars:
+            raise PromptTooLongError(
+                f"{what} has {num_chars} characters: more than max_model_len = {self.max_model_len} tokens "
+                f"can hold (at most {self.max_token_chars} characters per token)"
+            )
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except Exception as e:  # the tokenizer rejects this text
+            raise InvalidRequestError(f"prompt could not be tokenized: {type(e).__name__}: {e}") from None
+
     def make_request(
         self,
         prompt: Prompt,
@@ -222,12 +274,23 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate and build a request (raises InvalidRequestError / PromptTooLongError)."""
+        """Validate and build a request (raises InvalidRequestError / PromptTooLongError).
+
+        Every value the request carries is range-checked here, so nothing accepted can fail
+        a step later: ``priority`` in [-2**31, 2**31), ``cache_salt`` a str of at most
+        ``MAX_NAME_CHARS`` characters (or None), ``request_id`` likewise (or None: generated).
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+            raise InvalidRequestError(f"priority must be an int in [-2**31, 2**31), got {_short(priority)}")
+        if cache_salt is not None:
+            self._check_name("cache_salt", cache_salt)
+        if request_id is not None:
+            self._check_name("request_id", request_id)
+            if request_id in self.scheduler.requests:
+                raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise InvalidRequestError(
@@ -240,18 +303,26 @@ class EngineCore:
                 f"generated token is needed)"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {rid!r}")
-        if rid in self.scheduler.requests:
-            raise InvalidRequestError(f"request_id {rid!r} is already in use")
-        req = Request(
+        return Request(
             request_id=rid,
             prompt_token_ids=ids,
             sampling_params=params,
             priority=priority,
             cache_salt=make_salt(*self._salt_parts, cache_salt),
         )
-        return req
+
+    @staticmethod
+    def _check_name(field: str, value: object) -> None:
+        if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+            raise InvalidRequestError(
+                f"{field} must be a non-empty str of at most {MAX_NAME_CHARS} characters, got {_short(value)}"
+            )
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"{field} is not valid Unicode text ({e.reason} at index {e.start})"
+            ) from None
 
     def _new_state(self, req: Request) -> RequestState:
         params: SamplingParams = req.sampling_params
@@ -307,16 +378,48 @@ class EngineCore:
             self.counters["steps.failed"] += 1
             log.error("step.failed", error=repr(e), requests=[s.request.request_id for s in out.seqs])
             failed = self.scheduler.fail_step(out)
-            self.counters["requests.failed"] += len(failed)
-            msg = f"model step failed: {type(e).__name__}: {e}"
-            return [self._final_output(r, "error", [], "", error=msg) for r in failed]
-        self.scheduler.update(out, sampled)
+            return [self._fail(r, "model step failed", e, finish=False) for r in failed]
+        try:
+            self.scheduler.update(out, sampled)
+        except Exception as e:
+            return self._recover_failed_update(out, e)
         self.counters["tokens.computed"] += out.num_tokens
         outputs: list[RequestOutput] = []
         for s, token in zip(out.seqs, sampled, strict=True):
-            if token is not None:
+            if token is None:
+                continue
+            try:
                 outputs.append(self._process_token(s.request, token))
+            except Exception as e:  # detokenizer / stop check of one request: that request ends
+                log.error("request.output_failed", request_id=s.request.request_id, error=repr(e))
+                outputs.append(self._fail(s.request, "output processing failed", e))
         return outputs
+
+    def _recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """Publishing a step's results raised: end that step's requests, keep serving the rest.
+
+        A commit that raised before it took the step's plan out of flight is released like a
+        failed step. One that raised half-way may have left the cache inconsistent: the
+        integrity check then fails and the engine stops rather than serve from a corrupt cache.
+        """
+        self.counters["steps.failed"] += 1
+        log.error("step.commit_failed", error=repr(error), requests=[s.request.request_id for s in out.seqs])
+        with contextlib.suppress(RuntimeError):  # "not in flight": the commit got past taking it out
+            self.cache.abort_step(out.plan)
+        outputs = [
+            self._fail(s.request, "cache commit failed", error)
+            for s in out.seqs
+            if s.request.status is not RequestStatus.FINISHED
+        ]
+        self.scheduler.check_integrity()  # AssertionError: corrupt cache -> the engine loop dies
+        return outputs
+
+    def _fail(self, req: Request, what: str, error: BaseException, *, finish: bool = True) -> RequestOutput:
+        """End ``req`` with ``finish_reason="error"``, releasing its blocks and slots."""
+        if finish:
+            self.scheduler.finish(req, "error", publish_output=False)
+        self.counters["requests.failed"] += 1
+        return self._final_output(req, "error", [], "", error=f"{what}: {type(error).__name__}: {error}")
 
     def _process_token(self, req: Request, token: int) -> RequestOutput:
         params: SamplingParams = req.sampling_params
