@@ -29,9 +29,18 @@ the application configures; ``logging.level`` in the config sets that logger's l
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine import (
+# In a source tree (an editable install, or a checkout on sys.path) the subpackages are the
+# folders beside this one: resolve them from *this* tree, so a second checkout (a git
+# worktree, a copy on another machine) runs its own code, not the installed one's. An
+# installed wheel has them inside this folder and is left alone.
+_here = Path(__file__).resolve().parent
+if not (_here / "engine").is_dir() and (_here.parent / "engine" / "config.py").is_file():
+    __path__.append(str(_here.parent))  # noqa: F821 (the package's module search path)
+
+from deltaserve.engine import (  # noqa: E402
     ConfigError,
     DeltaServeError,
     EngineConfig,
