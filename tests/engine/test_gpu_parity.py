@@ -2,12 +2,13 @@
 
 Both runs load the built-in tiny model on ``cuda`` in the same dtype, serve the same prompts with
 the same (deterministic) scheduler, and record the logits handed to the sampler at every step.
-Checked: greedy tokens identical; logits within
+Checked: greedy tokens identical; logits within tests/tolerances.py's per-row bound
+``atol + rtol * max|reference row|`` with
 
-* fp32: ``atol=rtol=1e-3`` (kernels agree to ~1e-6 relative; logits have std ~5),
-* bf16: ``atol=0.25, rtol=0.02`` (bf16 activations turn kernel rounding differences into
-  ~1-ulp flips that propagate through 8 layers; the builtin model's wide top-1 margins keep
-  greedy decisions stable).
+* fp32 (``GPU_FP32``): ``atol=rtol=1e-3`` (kernels agree to ~1e-6 relative; logits have std ~5),
+* bf16 (``GPU_BF16``): ``atol=0.25, rtol=0.02`` (bf16 activations turn kernel rounding
+  differences into ~1-ulp flips that propagate through 8 layers; the builtin model's wide top-1
+  margins keep greedy decisions stable).
 
 The prompts cover a fresh prefill, chunk-boundary lengths, a one-token prompt, chunked prefill of
 a long prompt across steps, decodes batched with prefills, and a second wave that restores GDN
@@ -30,6 +31,7 @@ import torch
 from deltaserve.engine import EngineCore
 from deltaserve.kernels import sample
 from tests.engine.conftest import greedy, make_config, run_to_completion
+from tests.tolerances import GPU_BF16, GPU_FP32, assert_logits_close
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +41,7 @@ pytestmark = [
     ),
 ]
 
-TOLERANCE = {"float32": {"atol": 1e-3, "rtol": 1e-3}, "bfloat16": {"atol": 0.25, "rtol": 0.02}}
+TOLERANCE = {"float32": GPU_FP32, "bfloat16": GPU_BF16}
 LENGTHS = [1, 5, 63, 64, 65, 129, 300, 700]
 
 
@@ -88,6 +90,4 @@ def test_triton_engine_matches_reference_on_gpu(tiny_path: Any, dtype: str) -> N
     assert tri_tokens == ref_tokens
     assert len(tri_logits) == len(ref_logits)
     for step, (got, want) in enumerate(zip(tri_logits, ref_logits)):
-        torch.testing.assert_close(
-            got, want, **TOLERANCE[dtype], msg=lambda m, step=step: f"step {step}: {m}"
-        )
+        assert_logits_close(got, want, f"{dtype} step {step}", TOLERANCE[dtype])

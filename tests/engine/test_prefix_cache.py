@@ -10,6 +10,7 @@ import torch
 
 from deltaserve.engine import EngineCore
 from tests.engine.conftest import greedy, hf_greedy, run_to_completion
+from tests.tolerances import assert_logits_close
 
 
 def tokens_of(outs: list[Any]) -> list[int]:
@@ -216,5 +217,5 @@ def test_warm_logits_equal_cold_logits(core_factory: Any, monkeypatch: Any) -> N
     cold_logits, _ = logits_of(cold, second)
     assert hit == 256
     assert warm_logits.shape == cold_logits.shape == (5, warm.vocab_size)
-    torch.testing.assert_close(warm_logits, cold_logits, atol=1e-4, rtol=0)  # stated tolerance: 1e-4 abs
+    assert_logits_close(warm_logits, cold_logits, "warm (restored checkpoint + cached KV) vs cold")
     assert torch.equal(warm_logits.argmax(-1), cold_logits.argmax(-1))

@@ -3,7 +3,8 @@
 The kernels composed as the model uses them: strided q/k/v views, decodes batched with prefill
 segments, conv + GDN captures at chunk boundaries, checkpoint restores (``copy_state_slots``) on
 a prefix-cache hit, paged attention over a cached prefix. Greedy tokens must be identical and the
-sampled logits within ``atol=rtol=1e-4`` (std ~5; the kernels agree to ~1e-6 relative).
+sampled logits within tests/tolerances.py's CPU fp32 bound (std ~5; the kernels agree to ~1e-6
+relative; measured under the interpreter: ~0.02 of that bound).
 
 Runs under ``TRITON_INTERPRET=1`` on the CPU (~20 s) or on a CUDA device; skipped otherwise.
 tests/engine/test_gpu_parity.py is the bigger GPU-only version (bf16 too).
@@ -22,6 +23,7 @@ from deltaserve.kernels import get_ops, sample
 from deltaserve.models import ensure_builtin_model, load_model
 from tests.engine.conftest import greedy, make_config, run_to_completion
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
+from tests.tolerances import assert_logits_close
 
 pytestmark = TRITON_MARKS
 
@@ -59,5 +61,5 @@ def test_engine_on_triton_ops_matches_reference() -> None:
     assert counters["tokens.computed"] < counters["tokens.prompt"]  # the second wave hit the cache
     assert tri_tokens == ref_tokens
     assert len(tri_logits) == len(ref_logits)
-    for got, want in zip(tri_logits, ref_logits):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for step, (got, want) in enumerate(zip(tri_logits, ref_logits)):
+        assert_logits_close(got, want, f"step {step}")

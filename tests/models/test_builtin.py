@@ -13,7 +13,7 @@ import transformers
 from deltaserve.models import ensure_builtin_model, load_model
 from deltaserve.models.builtin import builtin_names
 from tests.models.driver import PagedRunner, Work
-from tests.models.test_parity import ATOL, assert_matches
+from tests.tolerances import assert_logits_close, greedy_determined, greedy_gap_ratio
 
 HF_CLASSES = {
     "tiny-qwen3.5": transformers.Qwen3_5ForCausalLM,
@@ -139,8 +139,10 @@ def test_tokenizer(builtin_paths: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-qwen3"])
 def test_builtin_parity_margin_and_greedy(name: str, builtin_paths: dict[str, Path], envs) -> None:  # noqa: ANN001
-    """Logits match transformers, top-1/top-2 gaps are far above the parity error, and greedy
-    generation (prefill, then decode steps through paged caches) is token-identical."""
+    """Logits match transformers; greedy generation (prefill, then decode steps through paged
+    caches) is token-identical; and every row that decides a generated token has a top-1/top-2
+    gap above twice the logits tolerance, so token identity follows from the tolerance on any
+    CPU instead of hanging on a near-tie (tests/tolerances.py)."""
     path = builtin_paths[name]
     loaded = load_model(path, dtype=torch.float32, device="cpu", ops=envs.ops)
     hf = HF_CLASSES[name].from_pretrained(path, dtype=torch.float32).eval()
@@ -156,21 +158,31 @@ def test_builtin_parity_margin_and_greedy(name: str, builtin_paths: dict[str, Pa
     runner = PagedRunner(loaded.model, ops=envs.ops)
     ids = [tok.encode(p) for p in prompts]
     outs = runner.step([Work(runner.add(i), len(i)) for i in ids])
-    margin = float("inf")
+    near_ties = worst = 0
     for i, out in zip(ids, outs):
         with torch.no_grad():
             ref = hf(input_ids=torch.tensor([i]), use_cache=False).logits[0]
-        assert_matches(out, ref, f"{name} prompt of {len(i)} tokens")
-        top2 = out.topk(2, dim=-1).values
-        margin = min(margin, (top2[:, 0] - top2[:, 1]).min().item())
-    assert margin > 20 * ATOL, f"{name}: min top-1/top-2 logit gap {margin:.2e} is too close to a tie"
-    print(f"[builtin] {name}: min top-1/top-2 margin {margin:.2e}, logit std {outs[0].std().item():.2f}")
+        worst = max(worst, assert_logits_close(out, ref, f"{name} prompt of {len(i)} tokens"))
+        near_ties += int((~greedy_determined(ref)).sum())
 
     prompt = ids[-1]
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[
             0, len(prompt) :
         ].tolist()
+        generated_ids = torch.tensor([prompt + expected[:-1]])
+        deciding = hf(input_ids=generated_ids, use_cache=False).logits[0, len(prompt) - 1 :]
+    assert expected and deciding.argmax(-1).tolist() == expected
+    gaps = greedy_gap_ratio(deciding)
+    assert greedy_determined(deciding).all(), (
+        f"{name}: greedy steps {(gaps <= 2).nonzero().flatten().tolist()} are near-ties "
+        f"(top-1/top-2 gap {gaps.min().item():.2f}x the tolerance <= 2x): token parity would be a coin toss"
+    )
+    print(
+        f"[builtin] {name}: {worst:.1%} of the logits tolerance; greedy steps' min top-1/top-2 gap "
+        f"{gaps.min().item():.0f}x the tolerance; {near_ties} near-tie prompt rows of {sum(map(len, ids))}; "
+        f"logit std {outs[0].std().item():.2f}"
+    )
     runner = PagedRunner(loaded.model, ops=envs.ops)
     seq = runner.add(prompt + [0] * 8)
     (out,) = runner.step([Work(seq, len(prompt))])
@@ -181,4 +193,4 @@ def test_builtin_parity_margin_and_greedy(name: str, builtin_paths: dict[str, Pa
         seq.tokens[len(prompt) + step] = token
         if step < 7:
             (out,) = runner.step([Work(seq, 1)])
-    assert generated[: len(expected)] == expected and expected
+    assert generated[: len(expected)] == expected
