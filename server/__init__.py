@@ -1,0 +1,1 @@
+"""deltaserve.server: ``deltaserve serve``, an OpenAI-compatible HTTP server over one AsyncEngine."""

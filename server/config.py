@@ -1,0 +1,44 @@
+"""ServerConfig: the HTTP side of ``deltaserve serve`` (the engine keeps its own EngineConfig).
+
+Set from the command line (``deltaserve serve --host ... --port ...``) or built in code for
+``create_app``. Validated on construction like the engine's config sections.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from deltaserve.engine.errors import ConfigError
+
+
+class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How the server listens and names its model.
+
+    host / port
+        Where uvicorn listens (``127.0.0.1:8000``; port 0: any free port).
+    served_model_names
+        The names clients may send as ``model``; the first is reported by ``/v1/models`` and in
+        responses. Default: the engine's ``model.path`` (``builtin:tiny-qwen3.5``). A request
+        whose ``model`` is none of them gets a 404; an absent ``model`` means the first.
+    drain_timeout_s
+        On SIGINT/SIGTERM the server stops accepting connections and waits this long for
+        in-flight requests to finish; what is left is aborted. A second signal exits at once.
+    access_log
+        uvicorn's per-request access log lines (off: they cost time per request).
+    """
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    served_model_names: list[str] = []
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port = {self.port!r}: must be an integer in [0, 65535]")
+        if not (isinstance(self.drain_timeout_s, (int, float)) and self.drain_timeout_s >= 0):
+            raise ConfigError(f"server.drain_timeout_s = {self.drain_timeout_s!r}: must be a number >= 0")
+        if not all(isinstance(n, str) and n for n in self.served_model_names):
+            raise ConfigError(f"server.served_model_names = {self.served_model_names!r}: non-empty strings")
