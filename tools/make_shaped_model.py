@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Write a random-weight Hugging Face folder with the *shape* of a real model.
+
+    python tools/make_shaped_model.py qwen3.5-0.8b /tmp/qwen35-08b            # bf16 weights
+    python tools/make_shaped_model.py qwen3.5-0.8b /tmp/q --dtype float32
+
+Nothing can be downloaded here, but capacity planning, memory sizing and speed depend only
+on a model's shape: this writes ``config.json`` with the real architecture numbers, random
+weights (the built-in models' deterministic init) as safetensors, and the built-in byte-level
+tokenizer (the vocabulary is the real size; token ids past the tokenizer's are never produced
+by it, which does not matter for sizing or throughput). Loadable by ``model.path = FOLDER``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+# Architecture numbers of public checkpoints (config.json "text_config"); weights are random.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3.5-0.8b": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "num_hidden_layers": 24,
+        "full_attention_interval": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_num_value_heads": 16,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    },
+}
+
+
+def write_shaped_model(name: str, out: Path, dtype: str = "bfloat16") -> Path:
+    import torch
+    from transformers import GenerationConfig, Qwen3_5TextConfig
+
+    from deltaserve.models.builtin import WEIGHT_SEED, _special_ids, build_tokenizer, init_random_weights
+
+    shape = dict(SHAPES[name])
+    model_type = shape.pop("model_type")
+    assert model_type == "qwen3_5_text"
+    interval = shape.pop("full_attention_interval")
+    n = shape["num_hidden_layers"]
+    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    tokenizer = build_tokenizer()
+    config = Qwen3_5TextConfig(**shape, layer_types=layer_types, **_special_ids(tokenizer))
+    import transformers
+
+    torch.manual_seed(WEIGHT_SEED)
+    with torch.device("cpu"):
+        model = transformers.Qwen3_5ForCausalLM(config).to(getattr(torch, dtype))
+    init_random_weights(model, WEIGHT_SEED)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.eos_token_id], pad_token_id=config.pad_token_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "SHAPED.json").write_text(
+        json.dumps({"shape": name, "seed": WEIGHT_SEED, "dtype": dtype}, indent=2) + "\n"
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args()
+    print(write_shaped_model(args.shape, args.out, args.dtype))
+
+
+if __name__ == "__main__":
+    main()
