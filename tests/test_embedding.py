@@ -97,6 +97,9 @@ def app_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedPro
         (root / name).write_text(body, encoding="utf-8")
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    # The tiny model's ops are too small to gain from intra-op threads; on a busy machine
+    # spinning OpenMP workers make a run several times slower (tests/kernels does the same).
+    env.setdefault("OMP_NUM_THREADS", "1")
     r = subprocess.run(
         [sys.executable, "app.py"], cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )

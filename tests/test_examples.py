@@ -20,6 +20,9 @@ TIMEOUT_S = 300  # generous: a loaded CI machine; each run takes a few seconds
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # run as an application would: deltaserve as installed
+    # The tiny model's ops are too small to gain from intra-op threads; on a busy machine
+    # spinning OpenMP workers make a run several times slower (tests/kernels does the same).
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
