@@ -29,15 +29,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import msgspec
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core import EngineCore, Prompt
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
 from deltaserve.engine.outputs import RequestOutput
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request
 
@@ -45,6 +47,12 @@ log = get_logger("deltaserve.engine")
 
 #: how long the loop sleeps when requests wait but nothing could be scheduled
 _IDLE_RETRY_S = 0.05
+
+
+def _child_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Completion ``i`` of an ``n > 1`` request: ``n=1``, and ``seed + i`` when seeded."""
+    seed = None if params.seed is None else (params.seed + i) % (SEED_LIMIT + 1)
+    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 def install_uvloop() -> bool:
@@ -107,6 +115,52 @@ class RequestStream:
         self._queue.put_nowait(out)
 
 
+class ForkedStream(RequestStream):
+    """The stream of a request with ``SamplingParams.n > 1``: its ``n`` completions, each an
+    engine request of its own (ids ``rid``, ``rid.1``, ...), merged under ``request_id``.
+
+    Every delta carries ``index``; a completion's last delta has ``finished=True`` and its
+    ``finish_reason``; iteration ends after all ``n`` have finished. The first completion runs
+    alone until its first token: its prompt is then in the prefix cache, and the others are
+    submitted and start from there (one prefill, ``n`` decodes).
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, child_ids: list[str], later: list[Request]
+    ) -> None:
+        super().__init__(engine, request_id)
+        self.child_ids = child_ids
+        self._index = {cid: i for i, cid in enumerate(child_ids)}
+        self._open = set(child_ids)  # engine requests that have not delivered their last output
+        self.later: list[Request] | None = later  # children 1..n-1 until they are submitted
+        self._done = 0
+
+    def _put(self, out: RequestOutput) -> None:
+        rid = out.request_id
+        if rid not in self._open:
+            return
+        if self.later is not None and self._index[rid] == 0:
+            self._engine._fork(self)  # the first completion's prompt is computed (or it ended)
+        out.index = self._index[rid]
+        out.request_id = self.request_id
+        if out.finished:
+            self._open.discard(rid)
+            if not self._open:
+                self._engine._forks.pop(self.request_id, None)
+        self._queue.put_nowait(out)
+
+    async def _next(self) -> RequestOutput:
+        out = await self._queue.get()
+        if out.finished:
+            self._done += 1
+            if self._done == len(self.child_ids):
+                self.finished = True
+        return out
+
+    def open_ids(self) -> list[str]:
+        return [cid for cid in self.child_ids if cid in self._open]
+
+
 class AsyncEngine:
     """An asyncio engine: one model, continuous batching, a joint KV + GDN-state prefix cache.
 
@@ -121,6 +175,7 @@ class AsyncEngine:
         self.core: EngineCore | None = core
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-step")
         self._streams: dict[str, RequestStream] = {}  # request id -> the stream that owns it
+        self._forks: dict[str, ForkedStream] = {}  # n > 1: the request id given to the user -> its stream
         self._pending_add: list[Request] = []
         # (request id, the stream asking, or None for `abort(id)`, a future resolved when applied)
         self._pending_abort: list[tuple[str, RequestStream | None, asyncio.Future[bool] | None]] = []
@@ -195,26 +250,61 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Submit a request; iterate the returned stream for its ``RequestOutput`` deltas.
 
         ``prompt`` is a str, a list of token ids, or chat messages (``[{"role", "content"}]``,
-        rendered with the tokenizer's chat template). ``priority`` matters to the ``priority``
-        policy (lower first); ``cache_salt`` keeps tenants' cached prefixes apart. Raises
-        ``InvalidRequestError`` / ``PromptTooLongError`` for bad input, ``EngineOverloadedError``
-        when the waiting queue is full, ``EngineDeadError`` when the engine cannot serve.
+        content a string or a list of text parts; rendered with the tokenizer's chat template,
+        which also gets ``tools`` and ``chat_template_kwargs``). ``priority`` matters to the
+        ``priority`` policy (lower first); ``cache_salt`` keeps tenants' cached prefixes apart.
+        With ``SamplingParams.n > 1`` the stream is a ``ForkedStream``: ``n`` completions told
+        apart by ``RequestOutput.index``, one prefill. Raises ``InvalidRequestError`` /
+        ``PromptTooLongError`` for bad input, ``EngineOverloadedError`` when the waiting queue
+        is full, ``EngineDeadError`` when the engine cannot serve.
         """
         self._check_alive()
         assert self.core is not None
         req = self.core.make_request(
-            prompt, sampling_params, request_id=request_id, priority=priority, cache_salt=cache_salt
+            prompt,
+            sampling_params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
         )
-        if req.request_id in self._streams:
-            raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
+        n = req.sampling_params.n
+        child_ids = [req.request_id] + [f"{req.request_id}.{i}" for i in range(1, n)]
+        for cid in child_ids:
+            if (
+                cid in self._streams
+                or cid in self._forks
+                or (cid != req.request_id and cid in self.core.scheduler.requests)
+            ):
+                raise InvalidRequestError(f"request_id {cid!r} is already in use")
         # Admission control happens here, at once, not when the loop gets to it.
-        self.core.check_capacity(pending=len(self._pending_add))
-        stream = RequestStream(self, req.request_id)
-        self._streams[req.request_id] = stream
+        self.core.check_capacity(pending=len(self._pending_add) + n - 1)
+        if n == 1:
+            stream = RequestStream(self, req.request_id)
+        else:
+            params: SamplingParams = req.sampling_params
+            req.sampling_params = _child_params(params, 0)
+            later = [
+                Request(
+                    request_id=cid,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    sampling_params=_child_params(params, i),
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
+                )
+                for i, cid in enumerate(child_ids[1:], 1)
+            ]
+            stream = ForkedStream(self, req.request_id, child_ids, later)
+            self._forks[req.request_id] = stream
+        for cid in child_ids:
+            self._streams[cid] = stream
         self._pending_add.append(req)
         self._wake()
         return stream
@@ -225,6 +315,9 @@ class AsyncEngine:
         Takes effect whether or not the result is awaited; awaiting it waits until the abort
         is applied (between steps) and gives True if a request was aborted.
         """
+        fork = self._forks.get(request_id)
+        if fork is not None and self.is_healthy():
+            return self._abort_fork(fork)
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         if request_id not in self._streams or not self.is_healthy():
             fut.set_result(False)
@@ -269,19 +362,64 @@ class AsyncEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def _abort_fork(self, fork: ForkedStream) -> asyncio.Future[bool]:
+        """Abort every completion of an ``n > 1`` request; True if any was aborted."""
+        loop = asyncio.get_running_loop()
+        assert self.core is not None
+        unsubmitted, fork.later = fork.later or [], None
+        for r in unsubmitted:  # never reached the engine: they end here
+            self._route(self.core._final_output(r, "abort", [], ""))
+        futs = []
+        for cid in fork.open_ids():
+            fut: asyncio.Future[bool] = loop.create_future()
+            self._pending_abort.append((cid, None, fut))
+            futs.append(fut)
+        self._wake()
+        result: asyncio.Future[bool] = loop.create_future()
+        if not futs:
+            result.set_result(bool(unsubmitted))
+            return result
+
+        def done(g: asyncio.Future[list[bool]]) -> None:
+            if not result.done():
+                result.set_result(bool(unsubmitted) or (not g.cancelled() and any(g.result())))
+
+        asyncio.gather(*futs).add_done_callback(done)
+        return result
+
+    def _fork(self, fork: ForkedStream) -> None:
+        """Submit the other completions of an ``n > 1`` request (its first one has a token)."""
+        later, fork.later = fork.later or [], None
+        if self._closed or self._dead is not None:
+            return  # shutdown / _die end them through self._streams
+        self._pending_add.extend(later)
+        self._wake()
+
     def _abandon(self, stream: RequestStream) -> None:
         """A stream was left before its request finished: abort the request it owns."""
+        if isinstance(stream, ForkedStream):
+            if self._forks.get(stream.request_id) is stream:
+                for r in stream.later or []:  # never submitted: forget them
+                    self._streams.pop(r.request_id, None)
+                stream.later = None
+                if self.is_healthy():
+                    for cid in stream.open_ids():
+                        if self._streams.get(cid) is stream:
+                            self._pending_abort.append((cid, stream, None))
+                    self._wake()
+            return
         if self._streams.get(stream.request_id) is stream and self.is_healthy():
             self._pending_abort.append((stream.request_id, stream, None))
             self._wake()
 
     def _route(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
+        rid = out.request_id  # a ForkedStream renames the output to the request the user made
+        stream = self._streams.get(rid)
         if stream is None:
             return
         stream._put(out)
         if out.finished:
-            del self._streams[out.request_id]
+            del self._streams[rid]
 
     def _apply_pending(self) -> None:
         assert self.core is not None
@@ -319,6 +457,12 @@ class AsyncEngine:
             self.core._final_output(r, "abort", [], "", error="engine shut down") for r in self._pending_add
         ]
         self._pending_add = []
+        for fork in list(self._forks.values()):  # n > 1 completions not submitted yet
+            outs += [
+                self.core._final_output(r, "abort", [], "", error="engine shut down")
+                for r in fork.later or []
+            ]
+            fork.later = None
         return outs + self.core.abort_all()
 
     async def _run(self) -> None:
@@ -384,6 +528,7 @@ class AsyncEngine:
                 )
             )
         self._streams.clear()
+        self._forks.clear()
         self._resolve_pending(EngineDeadError(message))
 
     def _resolve_pending(self, error: Exception) -> None:

@@ -31,7 +31,7 @@ from deltaserve.engine.errors import (
     PromptTooLongError,
 )
 from deltaserve.engine.model_runner import ModelRunner, RequestState, RunnerSizes
-from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.sizing import Capacity, ModelShape, build_scheduler, plan_capacity
 from deltaserve.kernels import get_ops
@@ -48,6 +48,40 @@ Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 MAX_NAME_CHARS = 1024
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+
+
+#: apply_chat_template arguments a request may not set through chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict",
+     "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+     "tokenizer_kwargs", "continue_final_message"}
+)  # fmt: skip
+
+
+def _template_kwargs(
+    tools: Sequence[dict[str, Any]] | None, chat_template_kwargs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Checked keyword arguments for ``apply_chat_template`` (``add_generation_prompt`` defaults on)."""
+    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    if tools is not None:
+        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+            raise InvalidRequestError(
+                f"tools must be a list of objects (function schemas), got {_short(tools)}"
+            )
+        if tools:
+            kwargs["tools"] = list(tools)
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, dict) or not all(
+            isinstance(k, str) for k in chat_template_kwargs
+        ):
+            raise InvalidRequestError(
+                f"chat_template_kwargs must be an object with string keys, got {_short(chat_template_kwargs)}"
+            )
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs))
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
+        kwargs.update(chat_template_kwargs)
+    return kwargs
 
 
 def _short(value: object, limit: int = 60) -> str:
@@ -197,13 +231,31 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of a str, a list of token ids, or chat messages; typed errors.
+
+        Chat messages are dicts with a string ``role`` and a ``content`` that is a string, a
+        list of text parts (``{"type": "text", "text": ...}``, joined with newlines), or None
+        when the message carries ``tool_calls``; other keys (``tool_calls``, ``tool_call_id``,
+        ``name``, ...) reach the chat template as they are. ``tools`` (function schemas) and
+        ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``) are passed to the
+        template; they apply to chat messages only.
 
         A text prompt that cannot fit in ``max_model_len`` tokens whatever the tokenizer does
         (longer than ``max_model_len`` x the longest vocabulary entry) is refused before it is
         tokenized, so an oversized input never blocks the caller.
         """
+        is_chat = (
+            isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
+        )
+        if (tools is not None or chat_template_kwargs is not None) and not is_chat:
+            raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages only")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -215,19 +267,17 @@ class EngineCore:
             )
         if len(prompt) == 0:
             raise InvalidRequestError("prompt is empty")
-        if all(isinstance(m, dict) for m in prompt):
-            for i, m in enumerate(prompt):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {m!r}")
-                self._check_text(f"message {i} role", m["role"])
-                self._check_text(f"message {i} content", m["content"])
-            self._check_length(sum(len(m["content"]) for m in prompt), "messages")
+        if is_chat:
+            messages = [self._chat_message(i, m) for i, m in enumerate(prompt)]
+            kwargs = _template_kwargs(tools, chat_template_kwargs)
+            extra_chars = len(repr(tools)) if tools else 0
+            self._check_length(sum(len(m["content"]) for m in messages) + extra_chars, "messages")
             try:
-                text = self.tokenizer.apply_chat_template(
-                    list(prompt), tokenize=False, add_generation_prompt=True
-                )
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
             except Exception as e:  # no template, or the template rejects these messages
                 raise InvalidRequestError(f"chat template could not render the messages: {e}") from e
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"chat template rendered {type(text).__name__}, not text")
             return self._encode(text)
         if len(prompt) >= self.max_model_len:
             raise PromptTooLongError(
@@ -242,6 +292,33 @@ class EngineCore:
                     f"prompt token {i} = {t} is outside the vocabulary [0, {self.vocab_size})"
                 )
         return ids
+
+    def _chat_message(self, i: int, m: dict[str, Any]) -> dict[str, Any]:
+        """Message ``i`` as the template gets it: string role and content (text parts joined)."""
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {_short(m)}")
+        if content is None and m.get("tool_calls"):
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise InvalidRequestError(
+                        f"message {i} content part {j} is {_short(kind)}: only text parts are supported"
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {_short(m)}")
+        self._check_text(f"message {i} role", role)
+        self._check_text(f"message {i} content", content)
+        return {**m, "content": content}
 
     def _check_text(self, what: str, text: str) -> None:
         try:
@@ -273,6 +350,8 @@ class EngineCore:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Request:
         """Validate and build a request (raises InvalidRequestError / PromptTooLongError).
 
@@ -296,7 +375,7 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})"
                 )
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, tools=tools, chat_template_kwargs=chat_template_kwargs)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (room for at least one "
@@ -433,6 +512,9 @@ class EngineCore:
             reason = "stop"
         if reason is None and (n_out >= params.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
+        logprobs = None
+        if params.logprobs is not None:  # filled by the runner when it sampled the token
+            logprobs, state.logprobs = state.logprobs, []
         if reason is None:
             return RequestOutput(
                 request_id=req.request_id,
@@ -440,14 +522,21 @@ class EngineCore:
                 text=text,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                logprobs=logprobs,
             )
         text += detok.flush()
         self.scheduler.finish(req, reason)
         self.counters["requests.finished"] += 1
-        return self._final_output(req, reason, [token], text)
+        return self._final_output(req, reason, [token], text, logprobs=logprobs)
 
     def _final_output(
-        self, req: Request, reason: str, token_ids: list[int], text: str, error: str | None = None
+        self,
+        req: Request,
+        reason: str,
+        token_ids: list[int],
+        text: str,
+        error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         """The last output of a request that has ended; its engine-side state goes."""
         self.states.pop(req.request_id, None)
@@ -460,6 +549,7 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             error=error,
+            logprobs=logprobs,
         )
 
     # ------------------------------------------------------------------ introspection

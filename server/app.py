@@ -436,10 +436,12 @@ class OpenAIServer:
         tracker = _Tracker(self.metrics, req.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            frames = self._chat_stream(stream, tracker, rid, model, req.logprobs, parse_tools, include_usage)
+            frames = self._chat_stream(
+                stream, tracker, rid, model, req.logprobs, parse_tools, include_usage, req.return_token_ids
+            )
             return SSEResponse(frames)
         ok, result = await run_or_disconnect(
-            request, self._chat_full(stream, tracker, rid, model, parse_tools)
+            request, self._chat_full(stream, tracker, rid, model, parse_tools, req.return_token_ids)
         )
         if not ok:
             return Response(status_code=499)
@@ -452,7 +454,7 @@ class OpenAIServer:
                 tracker.count_finish(out.finish_reason)
 
     async def _chat_full(
-        self, stream: Any, tracker: _Tracker, rid: str, model: str, parse_tools: bool
+        self, stream: Any, tracker: _Tracker, rid: str, model: str, parse_tools: bool, return_ids: bool
     ) -> p.ChatCompletionResponse:
         await self._collect(stream, tracker)
         choices = []
@@ -472,6 +474,7 @@ class OpenAIServer:
                     message=p.ResponseMessage(content=content, tool_calls=tool_calls),
                     finish_reason=reason,
                     logprobs=self._chat_logprobs(c.logprobs) if c.logprobs else None,
+                    token_ids=list(c.token_ids) if return_ids else msgspec.UNSET,
                 )
             )
         return p.ChatCompletionResponse(
@@ -498,6 +501,7 @@ class OpenAIServer:
         want_logprobs: bool,
         parse_tools: bool,
         include_usage: bool,
+        return_ids: bool = False,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         parsers = [StreamingToolParser() if parse_tools else None for _ in tracker.choices]
@@ -521,8 +525,10 @@ class OpenAIServer:
                 if parser is not None:
                     text = parser.feed(text)
                 lp = self._chat_logprobs(out.logprobs) if (want_logprobs and out.logprobs) else None
-                if text or lp is not None:
-                    yield frame(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=text), logprobs=lp))
+                if text or lp is not None or (return_ids and out.token_ids):
+                    ids = list(out.token_ids) if return_ids else msgspec.UNSET
+                    delta = p.DeltaMessage(content=text)
+                    yield frame(p.ChatChunkChoice(index=i, delta=delta, logprobs=lp, token_ids=ids))
                 if out.finished:
                     reason = out.finish_reason
                     if out.finish_reason == "error":
@@ -598,7 +604,11 @@ class OpenAIServer:
         trackers = [_Tracker(self.metrics, req.n) for _ in streams]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._completion_stream(streams, trackers, rid, model, req.n, include_usage))
+            return SSEResponse(
+                self._completion_stream(
+                    streams, trackers, rid, model, req.n, include_usage, req.return_token_ids
+                )
+            )
 
         async def full() -> p.CompletionResponse:
             await asyncio.gather(*(self._collect(s, t) for s, t in zip(streams, trackers, strict=True)))
@@ -612,6 +622,7 @@ class OpenAIServer:
                             text=c.text,
                             finish_reason=c.finish_reason,
                             logprobs=self._completion_logprobs(c.logprobs) if c.logprobs else None,
+                            token_ids=list(c.token_ids) if req.return_token_ids else msgspec.UNSET,
                         )
                     )
             return p.CompletionResponse(
@@ -635,7 +646,14 @@ class OpenAIServer:
         return p.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
 
     async def _completion_stream(
-        self, streams: list[Any], trackers: list[_Tracker], rid: str, model: str, n: int, include_usage: bool
+        self,
+        streams: list[Any],
+        trackers: list[_Tracker],
+        rid: str,
+        model: str,
+        n: int,
+        include_usage: bool,
+        return_ids: bool = False,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -670,12 +688,13 @@ class OpenAIServer:
                     trackers[k].count_finish(out.finish_reason)
                     if out.finish_reason == "error":
                         yield _error_frame(_failure(c))
-                if out.text or lp is not None or out.finished:
+                if out.text or lp is not None or out.finished or (return_ids and out.token_ids):
                     choice = p.CompletionChoice(
                         index=k * n + out.index,
                         text=out.text,
                         finish_reason=out.finish_reason if out.finished else None,
                         logprobs=lp,
+                        token_ids=list(out.token_ids) if return_ids else msgspec.UNSET,
                     )
                     chunk = p.CompletionResponse(id=rid, created=created, model=model, choices=[choice])
                     yield b"data: " + _encode(chunk) + b"\n\n"

@@ -93,6 +93,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
+    return_token_ids: bool = False  # vLLM's extra: each choice (and each chunk) carries its token ids
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -179,6 +180,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: ResponseMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -213,6 +215,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -229,6 +232,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
