@@ -6,6 +6,8 @@
     python tools/loadgen.py --workload random --baseline hf    # vs transformers generate
     python tools/loadgen.py --compare base cache.enable_prefix_caching=false scheduler.policy=lpm
     python tools/loadgen.py --compare a.toml b.toml --set model.device=cuda
+    python tools/loadgen.py --backend engine openai --base-url http://127.0.0.1:8000   # server overhead
+    python tools/loadgen.py --backend openai --base-url http://host:8000 --tokenizer /models/Qwen3.5-4B  # vLLM, SGLang
 
 Workloads (``tools/workloads.py``) are deterministic under ``--seed``; multi-turn ones
 (chat, agent) build each next prompt from the reply the backend actually generated.
@@ -13,7 +15,10 @@ Arrivals: ``--rate`` (Poisson, open loop) or ``--concurrency`` (closed loop of s
 
 Columns: the engine (or one per ``--compare`` entry: a config file, ``base`` for
 ``--config``/``--set`` as given, or ``key=value[,key=value]`` overrides on top of base;
-a fresh engine each, the identical workload), then ``--baseline hf``: the same requests
+a fresh engine each, the identical workload), then ``--backend openai``: the same
+requests over HTTP to any OpenAI-compatible server (``deltaserve serve``, vLLM, SGLang;
+token-id prompts on ``/v1/completions``, TTFT/ITL from SSE arrival times, cached tokens from
+``usage``), then ``--baseline hf``: the same requests
 through transformers ``generate``, greedy, one at a time (an application without a
 serving engine). Ratios are against the first column. Everything goes to ``--json``;
 ``--plot`` draws latency distributions and hit rate per turn.
@@ -120,6 +125,160 @@ class EngineBackend:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "model": self.model_path, "config": self.core.config.to_dict()}
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible server (deltaserve serve, vLLM, SGLang, ...) over HTTP.
+
+    Each request is a streamed ``POST /v1/completions`` whose ``prompt`` is the workload's
+    token ids (the same prompts every backend gets; the server must use the same tokenizer),
+    with ``stream_options.include_usage`` and the extras ``ignore_eos`` and
+    ``return_token_ids`` (vLLM's names; deltaserve has both). TTFT and ITL are taken from SSE
+    arrival times; prompt and cached tokens from the final ``usage``
+    (``prompt_tokens_details.cached_tokens``). A server that does not return token ids gets its
+    text re-encoded with the workload's tokenizer (token counts then approximate). Engine
+    counters are read from ``/metrics`` when it exposes ``deltaserve:`` (or ``vllm:``) ones.
+    """
+
+    kind = "openai"
+
+    def __init__(
+        self, base_url: str, sampling: Sampling, *, model: str | None = None, codec: Any = None
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[: -len("/v1")]
+        self.sampling = sampling
+        self.model = model
+        self.codec = codec
+        self._client: Any = None
+        self._last_stats: dict[str, Any] = {}
+
+    @property
+    def model_path(self) -> str:
+        return self.model or ""
+
+    async def start(self) -> None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(600.0), limits=limits)
+        if self.model is None:
+            resp = await self._client.get("/v1/models")
+            resp.raise_for_status()
+            self.model = resp.json()["data"][0]["id"]
+
+    async def refresh_stats(self) -> None:
+        self._last_stats = await self._scrape()
+
+    async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def stream(self, spec: RequestSpec) -> AsyncIterator[Delta]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(spec.prompt_ids),
+            "max_tokens": spec.max_tokens,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": self.sampling.ignore_eos,
+            "return_token_ids": True,
+        }
+        if self.sampling.seed is not None:
+            body["seed"] = self.sampling.seed
+        if spec.meta.get("cache_salt"):
+            body["cache_salt"] = spec.meta["cache_salt"]
+        n_prompt = len(spec.prompt_ids)
+        reason: str | None = None
+        async with self._client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                try:
+                    message = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = text[:500]
+                raise RuntimeError(f"HTTP {resp.status_code}: {message}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"server error mid-stream: {chunk['error'].get('message')}")
+                usage = chunk.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    yield Delta(
+                        [], finished=True, finish_reason=reason or "length",
+                        num_prompt_tokens=usage.get("prompt_tokens") or n_prompt,
+                        num_cached_tokens=details.get("cached_tokens") or 0,
+                    )  # fmt: skip
+                    return
+                for choice in chunk.get("choices") or []:
+                    ids = choice.get("token_ids")
+                    if ids is None:
+                        text = choice.get("text") or ""
+                        ids = (
+                            self.codec.encode(text)
+                            if (text and self.codec is not None)
+                            else ([0] if text else [])
+                        )
+                    reason = choice.get("finish_reason") or reason
+                    if ids:
+                        yield Delta(list(ids), num_prompt_tokens=n_prompt)
+        yield Delta([], finished=True, finish_reason=reason or "length", num_prompt_tokens=n_prompt)
+
+    async def _scrape(self) -> dict[str, Any]:
+        """Engine counters from ``/metrics`` under the stats names the summary uses ({} if none)."""
+        try:
+            resp = await self._client.get("/metrics")
+            if resp.status_code != 200:
+                return {}
+            from prometheus_client.parser import text_string_to_metric_families
+
+            values: dict[str, float] = {}
+            for fam in text_string_to_metric_families(resp.text):
+                for sample in fam.samples:
+                    label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                    values[sample.name + (f"{{{label}}}" if label else "")] = sample.value
+        except Exception:  # no metrics endpoint, or not Prometheus text
+            return {}
+        out: dict[str, Any] = {}
+        for key, names in _METRIC_STATS.items():
+            for name in names:
+                if name in values:
+                    out[key] = values[name]
+                    break
+        if "prefix_cache.query_tokens" in out and "prefix_cache.hit_tokens" in out:
+            q = out["prefix_cache.query_tokens"]
+            out["prefix_cache.hit_rate"] = out["prefix_cache.hit_tokens"] / q if q else 0.0
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._last_stats)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "base_url": self.base_url, "model": self.model}
+
+
+# stats key -> metric names (deltaserve's, then vLLM's) a server's /metrics may expose
+_METRIC_STATS = {
+    "prefix_cache.query_tokens": ("deltaserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+    "prefix_cache.hit_tokens": ("deltaserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+    "scheduler.preemptions": ("deltaserve:num_preemptions_total", "vllm:num_preemptions_total"),
+    "tokens.computed": ("deltaserve:computed_tokens_total",),
+    "checkpoints.stored": ("deltaserve:checkpoints_stored_total",),
+    "checkpoints.evicted": ("deltaserve:checkpoints_evicted_total",),
+    "checkpoints.skipped_budget": ("deltaserve:checkpoints_skipped_total{reason=budget}",),
+    "checkpoints.skipped_pool": ("deltaserve:checkpoints_skipped_total{reason=pool}",),
+    "kv.usage": ("deltaserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+}
 
 
 class HFBackend:
@@ -282,6 +441,9 @@ async def run_live(
     try:
         roots = workload.roots()
         await _warmup(backend, warmup, min(max((len(r.prompt_ids) for r in roots), default=16), 1024))
+        refresh = getattr(backend, "refresh_stats", None)  # a remote server: scrape its counters now
+        if refresh is not None:
+            await refresh()
         stats_before = backend.stats()
         records: list[RequestRecord] = []
         bar = tqdm(
@@ -356,6 +518,8 @@ async def run_live(
             await asyncio.gather(*(timed(r, t) for r, t in zip(roots, arrival_plan["times"], strict=True)))
         wall = now()
         bar.close()
+        if refresh is not None:
+            await refresh()
         stats_after = backend.stats()
     finally:
         await backend.stop()
@@ -556,6 +720,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(parser)
     add_workload_args(parser)
     g = parser.add_argument_group("runs")
+    g.add_argument(
+        "--backend", nargs="+", choices=["engine", "openai"], default=["engine"],
+        help="columns: the in-process engine (default) and/or an OpenAI-compatible server at --base-url",
+    )  # fmt: skip
+    g.add_argument(
+        "--base-url", metavar="URL", help="--backend openai: the server, e.g. http://127.0.0.1:8000"
+    )
+    g.add_argument(
+        "--model",
+        metavar="NAME",
+        help="--backend openai: the model name to send (default: the first of /v1/models)",
+    )
+    g.add_argument(
+        "--tokenizer", metavar="PATH",
+        help="--backend openai: the tokenizer that builds the workload (default: the config's model.path)",
+    )  # fmt: skip
     g.add_argument("--baseline", choices=["hf"], help="also run the requests through transformers generate")
     g.add_argument(
         "--compare", nargs="+", metavar="CONFIG",
@@ -590,12 +770,15 @@ async def amain(args: argparse.Namespace) -> list[RunResult]:
     from deltaserve.engine import EngineCore
 
     sampling = Sampling(args.temperature, args.top_p, args.ignore_eos, args.sampling_seed)
+    backends = list(dict.fromkeys(args.backend))
+    if "openai" in backends and not args.base_url:
+        raise SystemExit("--backend openai needs --base-url URL")
     columns = compare_configs(args)
     runs: list[RunResult] = []
     loaded_cache: dict[tuple[str, ...], Any] = {}
     workload: Workload | None = None
     first_core: Any = None
-    for label, cfg in columns:
+    for label, cfg in columns if "engine" in backends else []:
         key = (cfg.model.path, cfg.model.dtype, cfg.model.device, cfg.kernels.backend)
         core = EngineCore(cfg, loaded=loaded_cache.get(key))
         loaded_cache[key] = core.loaded
@@ -615,13 +798,35 @@ async def amain(args: argparse.Namespace) -> list[RunResult]:
             )
         )  # fmt: skip
         del core
+    if "openai" in backends:
+        cfg = columns[0][1]
+        source = args.tokenizer or str(cfg.model.path)
+        tokenizer = (
+            first_core.tokenizer if first_core is not None and not args.tokenizer else load_tokenizer(source)
+        )
+        codec = HFCodec(tokenizer, name=f"hf:{Path(source).name}")
+        params = params_from_args(args, block_size=cfg.cache.block_size)
+        workload = make_workload(params, codec)
+        plan = plan_arrivals(workload.roots(), arrival_from_args(args), args.seed)
+        if not runs:
+            log.info("loadgen.workload", workload=workload_line(workload, plan))
+        log.info("loadgen.run_start", label="openai", url=args.base_url, workload=workload.name)
+        backend = OpenAIBackend(args.base_url, sampling, model=args.model, codec=codec)
+        runs.append(
+            await run_live(
+                backend, workload, plan, label="openai", progress=not args.no_progress, warmup=args.warmup
+            )
+        )
     if args.baseline == "hf":
         cfg = columns[0][1]
-        backend = HFBackend(
-            str(first_core.loaded.path), sampling, device=cfg.model.device, dtype=_hf_dtype(cfg)
+        model_dir = (
+            str(first_core.loaded.path) if first_core is not None else str(model_folder(str(cfg.model.path)))
         )
+        backend = HFBackend(model_dir, sampling, device=cfg.model.device, dtype=_hf_dtype(cfg))
         params = params_from_args(args, block_size=cfg.cache.block_size)
-        workload = make_workload(params, HFCodec(first_core.tokenizer))
+        workload = make_workload(
+            params, HFCodec(first_core.tokenizer if first_core else load_tokenizer(model_dir))
+        )
         plan = plan_arrivals(workload.roots(), arrival_from_args(args), args.seed)
         log.info("loadgen.run_start", label="hf", workload=workload.name, arrivals=plan["mode"])
         runs.append(
@@ -633,6 +838,22 @@ async def amain(args: argparse.Namespace) -> list[RunResult]:
     args._workload = workload
     args._plan = plan
     return runs
+
+
+def model_folder(path: str) -> Path:
+    """The folder of a model path (``builtin:NAME`` is built on first use)."""
+    if path.startswith("builtin:"):
+        from deltaserve.models import ensure_builtin_model
+
+        return Path(ensure_builtin_model(path.split(":", 1)[1]))
+    return Path(path)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The Hugging Face tokenizer of a model path or folder (for workloads sent over HTTP)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_folder(path)))
 
 
 def _hf_dtype(cfg: Any) -> str:

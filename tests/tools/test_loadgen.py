@@ -100,3 +100,52 @@ def test_hf_tokenizer_and_torch_free_codec_agree(tiny_dir: Path) -> None:
     for text in (hf.render_chat(msgs), " The fisherman counted 42 boats.\n\nDone!", "<|im_end|>x"):
         assert hf.encode(text) == tf.encode(text)
         assert hf.decode(hf.encode(text)) == tf.decode(tf.encode(text)) == text
+
+
+def test_openai_backend_against_our_server_matches_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same workload in-process and over HTTP (a deltaserve server on 127.0.0.1, free port):
+    same prompts, same greedy outputs, cached tokens from usage, engine counters from /metrics."""
+    import asyncio
+    import threading
+
+    from deltaserve.engine import AsyncEngine, EngineConfig
+    from deltaserve.server.app import create_app
+    from deltaserve.server.cli import BackgroundServer
+
+    overrides = {"scheduler.max_num_batched_tokens": 256, "logging.stats_interval_s": 60.0}
+    started, stop = threading.Event(), threading.Event()
+    box: dict[str, str] = {}
+
+    async def serve() -> None:
+        engine = AsyncEngine(EngineConfig.load(None, overrides))
+        async with engine, BackgroundServer(create_app(engine)) as srv:
+            box["url"] = srv.url
+            started.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    try:
+        assert started.wait(120), "server did not start"
+        runs = loadgen.main([
+            "--workload", "chat", "--sessions", "2", "--turns", "2", "--prefix-len", "80", "--prompt-len", "16",
+            "--output-len", "6", "--think-time", "0.01", "--seed", "5", "--warmup", "1",
+            "--backend", "engine", "openai", "--base-url", box["url"],
+            "--set", "scheduler.max_num_batched_tokens=256", *QUIET,
+        ])  # fmt: skip
+    finally:
+        stop.set()
+        thread.join(60)
+    out = capsys.readouterr().out
+    assert [r.label for r in runs] == ["engine", "openai"]
+    engine, http = (r.summary for r in runs)
+    assert http["completed"] == 4 and http["failed"] == 0 and http["output_tokens"] == 24
+    assert http["ttft_s"]["p50"] > 0 and http["itl_s"]["count"] == 4 * 5
+    assert [r.output_token_ids for r in runs[1].records] == [r.output_token_ids for r in runs[0].records]
+    # hits depend on arrival timing (a session's first turn may or may not find the other's prefix
+    # already cached), but every second turn hits its own first turn
+    assert engine["hit_rate_per_turn"]["1"] > 0 and http["hit_rate_per_turn"]["1"] > 0
+    assert runs[1].engine_stats["prefix_cache.query_tokens"] > 0  # read from /metrics, warm-up removed
+    assert runs[1].backend["kind"] == "openai" and runs[1].backend["model"] == "builtin:tiny-qwen3.5"
+    assert "same outputs as first" in out and "4/4" in out
