@@ -57,6 +57,8 @@ class KernelBackend(str, enum.Enum):
 
 
 class LogLevel(str, enum.Enum):
+    """Level of the ``deltaserve`` logger (stdlib ``logging`` levels)."""
+
     DEBUG = "debug"
     INFO = "info"
     WARNING = "warning"
@@ -173,7 +175,7 @@ class CacheConfig(_Section):
     ] = 0.9
     checkpoint_fraction: Annotated[
         float,
-        _doc("Share of the budget (after live slots) given to checkpoint slots when no pool size is explicit.",
+        _doc("Share of the budget (after live slots) given to checkpoint slots when checkpoint_pool_bytes is unset.",
              ge=0.0, lt=1.0),
     ] = 0.2  # fmt: skip
     num_kv_blocks: Annotated[

@@ -5,10 +5,32 @@ Weight names match transformers: ``gate_proj``, ``up_proj``, ``down_proj`` (no b
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 
 from deltaserve.models.fusion import concat_linears
+
+# The activations Qwen-family configs name (``hidden_act``). Ours, not transformers'
+# ACT2FN: importing that module pulls in the hub-kernels machinery and adds seconds to start-up.
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported hidden_act {name!r}; supported: {', '.join(sorted(ACTIVATIONS))}"
+        ) from None
 
 
 class GatedMLP(nn.Module):
@@ -17,7 +39,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = ACT2FN[hidden_act]
+        self.act_fn = activation(hidden_act)
         self.intermediate_size = intermediate_size
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections()
 

@@ -18,9 +18,8 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 
-from deltaserve.models.mlp import GatedMLP
+from deltaserve.models.mlp import GatedMLP, activation
 
 
 class TopKRouter(nn.Module):
@@ -46,7 +45,7 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
-        self.act_fn = ACT2FN[hidden_act]
+        self.act_fn = activation(hidden_act)
 
     def forward(self, x: Tensor, top_i: Tensor, top_w: Tensor) -> Tensor:
         out = torch.zeros_like(x)

@@ -1,6 +1,6 @@
 """deltaserve tools: load generator, workloads, metrics and the cache-policy simulator.
 
-Run them as scripts from the repository root (``python tools/loadgen.py``); each script
-puts the repository root on ``sys.path`` itself. ``workloads``, ``metrics`` and
-``simulate_cache`` never import torch.
+Run them as scripts (``python tools/loadgen.py``); they import the project as
+``deltaserve.*`` (installed by ``tools/setup.sh``), and this folder installs as
+``deltaserve.tools``. ``workloads``, ``metrics`` and ``simulate_cache`` never import torch.
 """
