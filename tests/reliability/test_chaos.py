@@ -40,18 +40,18 @@ def tight_config(policy: str, state_bytes: int, slots: int) -> dict[str, Any]:
         "scheduler.policy": policy,
         "scheduler.max_num_seqs": 4,
         "scheduler.max_num_batched_tokens": 128,
-        "cache.num_kv_blocks": 40,  # 640 tokens for 4 requests of up to ~260: preemptions
+        "cache.num_kv_blocks": 26,  # 416 tokens for 4 requests of up to 400: preemptions
         "cache.checkpoint_pool_bytes": slots * state_bytes,
         "cache.checkpoint_staging_bytes": state_bytes,  # one capture per step
         "cache.checkpoint_interval": 64,
-        "model.max_model_len": 640,
+        "model.max_model_len": 416,
     }
 
 
 async def session(engine: AsyncEngine, rng: random.Random, prefixes: list[list[int]], tally: Tally) -> None:
     prompt = rng.choice(prefixes) + tokens(rng.randint(1, 60), rng.randrange(10**6))
     for _ in range(rng.randint(1, 3)):
-        n = rng.randint(1, 14)
+        n = rng.randint(1, 32)
         action = rng.choices(["finish", "abort", "break", "cancel"], weights=[6, 1, 1, 1])[0]
         stream = engine.generate(prompt, greedy(n), priority=rng.randint(-3, 3))
         tally.submitted += 1
@@ -64,7 +64,7 @@ async def session(engine: AsyncEngine, rng: random.Random, prefixes: list[list[i
             tally.finished.append((prompt, n, got))
             # the next turn re-sends this turn's output, then a new user message
             prompt = prompt + got + tokens(rng.randint(1, 30), rng.randrange(10**6))
-            if len(prompt) + 14 >= 600:
+            if len(prompt) + 32 >= 400:
                 return
             continue
         k = rng.randint(0, n)
