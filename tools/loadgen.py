@@ -295,10 +295,10 @@ class HFBackend:
         self.torch = torch
         self.path = model_path
         self.device = device
-        self.dtype = dtype
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-            dtype, torch.float32
-        )
+        from deltaserve.engine.core import resolve_dtype  # the engine's one dtype table
+
+        torch_dtype = resolve_dtype(dtype, torch.device(device))
+        self.dtype = str(torch_dtype).removeprefix("torch.")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
         self.sampling = sampling
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
@@ -822,7 +822,7 @@ async def amain(args: argparse.Namespace) -> list[RunResult]:
         model_dir = (
             str(first_core.loaded.path) if first_core is not None else str(model_folder(str(cfg.model.path)))
         )
-        backend = HFBackend(model_dir, sampling, device=cfg.model.device, dtype=_hf_dtype(cfg))
+        backend = HFBackend(model_dir, sampling, device=cfg.model.device, dtype=cfg.model.dtype.value)
         params = params_from_args(args, block_size=cfg.cache.block_size)
         workload = make_workload(
             params, HFCodec(first_core.tokenizer if first_core else load_tokenizer(model_dir))
@@ -854,12 +854,6 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_folder(path)))
-
-
-def _hf_dtype(cfg: Any) -> str:
-    if cfg.model.dtype == "auto":
-        return "bfloat16" if cfg.model.device.startswith("cuda") else "float32"
-    return cfg.model.dtype
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunResult]:
