@@ -338,6 +338,14 @@ class OpenAIServer:
     def _sampling_params(
         self, req: p._SamplingFields, *, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request(
+                "response_format other than text is not supported (no constrained decoding)",
+                "response_format",
+                "unsupported",
+            )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,

@@ -94,6 +94,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int = 0
     request_id: str | None = None
     return_token_ids: bool = False  # vLLM's extra: each choice (and each chunk) carries its token ids
+    # accepted so that a request using them gets a clear 400 instead of being silently ignored
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
