@@ -1,4 +1,4 @@
-"""Torch-free cache bookkeeping: KV block pool, GDN state slots, radix prefix index, manager."""
+"""Torch-free cache bookkeeping: KV prefix index, checkpoint store, value model, manager."""
 
 from deltaserve.cache.admission import (
     ADMISSION_POLICIES,
@@ -8,9 +8,19 @@ from deltaserve.cache.admission import (
 )
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.hashing import block_hashes, hash_block, make_salt
-from deltaserve.cache.manager import CacheManager, CacheManagerConfig, Capture, SeqCache, StepItem, StepPlan
+from deltaserve.cache.manager import CacheManager, CacheManagerConfig
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.state_pool import SlotState, StatePool
+from deltaserve.cache.types import (
+    Capture,
+    CaptureKind,
+    CheckpointClass,
+    PrefixMatch,
+    SeqCache,
+    StepItem,
+    StepPlan,
+)
+from deltaserve.cache.value import CostModel, ReuseLearner
 
 __all__ = [
     "ADMISSION_POLICIES",
@@ -20,8 +30,13 @@ __all__ = [
     "CacheManagerConfig",
     "Capture",
     "CaptureContext",
+    "CaptureKind",
+    "CheckpointClass",
+    "CostModel",
     "Node",
+    "PrefixMatch",
     "RadixTree",
+    "ReuseLearner",
     "SeqCache",
     "SlotState",
     "StatePool",

@@ -6,7 +6,12 @@ valuable first (the staging budget may cut the list short). Policies are tiny an
 torch-free; they live in a registry chosen by ``cache.checkpoint_policy`` so that the
 simulator (``tools/simulate_cache.py``) can compare them on the same workload.
 
-Kinds of boundary (DESIGN.md, "Where checkpoints are taken"):
+Each policy also names the eviction strategy its checkpoints live under (``eviction``:
+``value`` or ``v1``, ``cache/value.py``). ``default`` is tail + branch + output + interval
+under the value model; ``v1`` is the same boundaries under the class + LRU rules it had
+before issue 11 (kept for comparison), as are the simulator's reference policies below.
+
+Kinds of boundary (``CaptureKind``; DESIGN.md, "Where checkpoints are taken"):
 
 ==========  ===================================================================
 ``tail``    deepest unit boundary <= len(prompt) - 1: the next turn hits here
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+from deltaserve.cache.types import CaptureKind
 
 
 @dataclass(frozen=True)
@@ -48,9 +55,11 @@ class AdmissionPolicy(ABC):
     name: str = ""
     #: publish the last unit boundary of prompt + output when a request finishes
     track_output: bool = False
+    #: the eviction strategy of ``cache/value.py``: ``value`` or ``v1``
+    eviction: str = "value"
 
     @abstractmethod
-    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
+    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, CaptureKind]]:
         """(boundary, kind) pairs in ``(start, end]``, most valuable first."""
 
     def output_boundary(self, ctx: CaptureContext) -> int:
@@ -73,30 +82,38 @@ def _interval_boundaries(ctx: CaptureContext) -> list[int]:
 
 
 class DefaultPolicy(AdmissionPolicy):
-    """tail + branch + output + interval: the project's default."""
+    """tail + branch + output + interval under the value model: the project's default."""
 
     name = "default"
     track_output = True
 
-    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
-        out: list[tuple[int, str]] = []
+    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, CaptureKind]]:
+        out: list[tuple[int, CaptureKind]] = []
         # branch first: where it coincides with the tail, the stronger claim (proven shared) wins
         if ctx.branch > ctx.hit and _in_range(ctx.branch, ctx):
-            out.append((ctx.branch, "branch"))
+            out.append((ctx.branch, CaptureKind.BRANCH))
         tail = ((ctx.prompt_len - 1) // ctx.unit) * ctx.unit
         if tail > ctx.hit and _in_range(tail, ctx):
-            out.append((tail, "tail"))
+            out.append((tail, CaptureKind.TAIL))
         # deepest interval boundaries first: they cover the most prefix
-        out.extend((b, "interval") for b in reversed(_interval_boundaries(ctx)))
+        out.extend((b, CaptureKind.INTERVAL) for b in reversed(_interval_boundaries(ctx)))
         seen: set[int] = set()
         return [(b, k) for b, k in out if not (b in seen or seen.add(b))]
 
 
+class V1Policy(DefaultPolicy):
+    """The default's boundaries under the ``v1`` eviction classes (before issue 11)."""
+
+    name = "v1"
+    eviction = "v1"
+
+
 class IntervalPolicy(AdmissionPolicy):
     name = "interval"
+    eviction = "v1"
 
-    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
-        return [(b, "interval") for b in reversed(_interval_boundaries(ctx))]
+    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, CaptureKind]]:
+        return [(b, CaptureKind.INTERVAL) for b in reversed(_interval_boundaries(ctx))]
 
 
 class StepEndPolicy(AdmissionPolicy):
@@ -104,10 +121,11 @@ class StepEndPolicy(AdmissionPolicy):
 
     name = "step-end"
     track_output = True
+    eviction = "v1"
 
-    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
+    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, CaptureKind]]:
         b = (ctx.end // ctx.unit) * ctx.unit
-        return [(b, "step")] if _in_range(b, ctx) else []
+        return [(b, CaptureKind.STEP)] if _in_range(b, ctx) else []
 
 
 class SequenceEndPolicy(AdmissionPolicy):
@@ -115,8 +133,9 @@ class SequenceEndPolicy(AdmissionPolicy):
 
     name = "sequence-end"
     track_output = True
+    eviction = "v1"
 
-    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
+    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, CaptureKind]]:
         return []
 
 
@@ -125,16 +144,18 @@ class EveryUnitPolicy(AdmissionPolicy):
 
     name = "every-unit"
     track_output = True
+    eviction = "v1"
 
-    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
+    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, CaptureKind]]:
         first = (ctx.start // ctx.unit + 1) * ctx.unit
-        return [(b, "unit") for b in range(ctx.end // ctx.unit * ctx.unit, first - 1, -ctx.unit)]
+        return [(b, CaptureKind.UNIT) for b in range(ctx.end // ctx.unit * ctx.unit, first - 1, -ctx.unit)]
 
 
 class NoCheckpointPolicy(AdmissionPolicy):
     name = "none"
+    eviction = "v1"
 
-    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, str]]:
+    def prefill_boundaries(self, ctx: CaptureContext) -> list[tuple[int, CaptureKind]]:
         return []
 
 
@@ -142,6 +163,7 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     cls.name: cls
     for cls in (
         DefaultPolicy,
+        V1Policy,
         IntervalPolicy,
         StepEndPolicy,
         SequenceEndPolicy,

@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.cache.manager import CacheManager, StepItem, StepPlan
+from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.types import PrefixMatch, StepItem, StepPlan
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.request import Request, RequestStatus
@@ -131,9 +132,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _match(self, r: Request) -> PrefixMatch:
+        """The request's prefix match: computed once per request while the index is unchanged
+        (the policy's ordering, the chunking and ``admit`` share it)."""
+        return self.cache.match(r.token_ids, r.cache_salt, r.block_hashes, key=r.request_id)
+
     def _ctx(self) -> PolicyContext:
         def cached_prefix(r: Request) -> int:
-            return self.cache.lookup(r.token_ids, r.cache_salt, r.block_hashes)
+            return self._match(r).hit_tokens
 
         return PolicyContext(step=self.step_count, now=time.monotonic(), cached_prefix=cached_prefix)
 
@@ -309,7 +315,8 @@ class Scheduler:
                     break
                 if req in preempted:
                     continue  # not again in the step that preempted it
-                hit = self.cache.lookup(req.token_ids, req.cache_salt, req.block_hashes)
+                match = self._match(req)
+                hit = match.hit_tokens
                 first_end = self._chunk_end(hit, req.num_tokens, budget)
                 if first_end == hit:
                     break  # not even one chunk fits this step: keep the order, wait
@@ -321,10 +328,11 @@ class Scheduler:
                     req.cache_salt,
                     prompt_len=req.num_prompt_tokens,
                     hashes=req.block_hashes,
+                    match=match,
                 )
                 if seq is None:
                     break
-                # nothing changed since the lookup: admission found the same hit
+                # nothing changed since the match: admission found the same hit
                 assert seq.num_cached_tokens == hit
                 end = first_end
                 if not self.cache.allocate(seq, end):
@@ -334,7 +342,7 @@ class Scheduler:
                 req.num_computed_tokens = seq.num_cached_tokens
                 if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
                     req.num_cached_tokens = seq.num_cached_tokens
-                    self.cache.record_query(req.num_tokens, seq.num_cached_tokens)
+                    self.cache.record_query(req.num_tokens, seq.num_cached_tokens, seq)
                 req.status = RequestStatus.RUNNING
                 self.waiting.remove(req)
                 self.running.append(req)

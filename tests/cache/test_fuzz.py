@@ -18,7 +18,7 @@ class CacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(12, 80),
         num_ckpt=st.integers(0, 4),
         staging=st.sampled_from([None, 0, 100, 300]),
-        policy=st.sampled_from(["default", "every-unit", "step-end", "sequence-end", "interval"]),
+        policy=st.sampled_from(["default", "v1", "every-unit", "step-end", "sequence-end", "interval"]),
         has_gdn=st.booleans(),
     )
     def setup(self, num_blocks: int, num_ckpt: int, staging: int | None, policy: str, has_gdn: bool) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deltaserve.cache import CacheManager, CacheManagerConfig, SlotState, StepItem
+from deltaserve.cache import CacheManager, CacheManagerConfig, CaptureKind, SlotState, StepItem
+from deltaserve.cache.value import V1Eviction
 
 
 def make(**kw: object) -> CacheManager:
@@ -83,8 +84,8 @@ def test_branch_capture_at_divergence() -> None:
     assert cm.allocate(b, len(toks))
     plan = cm.plan_step([StepItem(b, toks, 0, len(toks), False)])
     assert sorted((c.boundary, c.kind, c.tracking) for c in plan.captures) == [
-        (128, "branch", False),
-        (320, "tail", False),
+        (128, CaptureKind.BRANCH, False),
+        (320, CaptureKind.TAIL, False),
     ]
     cm.commit_step(plan)
     cm.free(b)
@@ -115,7 +116,7 @@ def test_checkpoint_lru_eviction_when_pool_is_short() -> None:
 
 
 def test_pinned_restore_source_survives_pool_pressure() -> None:
-    cm = make(num_checkpoint_slots=1, num_kv_blocks=200)
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_policy="v1")
     run_prefill(cm, "a", list(range(300)))
     seq = cm.admit("b", list(range(300)) + [9] * 20, b"s")
     assert seq is not None and seq.restore_node is not None
@@ -220,8 +221,8 @@ def test_unknown_policy_names_known_ones() -> None:
         make(checkpoint_policy="nope")
 
 
-def test_tail_never_evicts_a_live_checkpoint_but_output_may() -> None:
-    cm = make(num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_interval=0)
+def test_v1_tail_never_evicts_a_live_checkpoint_but_output_may() -> None:
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_interval=0, checkpoint_policy="v1")
     run_prefill(cm, "a", list(range(300)))  # the one slot: tail checkpoint at 256 (live)
     toks = list(range(1000, 1300))
     seq = cm.admit("b", toks, b"s")
@@ -234,14 +235,14 @@ def test_tail_never_evicts_a_live_checkpoint_but_output_may() -> None:
     cm.check_integrity()
 
 
-def test_deeper_checkpoint_demotes_the_chain_above() -> None:
-    cm = make(num_checkpoint_slots=3, num_kv_blocks=200, checkpoint_interval=64)
+def test_v1_deeper_checkpoint_demotes_the_chain_above() -> None:
+    cm = make(num_checkpoint_slots=3, num_kv_blocks=200, checkpoint_interval=64, checkpoint_policy="v1")
     toks = list(range(200))
     run_prefill(cm, "a", toks)  # interval checkpoints at 64, 128 and the tail at 192
     nodes = {n.depth * 16: n for n in cm.tree.nodes() if n.checkpoint_slot is not None}
     assert sorted(nodes) == [64, 128, 192]
-    assert cm.tree.is_demoted(nodes[64]) and cm.tree.is_demoted(nodes[128])
-    assert not cm.tree.is_demoted(nodes[192])
+    assert V1Eviction.is_demoted(nodes[64]) and V1Eviction.is_demoted(nodes[128])
+    assert not V1Eviction.is_demoted(nodes[192])
 
 
 def test_extending_a_leaf_is_not_a_branch_but_diverging_from_a_live_path_is() -> None:
@@ -271,8 +272,8 @@ def test_concurrent_prompts_sharing_an_unpublished_prefix_branch() -> None:
     cm.check_integrity()
 
 
-def test_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
-    cm = make(num_checkpoint_slots=1, num_kv_blocks=300, checkpoint_interval=0)
+def test_v1_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
+    cm = make(num_checkpoint_slots=1, num_kv_blocks=300, checkpoint_interval=0, checkpoint_policy="v1")
     shared = list(range(150))
     run_prefill(cm, "a", shared + list(range(500, 600)))  # tail at 192: the one slot
     b_toks = shared + list(range(900, 1000))

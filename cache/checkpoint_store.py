@@ -1,0 +1,247 @@
+"""The checkpoint side of the cache: GDN state slots, published checkpoints, eviction.
+
+Every checkpoint slot is exactly one of FREE, RESERVED (staged for the in-flight step),
+ATTACHED (one tree node's checkpoint) or TRACKING (a decoding request's output slot);
+live slots belong one-to-one to active requests. Which checkpoint makes room for a new one
+is the eviction strategy's choice (``cache/value.py``). ``check_integrity`` proves the
+accounting. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from deltaserve.cache.prefix_index import PrefixIndex
+from deltaserve.cache.radix_tree import Node
+from deltaserve.cache.state_pool import SlotState, StatePool
+from deltaserve.cache.types import Capture, CaptureKind, SeqCache, StepPlan
+from deltaserve.cache.value import CheckpointEviction, V1Eviction, Want
+
+
+class CheckpointStore:
+    def __init__(
+        self,
+        num_live: int,
+        num_checkpoint: int,
+        kv: PrefixIndex,
+        eviction: CheckpointEviction,
+        counters: dict[str, int],
+        checkpoint_bytes: int,
+    ) -> None:
+        self.slots = StatePool(num_live, num_checkpoint)
+        self.kv = kv
+        self.tree = kv.tree
+        self.eviction = eviction
+        self.counters = counters
+        self.checkpoint_bytes = checkpoint_bytes
+        self.attached: dict[int, Node] = {}  # slot -> node holding it
+        self.trackers: dict[int, SeqCache] = {}  # tracking slot -> its decoding request
+
+    @property
+    def residents(self) -> Iterable[Node]:
+        return self.attached.values()
+
+    # ------------------------------------------------------------------ publish / drop
+    def attach(self, node: Node, slot: int, kind: CaptureKind) -> None:
+        """Publish ``slot`` (reserved or tracking) as ``node``'s checkpoint."""
+        self.slots.set_state(slot, SlotState.ATTACHED)
+        self.tree.attach_checkpoint(node, slot)
+        self.attached[slot] = node
+        self.eviction.on_attach(node, kind)
+        self.counters["checkpoints.stored"] += 1
+
+    def detach(self, node: Node) -> int:
+        """Unpublish ``node``'s checkpoint; its slot stays in use (the caller's)."""
+        slot = self.tree.detach_checkpoint(node)
+        del self.attached[slot]
+        self.counters["checkpoints.evicted"] += 1
+        return slot
+
+    def drop(self, node: Node) -> None:
+        """Evict ``node``'s checkpoint and free its slot."""
+        self.slots.free_checkpoint(self.detach(node))
+
+    # ------------------------------------------------------------------ slots
+    def reserve(self, state: SlotState, want: Want) -> tuple[int, str]:
+        """A slot in ``state`` for ``want``: a free one, or the slot of the checkpoint the
+        eviction strategy gives up. ``(slot, "")``; ``(slot, "own")`` when it is the slot of
+        the request's own pending restore source (whose restore the caller releases: the
+        copy out of it runs before the step writes the capture); ``(-1, reason)`` when there
+        is none (reason ``pool`` or ``value``; the caller counts the skip)."""
+        if self.slots.num_free_checkpoint > 0:
+            return self.slots.allocate_checkpoint(state), ""
+        node, reason = self.eviction.victim(want, self.residents, self.trackers.values())
+        if node is None:
+            return -1, reason
+        if isinstance(node, SeqCache):  # a decoding request's tracked output gives way
+            slot = node.tracking_slot
+            self.untrack(node, finished=False)
+            node.tracking_boundary = 0
+            self.slots.set_state(slot, state)
+            self.counters["checkpoints.evicted"] += 1
+            return slot, ""
+        if node is want.own and node.ckpt_pins:
+            self.tree.unpin_checkpoint(node)
+            slot = self.detach(node)
+            self.slots.set_state(slot, state)
+            return slot, "own"
+        self.drop(node)
+        return self.slots.allocate_checkpoint(state), ""
+
+    def track(self, seq: SeqCache, slot: int) -> None:
+        seq.tracking_slot = slot
+        self.trackers[slot] = seq
+        learner = getattr(self.eviction, "learner", None)
+        seq.tracking_since = learner.now if learner is not None else 0
+
+    def untrack(self, seq: SeqCache, *, finished: bool = True) -> None:
+        """``seq`` stops tracking; ``finished``: because its output is done (the value model
+        learns how long a tracking slot is held before its output can serve)."""
+        del self.trackers[seq.tracking_slot]
+        seq.tracking_slot = -1
+        learner = getattr(self.eviction, "learner", None)
+        if learner is not None and finished:
+            learner.tracked(learner.now - seq.tracking_since)
+
+    def take_over(self, node: Node | None, state: SlotState) -> int:
+        """``v1``: the slot of the checkpoint a request resumed from, if nobody else can need
+        it (no pending restore, at most one child); else -1.
+
+        A conversation's previous checkpoint sits on its own single-child chain: the output
+        the request is about to track will dominate it, so it is the one checkpoint it may
+        displace even when every other checkpoint is protected."""
+        if node is None or node.checkpoint_slot is None or node.ckpt_pins or len(node.children) > 1:
+            return -1
+        slot = self.detach(node)
+        self.slots.set_state(slot, state)
+        return slot
+
+    # ------------------------------------------------------------------ restores
+    def pin_restore(self, seq: SeqCache, node: Node) -> None:
+        """``seq`` resumes from ``node``'s checkpoint: pinned until the copy has run."""
+        self.tree.pin_checkpoint(node)
+        self.eviction.on_hit(node)
+        seq.restore_node = node
+
+    def release_restore(self, seq: SeqCache) -> None:
+        node = seq.restore_node
+        if node is not None:
+            self.tree.unpin_checkpoint(node)
+            self.eviction.on_unpin(node)
+            seq.restored_from = node
+            seq.restore_node = None
+
+    # ------------------------------------------------------------------ staging
+    def stage(self, plan: StepPlan, idx: int, want: Want) -> bool:
+        """Give ``want`` (a capture of item ``idx``) a slot in ``plan``; False if skipped."""
+        item = plan.items[idx]
+        seq = item.seq
+        if want.kind is not CaptureKind.OUTPUT:
+            slot = self._reserve(seq, SlotState.RESERVED, want)
+            if slot < 0:
+                return False
+            plan.reserved.append(slot)
+            plan.captures.append(Capture(idx, want.boundary, slot, want.kind))
+            return True
+        # an output goes into the request's tracking slot, reserved on first use
+        slot = seq.tracking_slot
+        if slot >= 0 and seq.tracking_boundary and self.slots.num_free_checkpoint > 0:
+            # Keep the shallower state too while memory allows: publish it now (the deeper
+            # one will demote it) and track into a fresh slot.
+            node = self.kv.node_at(seq, seq.tracking_boundary)
+            if node is not None and node.checkpoint_slot is None:
+                self.untrack(seq, finished=False)
+                self.attach(node, slot, CaptureKind.OUTPUT)
+                slot = -1
+        if slot < 0:
+            slot = self._reserve(seq, SlotState.TRACKING, want)
+            if slot < 0:
+                return False
+            self.track(seq, slot)
+            seq.tracking_base = want.base
+        seq.tracking_boundary = 0  # being overwritten: invalid until commit
+        seq.pending_tracking_boundary = max(want.boundary, seq.pending_tracking_boundary)
+        if item.is_decode:
+            plan.decode_copies.append((seq.state_slot, slot))
+        else:
+            plan.captures.append(Capture(idx, want.boundary, slot, CaptureKind.OUTPUT))
+        return True
+
+    def _reserve(self, seq: SeqCache, state: SlotState, want: Want) -> int:
+        slot, why = self.reserve(state, want)
+        if why == "own":  # the restore copy runs first in this step; nothing else reads it
+            seq.restore_node = seq.restored_from = None
+        elif slot < 0 and want.kind is CaptureKind.OUTPUT and isinstance(self.eviction, V1Eviction):
+            slot = self.take_over(seq.restored_from, state)
+            seq.restored_from = None
+        if slot < 0:
+            self.counters[f"checkpoints.skipped_{why or 'pool'}"] += 1
+        return slot
+
+    def end_tracking(self, seq: SeqCache, publish: bool) -> None:
+        """The request ends: publish its tracked output (``publish``), else free the slot."""
+        if seq.tracking_slot < 0:
+            return
+        slot = seq.tracking_slot
+        self.untrack(seq)
+        node = self.kv.node_at(seq, seq.tracking_boundary) if publish else None
+        if node is not None and node.checkpoint_slot is None:
+            self.attach(node, slot, CaptureKind.OUTPUT)
+        else:
+            self.slots.free_checkpoint(slot)
+
+    def compact(self) -> None:
+        if isinstance(self.eviction, V1Eviction):
+            self.eviction.compact(self.tree.num_nodes)
+
+    def usage(self) -> dict[str, int | float]:
+        slots = self.slots
+        used = slots.num_checkpoint - slots.num_free_checkpoint
+        return {
+            "checkpoints.slots": slots.num_checkpoint,
+            "checkpoints.used_slots": used,
+            "checkpoints.attached": self.tree.num_checkpoints,
+            "checkpoints.bytes_used": used * self.checkpoint_bytes,
+            "live_slots.total": slots.num_live,
+            "live_slots.used": slots.num_live - slots.num_free_live,
+        }
+
+    # ------------------------------------------------------------------ invariants
+    def check_integrity(
+        self, nodes: list[Node], active: Iterable[SeqCache], reserved: set[int], unit_blocks: int
+    ) -> None:
+        """Every checkpoint slot in exactly one state; live slots = the active requests'."""
+        active = list(active)
+        slots = self.slots
+        with_ckpt = [n for n in nodes if n.checkpoint_slot is not None]
+        attached = {n.checkpoint_slot: n for n in with_ckpt}
+        assert len(attached) == len(with_ckpt), "slot on two nodes"
+        assert attached == self.attached, "attached-slot map drift"
+        for n in with_ckpt:
+            assert n.depth % unit_blocks == 0, f"{n} checkpoint off a unit boundary"
+        pins: dict[int, int] = {}
+        for seq in active:
+            if seq.restore_node is not None:
+                pins[id(seq.restore_node)] = pins.get(id(seq.restore_node), 0) + 1
+                assert seq.restore_node.checkpoint_slot is not None, "restore source lost its checkpoint"
+        for n in nodes:
+            assert n.ckpt_pins == pins.get(id(n), 0), f"{n}: ckpt_pins drift"
+        live = sorted(s.state_slot for s in active if s.state_slot >= 0)
+        assert live == sorted(slots.live_in_use()), f"live slots {live} != in use {slots.live_in_use()}"
+        tracking = [s.tracking_slot for s in active if s.tracking_slot >= 0]
+        assert len(set(tracking)) == len(tracking), "tracking slot shared"
+        assert {s.tracking_slot: s for s in active if s.tracking_slot >= 0} == self.trackers, (
+            "tracker map drift"
+        )
+        for slot, state in slots.ckpt_state.items():
+            expected = (
+                SlotState.ATTACHED
+                if slot in attached
+                else SlotState.TRACKING
+                if slot in tracking
+                else SlotState.RESERVED
+                if slot in reserved
+                else SlotState.FREE
+            )
+            assert state is expected, f"checkpoint slot {slot} is {state.value}, expected {expected.value}"
+        assert slots.num_free_checkpoint == slots.count(SlotState.FREE), "free list drift"

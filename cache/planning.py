@@ -1,0 +1,40 @@
+"""Capture planning: which checkpoint boundaries a step proposes. A pure function.
+
+``plan_captures`` asks the admission policy (``cache/admission.py``) for each item of a
+step — prefill boundaries in the computed range, and the output boundary a decode or a
+prompt's last chunk crosses — and returns them as ``CaptureCandidate``s in ``v1`` rank
+order (branch, tail, output, step/unit, interval; items in step order within a rank). What
+is then staged (slots, the per-step budget, eviction) is the cache manager's business.
+Torch-free and side-effect free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deltaserve.cache.admission import AdmissionPolicy, CaptureContext
+from deltaserve.cache.types import CaptureCandidate, CaptureKind, StepItem
+
+
+def plan_captures(
+    items: Sequence[StepItem], policy: AdmissionPolicy, *, unit: int, interval: int
+) -> list[CaptureCandidate]:
+    wanted: list[CaptureCandidate] = []
+    for idx, item in enumerate(items):
+        ctx = CaptureContext(
+            start=item.start,
+            end=item.end,
+            target_len=len(item.token_ids),
+            prompt_len=item.seq.prompt_len,
+            unit=unit,
+            interval=interval,
+            hit=item.seq.num_cached_tokens,
+            branch=item.seq.branch_boundary,
+        )
+        boundaries = [] if item.is_decode else policy.prefill_boundaries(ctx)
+        wanted.extend(CaptureCandidate(idx, b, kind) for b, kind in boundaries)
+        ob = policy.output_boundary(ctx)
+        if ob and all(b != ob for b, _ in boundaries):
+            wanted.append(CaptureCandidate(idx, ob, CaptureKind.OUTPUT))
+    wanted.sort(key=lambda c: (c.kind.rank, c.item_index))
+    return wanted

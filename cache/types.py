@@ -1,0 +1,147 @@
+"""Types shared by the cache's parts: capture kinds, a request's cache view, step plans.
+
+Torch-free. The parts (``prefix_index``, ``checkpoint_store``, ``planning``, ``value``) and
+the façade (``manager``) speak in these.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from deltaserve.cache.radix_tree import Node
+
+
+class CheckpointClass(enum.IntEnum):
+    """``v1`` eviction classes (lowest evicted first; LRU within a class)."""
+
+    DOMINATED = 0  # a deeper checkpoint sits below it on a single-child chain
+    SPECULATIVE = 1  # never restored from yet: a finished request's tail or output
+    PROVEN = 2  # restored from, or taken where two trajectories diverge
+
+
+class CaptureKind(enum.Enum):
+    """Where a checkpoint is taken (``cache/admission.py``).
+
+    ``rank``: the order ``v1`` stages captures in (lower first). ``may_evict``: the highest
+    ``v1`` class a capture of this kind may displace (a tail is further restricted to
+    dominated checkpoints when its request tracks an output: see ``CheckpointStore``).
+    ``label``: the name in stats and reports.
+    """
+
+    BRANCH = ("branch", 0, CheckpointClass.PROVEN)
+    TAIL = ("tail", 1, CheckpointClass.SPECULATIVE)
+    OUTPUT = ("output", 2, CheckpointClass.SPECULATIVE)
+    STEP = ("step", 3, CheckpointClass.SPECULATIVE)
+    UNIT = ("unit", 3, CheckpointClass.SPECULATIVE)
+    INTERVAL = ("interval", 4, CheckpointClass.SPECULATIVE)
+
+    def __init__(self, label: str, rank: int, may_evict: CheckpointClass) -> None:
+        self.label = label
+        self.rank = rank
+        self.may_evict = may_evict
+
+    @classmethod
+    def of(cls, label: str) -> CaptureKind:
+        for kind in cls:
+            if kind.label == label:
+                return kind
+        raise ValueError(f"unknown capture kind {label!r}")
+
+    def __str__(self) -> str:
+        return self.label
+
+
+@dataclass(eq=False)
+class SeqCache:
+    """One request's view of the cache. Owned by the manager, held by the request.
+
+    Block table layout::
+
+        block_table: [ n_0 ... n_{k-1} | p_k ... p_{m-1} ]
+                       ^ nodes[i].block_id   ^ private blocks, owned by the request
+                       (pinned tree nodes)     (the last may be partial; never shared)
+    """
+
+    request_id: str
+    salt: bytes
+    prompt_len: int
+    block_table: list[int] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)  # pinned path, one per leading block
+    state_slot: int = -1  # live GDN state slot (-1: model has no GDN layers)
+    restore_node: Node | None = None  # checkpoint to copy into state_slot before the first step
+    restored_from: Node | None = None  # the checkpoint the request resumed from (after the copy)
+    num_cached_tokens: int = 0  # hit length at admission
+    branch_boundary: int = 0
+    tracking_slot: int = -1  # output-checkpoint slot during decode
+    tracking_boundary: int = 0  # boundary the tracking slot holds (0: nothing valid)
+    tracking_since: int = 0  # value model: when the tracking slot was taken (admissions)
+    tracking_base: int = 0  # value model: depth of the nearest checkpoint above the tracked output
+    # chained hashes of the request's full blocks; the same list the request keeps
+    # (``Request.block_hashes``), extended as tokens arrive, so nothing is hashed twice
+    hashes: list[int] = field(default_factory=list)
+    num_inflight: int = 0  # leading ``hashes`` registered as in flight while active
+    pending_tracking_boundary: int = 0  # boundary being written by the in-flight step
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The result of matching a prompt against the index, valid while ``version`` is the
+    index's (``PrefixIndex.version`` moves on every insert, removal, attach and detach)."""
+
+    path: list[Node]  # matched nodes over the prompt's full blocks
+    hit_blocks: int  # joint-hit length in blocks
+    hashes: list[int]  # the prompt's block hashes (the caller's list, extended)
+    num_tokens: int  # len(prompt) matched
+    version: int
+    block_size: int
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_blocks * self.block_size
+
+
+@dataclass
+class StepItem:
+    """One request's piece of a step: tokens ``[start, end)`` get computed."""
+
+    seq: SeqCache
+    token_ids: Sequence[int]  # the request's tokens (prompt + output so far)
+    start: int
+    end: int
+    is_decode: bool
+
+
+@dataclass(frozen=True)
+class CaptureCandidate:
+    """A boundary ``planning.plan_captures`` proposes for one item of a step."""
+
+    item_index: int
+    boundary: int
+    kind: CaptureKind
+
+
+@dataclass
+class Capture:
+    item_index: int  # index into StepPlan.items
+    boundary: int  # absolute token boundary
+    slot: int
+    kind: CaptureKind
+
+    @property
+    def tracking(self) -> bool:
+        """Written into the request's tracking slot (published at finish), not a fresh slot."""
+        return self.kind is CaptureKind.OUTPUT
+
+
+@dataclass
+class StepPlan:
+    items: list[StepItem]
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, live slot)
+    captures: list[Capture] = field(default_factory=list)  # written by the prefill kernels
+    decode_copies: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (live slot, tracking slot) after forward
+    restored: list[SeqCache] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)  # slots in RESERVED state for captures

@@ -1,0 +1,567 @@
+"""What a checkpoint is worth, and who is evicted: the value model and the ``v1`` classes.
+
+Two eviction strategies sit behind one interface (``CheckpointEviction``); the admission
+policy names one (``AdmissionPolicy.eviction``):
+
+``value`` (the default policy)
+    Every resident checkpoint — and through it the KV leaf it ends — is worth
+
+        value = hit density(class, age) x compute saved(depth) / bytes
+
+    * *compute saved* (``CostModel``): a hit at depth ``d`` skips the prefill of ``d``
+      tokens, ``cost(d) = a*d + b*d^2/2`` — ``a`` per token (GDN, MLP and projections:
+      linear in tokens) and ``b`` per (token, earlier token) pair (full-attention
+      layers); both from ``CacheManagerConfig`` (relative units are fine).
+    * *hit density* (``ReuseLearner``): expected hits per unit of time spent in the cache
+      for a checkpoint of this *class* that has waited ``age`` without a hit — LHD's
+      estimator (Beckmann et al., NSDI '18), learned online. The class is the capture kind
+      (branch, tail, output, interval, ...) until the checkpoint serves a hit, then
+      ``hit1`` / ``hit2`` (served once / at least twice). Time is counted in prompt
+      admissions. ``age`` restarts at every hit.
+    * A capture is admitted when a slot is free, or when it is worth more than the weakest
+      evictable resident (which it then replaces); otherwise it is skipped
+      (``checkpoints.skipped_value``). KV eviction drops checkpoint-less leaves first (LRU:
+      no hit can end there), then the leaf whose checkpoint is worth least.
+
+    Learning uses a *shadow*: every capture the policy proposes — stored or skipped — is
+    recorded by the hash of its boundary block; each admitted prompt credits the deepest
+    recorded boundary on its path (what an unlimited cache of the policy's own captures
+    would have served). So a workload whose clients re-send rewritten replies drives the
+    output class's density to zero (their boundaries are never on a later path), one whose
+    replies come back keeps it high, and a tail that the output below it always dominates
+    is learned to be worth nothing — whether or not those checkpoints were stored.
+
+    Cyclic reuse larger than the pool (LRU's worst case) does not churn: a new capture has
+    age 0, a resident near its usual reuse age has a *higher* density (its hit is close),
+    so newcomers do not displace residents about to be hit; a resident past every usual
+    reuse age decays to zero and goes.
+
+``v1`` (the previous default, kept for comparison)
+    Classes dominated < speculative < proven, LRU within a class; a capture may displace
+    only the classes its kind outranks (``CaptureKind.may_evict``).
+
+Torch-free, O(1) per event except victim selection (O(resident checkpoints)).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from deltaserve.cache.radix_tree import Node, RadixTree
+from deltaserve.cache.types import CaptureKind, CheckpointClass, SeqCache
+
+# Subtracted from a demoted checkpoint's access stamp (v1): it sorts before every live one,
+# and demoted checkpoints keep their LRU order among themselves.
+_DEMOTED = 1 << 60
+
+
+@dataclass(frozen=True)
+class Want:
+    """A capture asking for a slot."""
+
+    kind: CaptureKind
+    boundary: int  # tokens
+    max_class: CheckpointClass = CheckpointClass.PROVEN  # v1: the highest class it may displace
+    own: Node | None = None  # value: the request's pending restore source (may be reused in-step)
+    base: int = 0  # value: depth (tokens) of the nearest checkpoint above it: a hit falls back there
+
+
+# ============================================================================ cost model
+@dataclass(frozen=True)
+class CostModel:
+    """Prefill compute of ``d`` tokens: ``per_token * d + per_token_pair * d * d / 2``."""
+
+    per_token: float = 1.0
+    per_token_pair: float = 1.0 / 65536
+
+    def saved(self, tokens: int) -> float:
+        return self.per_token * tokens + self.per_token_pair * tokens * tokens / 2
+
+
+# ============================================================================ learning
+SUB = 4  # age buckets per octave
+NUM_BUCKETS = 4 + 24 * SUB  # ages 0..3 exactly, then 4 per octave up to 2^26
+HIT_CLASSES = ("hit1", "hit2")
+
+
+def _bucket(age: int) -> int:
+    """Age bucket: exact below 4, then ``SUB`` log-spaced buckets per octave."""
+    if age < 4:
+        return max(age, 0)
+    e = age.bit_length() - 1  # 2^e <= age < 2^(e+1), e >= 2
+    return min(4 + (e - 2) * SUB + ((age >> (e - 2)) & 3), NUM_BUCKETS - 1)
+
+
+def _bounds(b: int) -> tuple[float, float]:
+    """[lower, upper) ages of bucket ``b``."""
+    if b < 4:
+        return float(b), float(b + 1)
+    e, m = divmod(b - 4, SUB)
+    step = 1 << e
+    lo = (4 + m) * step
+    return float(lo), float(lo + step)
+
+
+_LOWER = [_bounds(b)[0] for b in range(NUM_BUCKETS)]
+_MIDDLE = [(_bounds(b)[0] + _bounds(b)[1] - 1) / 2 for b in range(NUM_BUCKETS)]
+_UPPER = [_bounds(b)[1] for b in range(NUM_BUCKETS)]
+
+
+class _Shadow:
+    """Boundaries by the hash of their last block -> [credits, pending (class, since), last
+    event], least recently active first. A boundary is *credited* when it is the deepest of
+    this shadow on an admitted prompt's path; each pending proposal then scores a hit."""
+
+    def __init__(self, learner: ReuseLearner, follow_hits: bool, n: int) -> None:
+        self.learner = learner
+        self.follow_hits = follow_hits  # after a credit, wait on as hit1 / hit2
+        self.entries: OrderedDict[int, list] = OrderedDict()
+        self.hits = [[0.0] * NUM_BUCKETS for _ in range(n)]  # per class, per age bucket
+        self.misses = [0.0] * n
+
+    def add(self, key: int, c: int | None) -> None:
+        learner = self.learner
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = [0, [], learner.now]
+            while len(self.entries) > learner.capacity:
+                self.entries.popitem(last=False)
+        elif c is not None and (c, learner.now) in entry[1]:
+            return  # the same proposal again (a retried step)
+        else:
+            entry[2] = learner.now
+            self.entries.move_to_end(key)
+        if c is not None:
+            entry[1].append((c, learner.now))
+            learner._pending[c].append((self, key, learner.now))
+
+    def deepest(self, hashes: Sequence[int], top: int, stride: int) -> int:
+        """Block count of the deepest boundary of this shadow on the path (0: none)."""
+        entries = self.entries
+        for n in range(top - top % stride, 0, -stride):
+            if hashes[n - 1] in entries:
+                return n
+        return 0
+
+    def credit(self, key: int) -> None:
+        learner = self.learner
+        entry = self.entries.get(key)
+        if entry is None:
+            return
+        for c, since in entry[1]:
+            self.hits[c][_bucket(learner.now - since)] += 1
+            learner._tables[c] = None
+        entry[0] += 1
+        entry[1] = []
+        entry[2] = learner.now
+        self.entries.move_to_end(key)
+        if self.follow_hits:
+            self.add(key, learner._index[HIT_CLASSES[min(entry[0], 2) - 1]])
+
+    def resolve(self, key: int, c: int, since: int) -> bool:
+        """A pending proposal's window passed: True if it was still unhit (a miss)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return True  # expired unhit
+        if (c, since) in entry[1]:
+            entry[1].remove((c, since))
+            return True
+        return False
+
+    def expire(self, oldest: int) -> None:
+        entries = self.entries
+        while entries and next(iter(entries.values()))[2] < oldest:
+            entries.popitem(last=False)
+
+
+class ReuseLearner:
+    """Per-class reuse statistics, learned from two shadows (see the module docstring).
+
+    * ``proposed``: every capture the policy proposes, stored or not. Credits teach the
+      capture kinds (tail, branch, output, ...): would this kind serve, were it kept?
+    * ``kept``: every capture actually published. Credits teach the hit classes (``hit1``,
+      ``hit2``): once a kept checkpoint has served, will it serve again, given what else
+      was kept (a conversation's older tail serves again only when the newer was not kept;
+      a tree's shared node serves its grandchildren when the expanded child's output was
+      not kept)?
+
+    ``hits[c][b]``: proposals of class ``c`` credited at an age in bucket ``b``;
+    ``misses[c]``: proposals still unhit past the class's *window* (twice the age by which
+    95 % of its hits came, at least 16). Younger ones are pending and count neither way, so
+    a kind whose hits take a while is not judged before they can come. Counts halve every
+    ``half_life`` admissions (the model follows a workload that changes); a shadow boundary
+    is forgotten ``horizon`` admissions after its last event, or when ``capacity`` are newer.
+    Time is counted in admitted prompts.
+    """
+
+    def __init__(
+        self,
+        *,
+        horizon: int = 4096,
+        capacity: int = 1 << 16,
+        half_life: int = 2048,
+        prior_hits: float = 1.0,
+        prior_misses: float = 1.0,
+        prior_age: int = 16,
+        explore: float = 0.25,
+    ) -> None:
+        self.horizon = horizon
+        self.capacity = capacity
+        self.half_life = half_life
+        self.now = 0
+        self.classes = [k.label for k in CaptureKind] + list(HIT_CLASSES)
+        self._index = {c: i for i, c in enumerate(self.classes)}
+        n = len(self.classes)
+        self.explore = explore
+        self.prior_hits, self.prior_misses, self.prior_bucket = prior_hits, prior_misses, _bucket(prior_age)
+        self._tables: list[list[tuple[float, float]] | None] = [None] * n
+        self._windows = [0] * n
+        self._pending: list[deque[tuple[_Shadow, int, int]]] = [deque() for _ in range(n)]
+        self.proposed = _Shadow(self, follow_hits=False, n=n)
+        self.kept = _Shadow(self, follow_hits=True, n=n)
+        self.track_time = 1.0  # admissions a tracking slot is held before its output is published
+
+    # -- events --------------------------------------------------------------------------
+    def register(self, key: int, kind: CaptureKind) -> None:
+        """A capture of ``kind`` was proposed at the boundary whose last block hashes to ``key``
+        (one trial of the kind, even where an earlier proposal waits)."""
+        self.proposed.add(key, self._index[kind.label])
+
+    def kept_at(self, key: int, kind: CaptureKind) -> None:
+        """A capture of ``kind`` was published at the boundary ``key``."""
+        self.kept.add(key, self._index[kind.label])
+
+    def observe(self, hashes: Sequence[int], limit_blocks: int, stride: int) -> None:
+        """One admitted prompt: time moves on, and in each shadow the deepest boundary on its
+        path (block ``i`` ends a boundary when ``(i + 1) % stride == 0``, up to
+        ``limit_blocks``) is credited."""
+        self.tick()
+        top = min(limit_blocks, len(hashes))
+        for shadow in (self.proposed, self.kept):
+            n = shadow.deepest(hashes, top, stride)
+            if n:
+                shadow.credit(hashes[n - 1])
+
+    def tick(self) -> None:
+        self.now += 1
+        if self.now % self.half_life == 0:
+            self._decay()
+        for c, pending in enumerate(self._pending):
+            if not pending:
+                continue
+            window = self._window(c)
+            while pending and self.now - pending[0][2] > window:
+                shadow, key, since = pending.popleft()
+                if shadow.resolve(key, c, since):
+                    shadow.misses[c] += 1
+                    self._tables[c] = None
+        oldest = self.now - self.horizon
+        self.proposed.expire(oldest)
+        self.kept.expire(oldest)
+
+    def _counts(self, c: int) -> tuple[list[float], float]:
+        """Hits per age bucket and misses of class ``c``: what the kept captures taught (would
+        it serve, given what else is kept?), plus ``explore`` x what all proposals taught
+        (would it serve, were it kept? — the only evidence for kinds rarely kept), plus
+        the prior."""
+        k, p, w = self.kept, self.proposed, self.explore
+        hits = [a + w * b for a, b in zip(k.hits[c], p.hits[c], strict=True)]
+        hits[self.prior_bucket] += self.prior_hits
+        return hits, k.misses[c] + w * p.misses[c] + self.prior_misses
+
+    def _window(self, c: int) -> int:
+        if self._tables[c] is None or not self._windows[c]:
+            hits = self._counts(c)[0]
+            total, acc, last = sum(hits), 0.0, 0
+            while last < NUM_BUCKETS - 1 and acc + hits[last] < 0.95 * total:
+                acc += hits[last]
+                last += 1
+            self._windows[c] = int(min(max(2 * _UPPER[last], 16), self.horizon))
+        return self._windows[c]
+
+    def _decay(self) -> None:
+        for shadow in (self.proposed, self.kept):
+            shadow.misses = [m * 0.5 for m in shadow.misses]
+            shadow.hits = [[h * 0.5 for h in row] for row in shadow.hits]
+        self._tables = [None] * len(self.classes)
+
+    # -- estimates -----------------------------------------------------------------------
+    def density(self, label: str, age: int, delay: float = 0.0) -> float:
+        """Expected hits per admission of cache time, for an entry of class ``label`` that has
+        gone ``age`` admissions without a hit: P(a hit is still to come | none by ``age``)
+        over the expected wait for it — plus ``delay`` admissions the slot is held before
+        the entry can serve at all (a decoding request's output, tracked until it finishes)."""
+        c = self._index[label]
+        table = self._tables[c]
+        if table is None:
+            table = self._tables[c] = self._table(c)
+        still, wait = table[_bucket(age)]
+        return still / (wait + delay) if still else 0.0
+
+    def _table(self, c: int) -> list[tuple[float, float]]:
+        """Per age bucket ``a``: (P(hit still to come | none by a), E[x - a | x >= a] >= 1)
+        over the hit ages ``x`` seen."""
+        hits, never = self._counts(c)
+        self._windows[c] = 0  # recomputed from the same counts
+        out = [(0.0, 1.0)] * NUM_BUCKETS
+        s0 = s1 = 0.0  # suffix sums of hits and hits x age
+        for b in range(NUM_BUCKETS - 1, -1, -1):
+            s0 += hits[b]
+            s1 += hits[b] * _MIDDLE[b]
+            if s0 > 0:
+                a = _LOWER[b]
+                out[b] = (s0 / (s0 + never), max((s1 - a * s0) / s0, 1.0))
+        return out
+
+    def tracked(self, duration: int) -> None:
+        """A decoding request held a tracking slot ``duration`` admissions (moving average)."""
+        self.track_time += 0.1 * (duration - self.track_time)
+
+    def reuse_probability(self, label: str) -> float:
+        """Share of the class's entries credited with a hit (decayed counts; for reports)."""
+        hits, misses = self._counts(self._index[label])
+        return sum(hits) / (sum(hits) + misses)
+
+
+# ============================================================================ strategies
+class CheckpointEviction(ABC):
+    """Chooses which resident checkpoint a capture displaces, and which KV leaf goes."""
+
+    name = ""
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+
+    @abstractmethod
+    def on_attach(self, node: Node, kind: CaptureKind) -> None:
+        """``node`` just got a checkpoint captured as ``kind``."""
+
+    @abstractmethod
+    def on_hit(self, node: Node) -> None:
+        """A request will restore from ``node``'s checkpoint."""
+
+    @abstractmethod
+    def on_unpin(self, node: Node) -> None:
+        """A pending restore of ``node``'s checkpoint ran."""
+
+    def order(self, wants: list[tuple[Want, object]]) -> list[tuple[Want, object]]:
+        """Staging order of a step's captures (most valuable first)."""
+        return wants
+
+    @abstractmethod
+    def victim(
+        self, want: Want, residents: Iterable[Node], trackers: Iterable[SeqCache] = ()
+    ) -> tuple[Node | SeqCache | None, str]:
+        """The evictable resident (or, for the value model, tracking request) ``want`` may
+        displace, or ``(None, reason)``: ``"pool"`` (nothing evictable) or ``"value"``
+        (nothing worth less)."""
+
+    def kv_victim(self, residents: Iterable[Node]) -> Node | None:
+        """The unpinned KV leaf to drop next (its checkpoint goes with it), or None."""
+        return self.tree.peek_evictable_leaf()
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class V1Eviction(CheckpointEviction):
+    """Dominated < speculative < proven, LRU within a class (the policy before issue 11)."""
+
+    name = "v1"
+
+    def __init__(self, tree: RadixTree) -> None:
+        super().__init__(tree)
+        self._clock = itertools.count(1)
+        self._heap: list[tuple[tuple[int, int], int, Node]] = []
+        self._tie = itertools.count()
+
+    @staticmethod
+    def ckpt_key(node: Node) -> tuple[int, int]:
+        if node.ckpt_last_access < 0:
+            return (CheckpointClass.DOMINATED, node.ckpt_last_access)
+        cls = CheckpointClass.PROVEN if node.ckpt_protected else CheckpointClass.SPECULATIVE
+        return (cls, node.ckpt_last_access)
+
+    @staticmethod
+    def is_demoted(node: Node) -> bool:
+        return node.ckpt_last_access < 0
+
+    def _push(self, node: Node) -> None:
+        if node.checkpoint_slot is not None and node.ckpt_pins == 0:
+            heapq.heappush(self._heap, (self.ckpt_key(node), next(self._tie), node))
+
+    def on_attach(self, node: Node, kind: CaptureKind) -> None:
+        """Fresh in LRU order; a branch is proven. The checkpoints on the single-child chain
+        just above ``node`` are dominated: they serve only prompts diverging inside that chain,
+        the new one serves every prompt continuing it. They go to the front of the order
+        (still usable until memory is short). A branching node's checkpoint is kept."""
+        node.ckpt_last_access = next(self._clock)
+        node.ckpt_protected = kind is CaptureKind.BRANCH
+        self._push(node)
+        above = node.parent
+        while above is not None and above is not self.tree.root and len(above.children) == 1:
+            if above.checkpoint_slot is not None and above.ckpt_last_access > 0:
+                above.ckpt_last_access -= _DEMOTED
+                self._push(above)
+            above = above.parent
+
+    def on_hit(self, node: Node) -> None:
+        node.ckpt_last_access = next(self._clock)
+        node.ckpt_protected = True
+        self._push(node)
+
+    def on_unpin(self, node: Node) -> None:
+        if node.ckpt_pins == 0:
+            self._push(node)
+
+    def _peek(self) -> Node | None:
+        while self._heap:
+            key, _, node = self._heap[0]
+            valid = (
+                node.checkpoint_slot is not None
+                and node.ckpt_pins == 0
+                and key == self.ckpt_key(node)
+                and node.parent is not None
+            )
+            if valid:
+                return node
+            heapq.heappop(self._heap)
+        return None
+
+    def victim(
+        self, want: Want, residents: Iterable[Node], trackers: Iterable[SeqCache] = ()
+    ) -> tuple[Node | SeqCache | None, str]:
+        node = self._peek()
+        if node is None or self.ckpt_key(node)[0] > want.max_class:
+            return None, "pool"
+        return node, ""
+
+    def compact(self, num_nodes: int) -> None:
+        if len(self._heap) > 4 * (num_nodes + 64):
+            self._heap = [e for e in self._heap if e[2].checkpoint_slot is not None]
+            heapq.heapify(self._heap)
+
+
+class ValueEviction(CheckpointEviction):
+    """Hit density x compute saved / bytes (see the module docstring)."""
+
+    name = "value"
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        *,
+        block_size: int,
+        checkpoint_bytes: int,
+        cost: CostModel,
+        learner: ReuseLearner | None = None,
+    ) -> None:
+        super().__init__(tree)
+        self.block_size = block_size
+        self.bytes = max(checkpoint_bytes, 1)
+        self.cost = cost
+        self.learner = learner or ReuseLearner()
+
+    def _class(self, node: Node) -> str:
+        if node.ckpt_hits:
+            return HIT_CLASSES[min(node.ckpt_hits, 2) - 1]
+        return node.ckpt_kind.label if node.ckpt_kind is not None else CaptureKind.TAIL.label
+
+    def saved(self, depth: int, base: int) -> float:
+        """Compute a hit at ``depth`` saves over falling back to the checkpoint at ``base``."""
+        return self.cost.saved(depth) - self.cost.saved(base)
+
+    @staticmethod
+    def checkpoint_above(node: Node) -> Node | None:
+        above = node.parent
+        while above is not None and above.checkpoint_slot is None:
+            above = above.parent
+        return above if above is not None and above.parent is not None else None
+
+    def _base(self, node: Node) -> int:
+        """Depth (tokens) of the nearest checkpoint above ``node``: found at attach, found again
+        only when that one is gone (a checkpoint added in between since is not seen)."""
+        base = node.ckpt_base
+        if base is not None and (base.checkpoint_slot is None or base.parent is None):
+            base = node.ckpt_base = self.checkpoint_above(node)
+        return base.depth * self.block_size if base is not None else 0
+
+    def value(self, node: Node) -> float:
+        density = self.learner.density(self._class(node), self.learner.now - node.ckpt_since)
+        return density * self.saved(node.depth * self.block_size, self._base(node)) / self.bytes
+
+    def want_value(self, want: Want) -> float:
+        # an output is tracked until its request finishes: the slot is held that long first
+        delay = self.learner.track_time if want.kind is CaptureKind.OUTPUT else 0.0
+        density = self.learner.density(want.kind.label, 0, delay)
+        return density * self.saved(want.boundary, want.base) / self.bytes
+
+    def tracker_value(self, seq: SeqCache) -> float:
+        """A tracking slot's worth: its output at the tracked boundary, once the request ends."""
+        learner = self.learner
+        left = max(learner.track_time - (learner.now - seq.tracking_since), 0.0)
+        density = learner.density(CaptureKind.OUTPUT.label, 0, left)
+        return density * self.saved(seq.tracking_boundary, seq.tracking_base) / self.bytes
+
+    def on_attach(self, node: Node, kind: CaptureKind) -> None:
+        node.ckpt_kind = kind
+        node.ckpt_hits = 0
+        node.ckpt_since = self.learner.now
+        node.ckpt_base = self.checkpoint_above(node)
+        self.learner.kept_at(node.key, kind)
+
+    def on_hit(self, node: Node) -> None:
+        node.ckpt_hits += 1
+        node.ckpt_since = self.learner.now
+
+    def on_unpin(self, node: Node) -> None:
+        return None  # values are computed when needed: nothing is queued
+
+    def order(self, wants: list[tuple[Want, object]]) -> list[tuple[Want, object]]:
+        return sorted(wants, key=lambda w: -self.want_value(w[0]))
+
+    def victim(
+        self, want: Want, residents: Iterable[Node], trackers: Iterable[SeqCache] = ()
+    ) -> tuple[Node | SeqCache | None, str]:
+        """The least valuable evictable resident — or tracking slot: a decoding request's
+        output, valued as an output capture at its current boundary, not being written by
+        the step in flight — if ``want`` is worth more."""
+        best: Node | SeqCache | None = None
+        best_value = math.inf
+        for node in residents:
+            if node.ckpt_pins and not (node is want.own and node.ckpt_pins == 1):
+                continue
+            v = self.value(node)
+            if v < best_value:
+                best, best_value = node, v
+        for seq in trackers:
+            if seq.pending_tracking_boundary:
+                continue
+            v = self.tracker_value(seq)
+            if v < best_value:
+                best, best_value = seq, v
+        if best is None:
+            return None, "pool"
+        if self.want_value(want) <= best_value:
+            return None, "value"
+        return best, ""
+
+    def kv_victim(self, residents: Iterable[Node]) -> Node | None:
+        top = self.tree.peek_evictable_leaf()
+        if top is None or top.checkpoint_slot is None:
+            return top
+        is_leaf = self.tree.is_evictable_leaf
+        return min((n for n in residents if is_leaf(n)), key=self.value, default=top)
+
+    def stats(self) -> dict[str, float]:
+        learner = self.learner
+        return {
+            f"checkpoints.reuse.{label}": round(learner.reuse_probability(label), 4)
+            for label in ("branch", "tail", "output", "interval", *HIT_CLASSES)
+        }

@@ -1,0 +1,221 @@
+"""The value model: learned reuse per capture kind, admission by value, cycle resistance,
+marginal savings, tracking slots that give way, and the learner's bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deltaserve.cache import CacheManager, CacheManagerConfig, CaptureKind, PrefixMatch, StepItem
+from deltaserve.cache.value import CostModel, ReuseLearner, ValueEviction, _bounds, _bucket
+
+
+def make(**kw: object) -> CacheManager:
+    cfg = dict(
+        block_size=16,
+        num_kv_blocks=4096,
+        num_live_slots=8,
+        num_checkpoint_slots=4,
+        checkpoint_bytes=100,
+        checkpoint_interval=0,
+    )
+    cfg.update(kw)
+    return CacheManager(CacheManagerConfig(**cfg))  # type: ignore[arg-type]
+
+
+def serve(cm: CacheManager, rid: str, prompt: list[int], reply: list[int]) -> int:
+    """Admit, prefill, decode ``reply`` token by token, finish; returns the hit."""
+    toks = list(prompt)
+    seq = cm.admit(rid, toks, b"s")
+    assert seq is not None
+    cm.record_query(len(toks), seq.num_cached_tokens, seq)
+    start = seq.num_cached_tokens
+    assert cm.allocate(seq, len(toks))
+    cm.commit_step(cm.plan_step([StepItem(seq, toks, start, len(toks), False)]))
+    cm.check_integrity()
+    for tok in reply[:-1]:
+        toks.append(tok)
+        n = len(toks)
+        assert cm.allocate(seq, n)
+        cm.commit_step(cm.plan_step([StepItem(seq, toks, n - 1, n, True)]))
+    cm.free(seq)
+    cm.check_integrity()
+    return seq.num_cached_tokens
+
+
+def conversations(cm: CacheManager, n_conv: int, turns: int, *, model_replies: bool, seed: int = 0) -> float:
+    """``n_conv`` conversations served round-robin; hit rate over all prompt tokens."""
+    rng = random.Random(seed)
+    prompts = [[1000 * (c + 1) + i for i in range(200 + 40 * c)] for c in range(n_conv)]
+    hit = total = 0
+    for t in range(turns):
+        for c in range(n_conv):
+            reply = [rng.randrange(50_000, 60_000) for _ in range(80)]
+            h = serve(cm, f"c{c}t{t}", prompts[c], reply)
+            if t:
+                hit, total = hit + h, total + len(prompts[c])
+            resent = reply if model_replies else [rng.randrange(60_000, 70_000) for _ in range(80)]
+            prompts[c] = prompts[c] + resent + [rng.randrange(70_000, 80_000) for _ in range(60)]
+    return hit / total
+
+
+@pytest.mark.parametrize("model_replies", [False, True])
+def test_output_checkpoints_are_kept_only_where_replies_come_back(model_replies: bool) -> None:
+    """Clients that re-send a rewritten reply never reuse an output checkpoint: the output
+    kind learns it, its captures are skipped by value and tails stay resident; clients that
+    re-send the model's reply do reuse it, and the output kind learns that."""
+    cm = make(num_checkpoint_slots=3)
+    rate = conversations(cm, n_conv=3, turns=40, model_replies=model_replies)
+    s = cm.stats()
+    assert rate > 0.9
+    assert s["checkpoints.skipped_value"] > 0
+    kinds = [n.ckpt_kind for n in cm.ckpts.residents if not n.ckpt_hits]
+    if model_replies:
+        assert s["checkpoints.reuse.output"] > 0.9
+    else:
+        assert s["checkpoints.reuse.output"] < 0.1 < 0.9 < s["checkpoints.reuse.tail"]
+        assert CaptureKind.OUTPUT not in kinds
+
+
+@pytest.mark.parametrize("model_replies", [False, True])
+def test_cyclic_reuse_larger_than_the_pool_does_not_collapse(model_replies: bool) -> None:
+    """5 conversations round-robin over 3 checkpoint slots: LRU-like rules thrash (every
+    conversation's checkpoint is evicted just before it comes back); the value model keeps
+    a stable subset and hits on it."""
+    rates = {
+        policy: conversations(
+            make(num_checkpoint_slots=3, checkpoint_policy=policy), 5, 10, model_replies=model_replies
+        )
+        for policy in ("v1", "default")
+    }
+    assert rates["default"] >= 0.4
+    assert rates["default"] >= 2 * rates["v1"]
+
+
+def test_a_continuing_conversation_reuses_its_restore_source_slot() -> None:
+    cm = make(num_checkpoint_slots=1)
+    prompt = list(range(300))
+    serve(cm, "t0", prompt, [7] * 3)
+    (node,) = cm.ckpts.residents
+    assert node.depth * 16 == 256
+    evicted = cm.stats()["checkpoints.evicted"]
+    nxt = prompt + list(range(5000, 5100))
+    assert serve(cm, "t1", nxt, [7] * 3) == 256
+    (node,) = cm.ckpts.residents
+    assert node.depth * 16 == 384  # the new tail took the slot the restore was copied out of
+    assert cm.stats()["checkpoints.evicted"] == evicted + 1
+    assert cm.stats()["checkpoints.skipped_pool"] == 0
+
+
+def test_kv_eviction_drops_dead_kv_first_then_the_least_valuable_checkpoint() -> None:
+    cm = make(num_kv_blocks=64, num_checkpoint_slots=4)
+    a, b = list(range(200)), list(range(1000, 1300))
+    serve(cm, "a", a, [1])  # tail at 192
+    serve(cm, "b", b, [2])  # tail at 256
+    assert serve(cm, "a2", a + [5] * 40, [3]) == 192  # a's tail has served its turn (hit1)
+    assert serve(cm, "b2", b + [6] * 40, [3]) == 256  # b's new tail at 320 is fresh
+    depths = sorted(n.depth * 16 for n in cm.ckpts.residents)
+    assert depths == [192, 256, 320]
+    seq = cm.admit("big", list(range(9000, 9000 + 16 * 40)), b"x")
+    assert seq is not None and cm.allocate(seq, 16 * 40)  # 12 blocks must go
+    # first the dead KV past b2's tail and a2's prompt, then a's served checkpoint with
+    # the chain it ended; b's checkpoints (on a live, shared path) stay
+    assert cm.stats()["kv.evicted_blocks"] == 12
+    assert sorted(n.depth * 16 for n in cm.ckpts.residents) == [256, 320]
+    cm.free(seq, publish_output=False)
+    cm.check_integrity()
+
+
+def test_a_tracking_slot_gives_way_to_a_more_valuable_capture() -> None:
+    cm = make(num_checkpoint_slots=1, num_live_slots=4)
+    assert cm.value is not None
+    cm.value.learner.track_time = 50.0  # outputs take long to be published here
+    toks = list(range(60))  # no tail: the one slot goes to a's output
+    a = cm.admit("a", toks, b"s")
+    assert a is not None and cm.allocate(a, 60)
+    cm.commit_step(cm.plan_step([StepItem(a, toks, 0, 60, False)]))
+    for n in range(60, 130):  # crosses 64 and 128: the slot tracks a's output
+        toks.append(n)
+        assert cm.allocate(a, n + 1)
+        cm.commit_step(cm.plan_step([StepItem(a, toks, n, n + 1, True)]))
+    assert a.tracking_slot >= 0 and cm.ckpts.trackers == {a.tracking_slot: a}
+    long = list(range(20_000, 24_000))  # a deep tail is worth more than a far-off short output
+    b = cm.admit("b", long, b"s")
+    assert b is not None and cm.allocate(b, len(long))
+    plan = cm.plan_step([StepItem(b, long, 0, len(long), False)])
+    assert [c.boundary for c in plan.captures] == [3968] and a.tracking_slot == -1
+    cm.check_integrity()
+    cm.commit_step(plan)
+    cm.free(b)
+    cm.free(a)
+    cm.check_integrity()
+
+
+def test_marginal_saving_counts_from_the_checkpoint_above() -> None:
+    cm = make(num_checkpoint_slots=4)
+    shared = list(range(1000))
+    serve(cm, "a", shared + [1] * 30, [0])
+    serve(cm, "b", shared + [2] * 30, [0])  # branch at 960 (shared), tail at 1024
+    value = cm.value
+    assert isinstance(value, ValueEviction)
+    nodes = {n.depth * 16: n for n in cm.ckpts.residents}
+    assert 960 in nodes and 1024 in nodes
+    assert value._base(nodes[1024]) == 960
+    assert value.saved(1024, 960) == pytest.approx(CostModel().saved(1024) - CostModel().saved(960))
+
+
+def test_learner_credits_the_deepest_proposal_and_resolves_misses() -> None:
+    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
+    learner.register(11, CaptureKind.TAIL)
+    learner.register(22, CaptureKind.OUTPUT)
+    learner.register(33, CaptureKind.INTERVAL)
+    # a path through 11 (boundary 1) and 33 (boundary 2): 33 is the deepest -> interval hit
+    learner.observe([5, 11, 6, 33], limit_blocks=4, stride=2)
+    assert learner.reuse_probability("interval") == 1.0
+    assert sum(learner.proposed.hits[learner._index["tail"]]) == 0
+    for _ in range(200):  # nobody comes back to 11 or 22: misses once their window passes
+        learner.tick()
+    assert learner.reuse_probability("tail") == 0.0 and learner.reuse_probability("output") == 0.0
+    assert learner.proposed.misses[learner._index["tail"]] == 1
+
+
+def test_learner_kept_shadow_teaches_hit_classes() -> None:
+    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
+    learner.kept_at(11, CaptureKind.BRANCH)
+    for _ in range(3):
+        learner.tick()
+        learner.observe([11, 99], limit_blocks=2, stride=1)
+    assert learner.reuse_probability("branch") == 1.0
+    assert learner.reuse_probability("hit1") == 1.0 and sum(learner.kept.hits[learner._index["hit2"]]) == 1
+    assert learner.density("hit2", 0) > learner.density("hit2", 1000) == 0.0
+
+
+def test_buckets_partition_ages() -> None:
+    for age in range(0, 5000):
+        lo, hi = _bounds(_bucket(age))
+        assert lo <= age < hi
+
+
+def test_match_is_computed_once_per_index_version() -> None:
+    cm = make()
+    serve(cm, "a", list(range(300)), [1])
+    calls = 0
+    real = cm.kv.match
+
+    def counting(*args: object, **kw: object) -> PrefixMatch:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    cm.kv.match = counting  # type: ignore[method-assign]
+    prompt, hashes = list(range(300)) + [9] * 10, []
+    first = cm.match(prompt, b"s", hashes, key="r")
+    assert cm.lookup(prompt, b"s", hashes, key="r") == first.hit_tokens == 256
+    seq = cm.admit("r", prompt, b"s", hashes=hashes, match=first)
+    assert calls == 1 and seq is not None and seq.num_cached_tokens == 256
+    cm.free(seq)
+    cm.match(prompt, b"s", hashes, key="r2")
+    cm.kv.tree.version += 1  # the index moved on: matched again
+    cm.match(prompt, b"s", hashes, key="r2")
+    assert calls == 3
