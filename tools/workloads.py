@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -356,6 +357,13 @@ class WorkloadParams:
     chat_tokenize: str = "incremental"  # incremental: prompt_k + reply ids + new turn; full: re-tokenize
     trace: str | None = None
     time_scale: float = 1.0  # trace: arrival_s multiplier
+    min_turns: int | None = None  # multi-turn / swe-agent: fewest turns (uniform in [min_turns, turns])
+    session_prefix_len: int | None = None  # multi-turn: per-conversation prefix, mean tokens (lognormal)
+    replies: str | None = None  # what the next turn re-sends: model | recorded | stripped
+    depth: int | None = None  # tree: levels below the root
+    beam: int | None = None  # tree: children of an expanded node that are expanded in turn
+    tenants: int | None = None  # tenants: distinct system prompts
+    volatile_every: int | None = None  # tenants: sessions of a tenant per change of the first line
 
 
 @dataclass
@@ -371,6 +379,8 @@ class Workload:
     name = ""
     multi_turn = False
     defaults: dict[str, Any] = {}
+    #: sessions in flight when neither ``--rate`` nor ``--concurrency`` is given (None: the default)
+    default_concurrency: int | None = None
 
     def __init__(self, params: WorkloadParams, codec: Codec) -> None:
         self.params = params
@@ -454,6 +464,36 @@ class _ChatLike(Workload):
         else:
             ids = self.codec.encode(rendered)
         return ids, _History(messages, rendered)
+
+    def _resent(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[int]:
+        """The reply as the client puts it back into the history (``replies``).
+
+        ``model``: the tokens the model generated, verbatim (agent loops, token-in/out
+        clients). ``recorded``: the dataset's recorded answer, whatever the model said (vLLM's
+        multi-turn benchmark replays a conversation file). ``stripped``: the model's reply
+        with its leading reasoning (the first 70 %) stripped, as reasoning-model clients do.
+        Only ``model`` lets an output checkpoint serve the next turn."""
+        mode = self.p.get("replies") or "model"
+        if mode == "model":
+            return list(reply_ids)
+        if mode == "stripped":
+            return list(reply_ids[len(reply_ids) * 7 // 10 :]) or list(reply_ids[-1:])
+        if mode == "recorded":
+            rng = self.rng("recorded", spec.rid)
+            return self.codec.encode(self.text.text(rng, max(len(reply_ids), 1)))
+        raise ValueError(f"replies = {mode!r}: expected model, recorded or stripped")
+
+    def _turns(self, *key: object) -> int:
+        """Turns of one session: uniform in [min_turns, turns]."""
+        hi = int(self.p["turns"])
+        lo = min(int(self.p.get("min_turns") or hi), hi)
+        return self.rng("turns", *key).randint(max(lo, 1), max(hi, 1))
+
+
+def lognormal_tokens(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
+    """A heavy-tailed length with the given mean (before the cap)."""
+    mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
+    return max(1, min(cap, round(rng.lognormvariate(mu, sigma))))
 
 
 class ChatWorkload(_ChatLike):
@@ -558,6 +598,232 @@ class AgentWorkload(_ChatLike):
         return int(self.p["sessions"]) * per
 
 
+# ---------------------------------------------------------------------------- pressure shapes
+class MultiTurnWorkload(_ChatLike):
+    """The shape of vLLM's ``benchmarks/multi_turn`` synthetic conversations.
+
+    Every conversation's first user message starts with a prefix common to all
+    conversations (``prefix_len``) and a per-conversation prefix (``session_prefix_len``,
+    lognormal, at most 5000 tokens); user turns of ``prompt_len`` (±``len_jitter``),
+    answers of ``output_len``; ``min_turns``..``turns`` requests per conversation (vLLM's
+    12-18 messages). The client replays a recorded conversation: the next turn re-sends
+    the *recorded* answer (``replies = recorded``), not what the model said, so the model's
+    output never comes back."""
+
+    name = "multi-turn"
+    default_concurrency = 12
+    defaults = {
+        "sessions": 48, "turns": 9, "min_turns": 6, "prefix_len": 500, "session_prefix_len": 1000,
+        "prompt_len": 140, "output_len": 100, "think_time": 5.0, "replies": "recorded",
+    }  # fmt: skip
+
+    def roots(self) -> list[RequestSpec]:
+        common = self.text.text(self.rng("common"), int(self.p["prefix_len"]), lead_space=False)
+        out = []
+        for s in range(int(self.p["sessions"])):
+            rng = self.rng("user", s, 0)
+            own = self.text.text(rng, lognormal_tokens(rng, float(self.p["session_prefix_len"]), 0.8, 5000))
+            question = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), end="?")
+            ids, hist = self._first([{"role": "user", "content": common + own + question}])
+            out.append(
+                RequestSpec(
+                    rid=f"mt-s{s}-t0", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                    session=f"mt-s{s}", turn=0, meta={"session_index": s, "turns": self._turns(s)}, state=hist,
+                )
+            )  # fmt: skip
+        return out
+
+    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
+        s, t = spec.meta["session_index"], spec.turn + 1
+        if t >= spec.meta["turns"]:
+            return []
+        rng = self.rng("user", s, t)
+        user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
+        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [{"role": "user", "content": user}])
+        return [
+            RequestSpec(
+                rid=f"mt-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                session=spec.session, turn=t, parent=spec.rid, delay_s=self.think(s, t),
+                meta=spec.meta, state=hist,
+            )
+        ]  # fmt: skip
+
+    def expected_requests(self) -> int:
+        return sum(self._turns(s) for s in range(int(self.p["sessions"])))
+
+
+class SWEAgentWorkload(_ChatLike):
+    """SWE-agent-like trajectories: a long system prompt with the tool documentation
+    (shared by every trajectory), an issue to solve, then ``min_turns``..``turns`` steps of
+    action (the model's output, re-sent as generated) and observation (a tool result of
+    heavy-tailed length: lognormal with mean ``tool_len``, up to 8000 tokens), each after a
+    tool latency (``think_time``)."""
+
+    name = "swe-agent"
+    default_concurrency = 10
+    defaults = {
+        "sessions": 20, "turns": 16, "min_turns": 8, "prefix_len": 2000, "prompt_len": 600,
+        "output_len": 200, "tool_len": 300, "think_time": 1.0, "len_jitter": 0.5, "replies": "model",
+    }  # fmt: skip
+
+    def roots(self) -> list[RequestSpec]:
+        docs = self.text.text(self.rng("system"), int(self.p["prefix_len"]), lead_space=False)
+        system = {"role": "system", "content": "You are an autonomous programmer. Tools: " + docs}
+        out = []
+        for s in range(int(self.p["sessions"])):
+            rng = self.rng("issue", s)
+            issue = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False)
+            ids, hist = self._first([system, {"role": "user", "content": "<issue>\n" + issue + "\n</issue>"}])
+            out.append(
+                RequestSpec(
+                    rid=f"swe-s{s}-t0", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                    session=f"swe-s{s}", turn=0, meta={"session_index": s, "turns": self._turns(s)}, state=hist,
+                )
+            )  # fmt: skip
+        return out
+
+    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
+        s, t = spec.meta["session_index"], spec.turn + 1
+        if t >= spec.meta["turns"]:
+            return []
+        rng = self.rng("observation", s, t)
+        n = lognormal_tokens(rng, float(self.p["tool_len"]), 1.0, 8000)
+        obs = {"role": "user", "content": "OBSERVATION:\n" + self.text.text(rng, n, lead_space=False)}
+        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [obs])
+        return [
+            RequestSpec(
+                rid=f"swe-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                session=spec.session, turn=t, parent=spec.rid, delay_s=self.think(s, t),
+                meta=spec.meta, state=hist,
+            )
+        ]  # fmt: skip
+
+    def expected_requests(self) -> int:
+        return sum(self._turns(s) for s in range(int(self.p["sessions"])))
+
+
+class TreeWorkload(_ChatLike):
+    """Tree search (tree-of-thought / MCTS-style expansion): a problem, then every expanded
+    node's reply (one reasoning step, re-sent verbatim) is continued by ``branches`` child
+    requests that differ only in a short proposal hint; ``beam`` of each node's children are
+    expanded in turn, down to ``depth`` levels. Siblings arrive together."""
+
+    name = "tree"
+    default_concurrency = 8
+    defaults = {
+        "sessions": 16, "prefix_len": 400, "prompt_len": 1500, "output_len": 300,
+        "branches": 4, "beam": 1, "depth": 6, "think_time": 0.0,
+    }  # fmt: skip
+
+    def roots(self) -> list[RequestSpec]:
+        system = {"role": "system", "content": self.text.text(self.rng("system"), int(self.p["prefix_len"]))}
+        out = []
+        for s in range(int(self.p["sessions"])):
+            rng = self.rng("problem", s)
+            problem = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False)
+            ids, hist = self._first([system, {"role": "user", "content": problem}])
+            out.append(
+                RequestSpec(
+                    rid=f"tree-s{s}-n", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                    session=f"tree-s{s}", turn=0, branch="", meta={"session_index": s}, state=hist,
+                )
+            )  # fmt: skip
+        return out
+
+    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
+        s, t = spec.meta["session_index"], spec.turn + 1
+        if t > int(self.p["depth"]) or not spec.meta.get("expand", True):
+            return []
+        b, beam = int(self.p["branches"]), int(self.p["beam"])
+        expanded = set(self.rng("beam", s, spec.branch).sample(range(b), min(beam, b)))
+        out = []
+        for k in range(b):
+            rng = self.rng("step", s, spec.branch, k)
+            hint = {
+                "role": "user",
+                "content": f"Proposal {k + 1}: " + self.text.text(rng, 8, lead_space=False),
+            }
+            ids, hist = self._extend(spec, self._resent(spec, reply_ids), [hint])
+            branch = f"{spec.branch}.{k}"
+            out.append(
+                RequestSpec(
+                    rid=f"tree-s{s}-n{branch}", prompt_ids=ids,
+                    max_tokens=self.jitter(rng, int(self.p["output_len"])), session=spec.session, turn=t,
+                    branch=branch, parent=spec.rid, delay_s=self.think(s, branch),
+                    meta={"session_index": s, "expand": k in expanded}, state=hist,
+                )
+            )  # fmt: skip
+        return out
+
+    def expected_requests(self) -> int:
+        b, beam, depth = (
+            int(self.p["branches"]),
+            min(int(self.p["beam"]), int(self.p["branches"])),
+            int(self.p["depth"]),
+        )
+        per = 1 + sum(b * beam ** (level - 1) for level in range(1, depth + 1))
+        return int(self.p["sessions"]) * per
+
+
+class TenantsWorkload(_ChatLike):
+    """Multi-tenant chat: ``tenants`` long system prompts (Zipf popularity) whose first line
+    is volatile — a timestamp that changes every ``volatile_every`` sessions of a tenant, so
+    nothing is shared across that line's versions — then short conversations of
+    ``min_turns``..``turns`` turns."""
+
+    name = "tenants"
+    default_concurrency = 24
+    defaults = {
+        "sessions": 128, "tenants": 16, "volatile_every": 4, "prefix_len": 3000, "prompt_len": 200,
+        "output_len": 150, "turns": 3, "min_turns": 1, "think_time": 2.0, "len_jitter": 0.3,
+    }  # fmt: skip
+
+    def roots(self) -> list[RequestSpec]:
+        n_tenants = max(int(self.p["tenants"]), 1)
+        weights = [1.0 / (k + 1) ** 1.1 for k in range(n_tenants)]
+        bodies = []
+        for k in range(n_tenants):
+            rng = self.rng("system", k)
+            bodies.append(self.text.text(rng, self.jitter(rng, int(self.p["prefix_len"]))))
+        seen = [0] * n_tenants
+        out = []
+        for s in range(int(self.p["sessions"])):
+            rng = self.rng("user", s, 0)
+            k = rng.choices(range(n_tenants), weights)[0]
+            epoch = seen[k] // max(int(self.p["volatile_every"]), 1)
+            seen[k] += 1
+            first = f"Tenant {k}. Current time: day {epoch // 24} {epoch % 24:02d}:00 UTC."
+            user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
+            ids, hist = self._first([{"role": "system", "content": first + "\n" + bodies[k]},
+                                     {"role": "user", "content": user}])  # fmt: skip
+            out.append(
+                RequestSpec(
+                    rid=f"tenant-s{s}-t0", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                    session=f"tenant-s{s}", turn=0,
+                    meta={"session_index": s, "tenant": k, "epoch": epoch, "turns": self._turns(s)}, state=hist,
+                )
+            )  # fmt: skip
+        return out
+
+    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
+        s, t = spec.meta["session_index"], spec.turn + 1
+        if t >= spec.meta["turns"]:
+            return []
+        rng = self.rng("user", s, t)
+        user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
+        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [{"role": "user", "content": user}])
+        return [
+            RequestSpec(
+                rid=f"tenant-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                session=spec.session, turn=t, parent=spec.rid, delay_s=self.think(s, t),
+                meta=spec.meta, state=hist,
+            )
+        ]  # fmt: skip
+
+    def expected_requests(self) -> int:
+        return sum(self._turns(s) for s in range(int(self.p["sessions"])))
+
+
 # ---------------------------------------------------------------------------- independent
 class SharedPrefixWorkload(Workload):
     name = "shared-prefix"
@@ -660,15 +926,54 @@ class RandomWorkload(Workload):
         return out
 
 
+#: tokens per ``hash_ids`` entry of a Mooncake trace
+MOONCAKE_BLOCK_TOKENS = 512
+
+
 class TraceWorkload(Workload):
+    """Replay a JSONL trace. Two row formats:
+
+    * ours: ``{arrival_s, prompt | prompt_token_ids | messages, max_tokens}`` (optional
+      ``request_id``, ``session``, ``turn``);
+    * Mooncake's (FAST'25 traces): ``{timestamp (ms), input_length, output_length,
+      hash_ids}``, where each hash id names one 512-token block and equal ids mean equal
+      prefixes. The tokens of a hash id are synthesized deterministically (a generator
+      seeded by the id), so requests sharing leading hash ids share exactly that prefix;
+      the prompt is the blocks' tokens cut to ``input_length``.
+    """
+
     name = "trace"
     defaults: dict[str, Any] = {}
+
+    def __init__(self, params: WorkloadParams, codec: Codec) -> None:
+        super().__init__(params, codec)
+        self._blocks: dict[int, list[int]] = {}
+
+    def block_tokens(self, hash_id: int) -> list[int]:
+        """The 512 synthesized tokens of one Mooncake hash id (deterministic, not under ``seed``)."""
+        ids = self._blocks.get(hash_id)
+        if ids is None:
+            rng = random.Random(f"mooncake:{hash_id}")
+            hi = max(self.codec.vocab_size, 1024)
+            ids = self._blocks[hash_id] = [rng.randrange(3, hi) for _ in range(MOONCAKE_BLOCK_TOKENS)]
+        return ids
+
+    def _mooncake_prompt(self, row: dict[str, Any]) -> list[int]:
+        n = int(row["input_length"])
+        ids: list[int] = []
+        for h in row["hash_ids"]:
+            ids += self.block_tokens(int(h))
+        if len(ids) < n:  # a trace whose input outgrows its hash ids: fill from the request's own stream
+            rng = random.Random(f"mooncake:tail:{row.get('timestamp')}:{n}")
+            ids += [rng.randrange(3, max(self.codec.vocab_size, 1024)) for _ in range(n - len(ids))]
+        return ids[:n]
 
     def roots(self) -> list[RequestSpec]:
         path = self.p.get("trace")
         if not path:
             raise ValueError("the trace workload needs --trace FILE (JSONL of {arrival_s, prompt | "
-                             "prompt_token_ids | messages, max_tokens})")  # fmt: skip
+                             "prompt_token_ids | messages, max_tokens} or Mooncake's {timestamp, "
+                             "input_length, output_length, hash_ids})")  # fmt: skip
         scale = float(self.p["time_scale"])
         out = []
         for i, line in enumerate(Path(path).read_text().splitlines()):
@@ -678,20 +983,28 @@ class TraceWorkload(Workload):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i + 1}: {e}") from None
-            if "prompt_token_ids" in row:
+            arrival = float(row.get("arrival_s", 0.0))
+            max_tokens = int(row.get("max_tokens", self.p["output_len"]))
+            if "hash_ids" in row:
+                try:
+                    ids = self._mooncake_prompt(row)
+                    arrival = float(row.get("timestamp", 0.0)) / 1000.0
+                    max_tokens = max(int(row.get("output_length", max_tokens)), 1)
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ValueError(f"{path}:{i + 1}: bad Mooncake row ({e})") from None
+            elif "prompt_token_ids" in row:
                 ids = [int(t) for t in row["prompt_token_ids"]]
             elif "messages" in row:
                 ids = self.codec.encode(self.render(row["messages"]))
             elif "prompt" in row:
                 ids = self.codec.encode(str(row["prompt"]))
             else:
-                raise ValueError(f"{path}:{i + 1}: needs prompt, prompt_token_ids or messages")
+                raise ValueError(f"{path}:{i + 1}: needs prompt, prompt_token_ids, messages or hash_ids")
             out.append(
                 RequestSpec(
-                    rid=str(row.get("request_id", f"trace-{i}")), prompt_ids=ids,
-                    max_tokens=int(row.get("max_tokens", self.p["output_len"])),
+                    rid=str(row.get("request_id", f"trace-{i}")), prompt_ids=ids, max_tokens=max_tokens,
                     session=str(row.get("session", f"trace-{i}")), turn=int(row.get("turn", 0)),
-                    arrival_s=float(row.get("arrival_s", 0.0)) * scale, meta={"line": i + 1},
+                    arrival_s=arrival * scale, meta={"line": i + 1},
                 )
             )  # fmt: skip
         out.sort(key=lambda r: r.arrival_s or 0.0)
@@ -708,8 +1021,14 @@ WORKLOADS: dict[str, type[Workload]] = {
         AgentWorkload,
         RandomWorkload,
         TraceWorkload,
+        MultiTurnWorkload,
+        SWEAgentWorkload,
+        TreeWorkload,
+        TenantsWorkload,
     )
 }
+#: the shapes of issue 11: more conversations than the pools hold (``--workload pressure``)
+PRESSURE_WORKLOADS = ("multi-turn", "swe-agent", "tree", "tenants")
 
 
 def make_workload(params: WorkloadParams, codec: Codec) -> Workload:
@@ -744,12 +1063,15 @@ def expand(
     return out
 
 
-def plan_arrivals(roots: Sequence[RequestSpec], arrival: ArrivalParams, seed: int) -> dict[str, Any]:
+def plan_arrivals(
+    roots: Sequence[RequestSpec], arrival: ArrivalParams, seed: int, *, default_concurrency: int | None = None
+) -> dict[str, Any]:
     """How roots arrive: ``{"mode": "poisson"|"trace"|"closed", "times": [...]|None, "concurrency"}``.
 
     ``--rate`` gives Poisson arrivals of sessions (times drawn from ``seed``); otherwise
     ``--concurrency`` a closed loop; otherwise a trace's own ``arrival_s``; otherwise a
-    closed loop of ``DEFAULT_CONCURRENCY`` sessions."""
+    closed loop of ``default_concurrency`` (the workload's, else ``DEFAULT_CONCURRENCY``)
+    sessions."""
     if arrival.rate is not None:
         if arrival.rate <= 0:
             raise ValueError("--rate must be > 0")
@@ -765,7 +1087,8 @@ def plan_arrivals(roots: Sequence[RequestSpec], arrival: ArrivalParams, seed: in
         return {"mode": "closed", "rate": None, "times": None, "concurrency": arrival.concurrency}
     if roots and all(r.arrival_s is not None for r in roots):
         return {"mode": "trace", "rate": None, "times": [r.arrival_s for r in roots], "concurrency": None}
-    return {"mode": "closed", "rate": None, "times": None, "concurrency": DEFAULT_CONCURRENCY}
+    n = default_concurrency or DEFAULT_CONCURRENCY
+    return {"mode": "closed", "rate": None, "times": None, "concurrency": n}
 
 
 # ============================================================================ CLI
@@ -773,7 +1096,10 @@ def add_workload_args(parser: argparse.ArgumentParser, *, default: str = "chat",
     g = parser.add_argument_group("workload")
     names = ", ".join(WORKLOADS)
     if multi:
-        g.add_argument("--workload", default=default, help=f"comma list or 'all' (all but trace) of: {names}")
+        g.add_argument(
+            "--workload", default=default,
+            help=f"comma list, 'all' (the small shapes) or 'pressure' ({', '.join(PRESSURE_WORKLOADS)}) of: {names}",
+        )  # fmt: skip
     else:
         g.add_argument(
             "--workload", default=default, choices=list(WORKLOADS), help="workload (default %(default)s)"
@@ -798,7 +1124,23 @@ def add_workload_args(parser: argparse.ArgumentParser, *, default: str = "chat",
         "--chat-tokenize", choices=["incremental", "full"], default="incremental",
         help="next turn = previous prompt ids + reply ids + new turn (incremental) or a re-tokenized rendering",
     )  # fmt: skip
-    g.add_argument("--trace", metavar="FILE", help="trace workload: JSONL to replay")
+    g.add_argument("--min-turns", type=int, help="multi-turn, swe-agent, tenants: fewest turns of a session")
+    g.add_argument("--session-prefix-len", type=int, help="multi-turn: per-conversation prefix (mean tokens)")
+    g.add_argument(
+        "--replies", choices=["model", "recorded", "stripped"],
+        help="what the next turn re-sends: the model's reply, a recorded one, or the reply with reasoning stripped",
+    )  # fmt: skip
+    g.add_argument("--depth", type=int, help="tree: levels below the root")
+    g.add_argument("--beam", type=int, help="tree: children of an expanded node that are expanded")
+    g.add_argument("--tenants", type=int, help="tenants: distinct system prompts")
+    g.add_argument(
+        "--volatile-every", type=int, help="tenants: sessions per change of the volatile first line"
+    )
+    g.add_argument(
+        "--trace", metavar="FILE",
+        help="trace workload: JSONL to replay ({arrival_s, prompt|prompt_token_ids|messages, max_tokens} "
+        "or Mooncake's {timestamp, input_length, output_length, hash_ids})",
+    )  # fmt: skip
     g.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival_s by this")
     a = parser.add_argument_group("arrivals")
     a.add_argument("--rate", type=float, help="open loop: Poisson arrivals of sessions/requests per second")
@@ -808,9 +1150,14 @@ def add_workload_args(parser: argparse.ArgumentParser, *, default: str = "chat",
 
 
 def workload_names(spec: str) -> list[str]:
-    names = (
-        [n for n in WORKLOADS if n != "trace"] if spec == "all" else [n.strip() for n in spec.split(",") if n]
-    )
+    """``all``: the small shapes (every workload but trace and the pressure shapes);
+    ``pressure``: ``PRESSURE_WORKLOADS``; else a comma list."""
+    if spec == "all":
+        names = [n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS]
+    elif spec == "pressure":
+        names = list(PRESSURE_WORKLOADS)
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
     for n in names:
         if n not in WORKLOADS:
             raise ValueError(f"unknown workload {n!r}; known: {', '.join(WORKLOADS)}")
@@ -840,6 +1187,13 @@ def params_from_args(
         chat_tokenize=args.chat_tokenize,
         trace=args.trace,
         time_scale=args.time_scale,
+        min_turns=args.min_turns,
+        session_prefix_len=args.session_prefix_len,
+        replies=args.replies,
+        depth=args.depth,
+        beam=args.beam,
+        tenants=args.tenants,
+        volatile_every=args.volatile_every,
     )
 
 
@@ -857,6 +1211,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
+    "PRESSURE_WORKLOADS",
     "WORDS",
     "WORKLOADS",
     "ArrivalParams",

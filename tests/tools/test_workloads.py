@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.tools.workloads import (
+    PRESSURE_WORKLOADS,
     WORKLOADS,
     ArrivalParams,
     Codec,
@@ -30,6 +31,10 @@ SMALL = {
     "shifted-prefix": {"num_requests": 5, "prefix_len": 90, "prompt_len": 60, "output_len": 4},
     "agent": {"sessions": 2, "turns": 4, "prefix_len": 50, "prompt_len": 20, "output_len": 8, "tool_len": 16},
     "random": {"num_requests": 8, "prompt_len": 40, "output_len": 4},
+    "multi-turn": {"sessions": 3, "turns": 4, "min_turns": 2, "prefix_len": 40, "session_prefix_len": 60, "prompt_len": 20, "output_len": 8},
+    "swe-agent": {"sessions": 2, "turns": 4, "min_turns": 3, "prefix_len": 60, "prompt_len": 20, "output_len": 8, "tool_len": 30},
+    "tree": {"sessions": 2, "prefix_len": 30, "prompt_len": 40, "output_len": 8, "branches": 3, "beam": 1, "depth": 2},
+    "tenants": {"sessions": 12, "tenants": 3, "volatile_every": 2, "prefix_len": 60, "prompt_len": 20, "output_len": 8},
 }  # fmt: skip
 
 
@@ -245,5 +250,113 @@ def test_synthetic_reply_and_codec() -> None:
         "agent",
         "random",
         "trace",
+        *PRESSURE_WORKLOADS,
     }
-    assert Counter(workload_names("all")) == Counter(n for n in WORKLOADS if n != "trace")
+    assert Counter(workload_names("all")) == Counter(
+        n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS
+    )
+    assert workload_names("pressure") == ["multi-turn", "swe-agent", "tree", "tenants"]
+
+
+def test_multi_turn_resends_the_recorded_reply_not_the_models(codec: Codec) -> None:
+    reqs = build("multi-turn", codec)
+    by_rid = {s.rid: (s, r) for s, r in reqs}
+    firsts = [s.prompt_ids for s, _ in reqs if s.turn == 0]
+    assert len(firsts) == 3
+    shared = min(common_prefix_len(a, b) for a in firsts for b in firsts if a is not b)
+    assert shared >= 35  # the common prefix, then per-conversation prefixes
+    assert all(2 <= sum(1 for s, _ in reqs if s.session == f"mt-s{i}") <= 4 for i in range(3))
+    for s, _ in reqs:
+        if s.parent is None:
+            continue
+        parent, reply = by_rid[s.parent]
+        assert s.prompt_ids[: len(parent.prompt_ids)] == parent.prompt_ids
+        # the next turn diverges right after the previous prompt: the model's reply is not in it
+        assert s.prompt_ids[len(parent.prompt_ids) : len(parent.prompt_ids) + len(reply)] != reply
+    model = build("multi-turn", codec, replies="model")
+    by_rid = {s.rid: (s, r) for s, r in model}
+    for s, _ in model:
+        if s.parent is not None:
+            parent, reply = by_rid[s.parent]
+            assert s.prompt_ids[: len(parent.prompt_ids) + len(reply)] == parent.prompt_ids + reply
+
+
+def test_swe_agent_re_sends_actions_and_has_heavy_tailed_observations(codec: Codec) -> None:
+    reqs = build("swe-agent", codec, tool_len=200, turns=12, min_turns=12)
+    by_rid = {s.rid: (s, r) for s, r in reqs}
+    growth = []
+    for s, _ in reqs:
+        if s.parent is None:
+            continue
+        parent, reply = by_rid[s.parent]
+        head = parent.prompt_ids + reply
+        assert s.prompt_ids[: len(head)] == head  # the action comes back verbatim
+        growth.append(len(s.prompt_ids) - len(head))
+    assert max(growth) > 3 * sorted(growth)[len(growth) // 2]  # a heavy tail of observations
+    stripped = build("swe-agent", codec, replies="stripped")
+    by_rid = {s.rid: (s, r) for s, r in stripped}
+    child = next(s for s, _ in stripped if s.parent is not None)
+    parent, reply = by_rid[child.parent]  # type: ignore[index]
+    tail = reply[len(reply) * 7 // 10 :]
+    assert child.prompt_ids[len(parent.prompt_ids) : len(parent.prompt_ids) + len(tail)] == tail
+
+
+def test_tree_siblings_share_the_parent_and_one_branch_goes_on(codec: Codec) -> None:
+    w = make_workload(WorkloadParams(name="tree", **SMALL["tree"]), codec)  # type: ignore[arg-type]
+    reqs = expand(w)
+    assert len(reqs) == w.expected_requests() == 2 * (1 + 3 + 3)
+    by_rid = {s.rid: (s, r) for s, r in reqs}
+    kids: dict[str, list[RequestSpec]] = {}
+    for s, _ in reqs:
+        if s.parent:
+            kids.setdefault(s.parent, []).append(s)
+    assert all(len(k) == 3 for k in kids.values())
+    for parent_rid, siblings in kids.items():
+        parent, reply = by_rid[parent_rid]
+        head = parent.prompt_ids + reply
+        assert all(k.prompt_ids[: len(head)] == head for k in siblings)
+        assert len({tuple(k.prompt_ids) for k in siblings}) == 3  # distinct proposals
+        assert sum(1 for k in siblings if k.meta["expand"]) == 1
+
+
+def test_tenants_volatile_first_line_splits_a_tenants_prefix(codec: Codec) -> None:
+    reqs = [s for s, _ in build("tenants", codec) if s.turn == 0]
+    by_tenant: dict[int, list[RequestSpec]] = {}
+    for s in reqs:
+        by_tenant.setdefault(s.meta["tenant"], []).append(s)
+    assert len(by_tenant) >= 2
+    for specs in by_tenant.values():
+        for a in specs:
+            for b in specs:
+                if a is b:
+                    continue
+                n = common_prefix_len(a.prompt_ids, b.prompt_ids)
+                if a.meta["epoch"] == b.meta["epoch"]:
+                    assert n >= 50  # the same version of the system prompt
+                else:
+                    assert n < 40  # the timestamp differs: nothing past the first line is shared
+
+
+def test_mooncake_trace(tmp_path: Path, tiny_codec: Codec) -> None:
+    path = tmp_path / "mooncake.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1500, "input_length": 700, "output_length": 3, "hash_ids": [0, 5]},
+        {"timestamp": 700, "input_length": 1600, "output_length": 2, "hash_ids": [0, 1, 2, 9]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    w = make_workload(WorkloadParams(name="trace", trace=str(path)), tiny_codec)
+    roots = w.roots()
+    assert [r.arrival_s for r in roots] == [0.0, 0.7, 1.5]
+    assert [len(r.prompt_ids) for r in roots] == [1100, 1600, 700]
+    assert [r.max_tokens for r in roots] == [7, 2, 3]
+    a, c, b = roots
+    assert common_prefix_len(a.prompt_ids, c.prompt_ids) == 1100  # hash ids 0, 1, 2 shared
+    assert common_prefix_len(a.prompt_ids, b.prompt_ids) == 512  # only hash id 0
+    assert (
+        a.prompt_ids
+        == make_workload(WorkloadParams(name="trace", trace=str(path)), tiny_codec).roots()[0].prompt_ids
+    )
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 10}))
+    with pytest.raises(ValueError, match="needs prompt"):
+        w.roots()
