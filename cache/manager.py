@@ -110,6 +110,14 @@ class CacheManager:
         self._inflight: StepPlan | None = None
         self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
 
+    def set_prefill_cost(self, per_token: float, per_token_pair: float) -> None:
+        """The value model's prefill cost parameters (``CacheManagerConfig``), e.g. from the
+        model's shape."""
+        self.config.prefill_cost_per_token = per_token
+        self.config.prefill_cost_per_token_pair = per_token_pair
+        if self.value is not None:
+            self.value.cost = CostModel(per_token, per_token_pair)
+
     # ------------------------------------------------------------------ matching
     def extend_hashes(self, token_ids: Sequence[int], salt: bytes, hashes: list[int]) -> list[int]:
         return self.kv.extend_hashes(token_ids, salt, hashes)

@@ -51,7 +51,9 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.sizing import Capacity, build_scheduler
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.scheduler import Request
+from deltaserve.tools.cache_bounds import checkpoint_belady, kv_only_belady, kv_only_lru
 from deltaserve.tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn
+from deltaserve.tools.model_sizes import model_sizes
 from deltaserve.tools.workloads import (
     ArrivalParams,
     RequestSpec,
@@ -70,7 +72,9 @@ from deltaserve.tools.workloads import (
 log = get_logger("deltaserve.simulate")
 
 MiB = 1024**2
-DEFAULT_POLICIES = ("interval", "step-end", "sequence-end", "default", "oracle")
+DEFAULT_POLICIES = ("interval", "step-end", "sequence-end", "v1", "default", "oracle")
+DEFAULT_CHECKPOINT_BYTES = 50 * MiB  # Qwen3.5-4B-like
+DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024
 DEFAULT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CHECKPOINT_SLOTS = 16
 DEFAULT_KV_MB = 2048
@@ -91,6 +95,9 @@ class SimConfig:
     step_s: float = 0.015  # virtual seconds per step ...
     token_s: float = 0.0002  # ... plus per computed token
     check_integrity: bool = False
+    #: value model's prefill cost (per token, per token pair); None: CacheManagerConfig's defaults
+    prefill_cost: tuple[float, float] | None = None
+    model: str = "Qwen3.5-4B-like (default sizes)"
 
     @property
     def block_size(self) -> int:
@@ -152,6 +159,7 @@ class SimResult:
     checkpoints_stored: int
     checkpoints_skipped_budget: int
     checkpoints_skipped_pool: int
+    checkpoints_skipped_value: int
     checkpoints_evicted: int
     kv_evicted_blocks: int
     preemptions: int
@@ -160,9 +168,13 @@ class SimResult:
     sim_time_s: float
     wall_s: float
     oracle_ratio: float | None = None
+    #: (prompt ids, reply ids) in submission order (for the offline bounds; not serialized)
+    served: list[tuple[list[int], list[int]]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["served"]
+        return out
 
 
 # ============================================================================ simulation
@@ -193,8 +205,10 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
     engine = engine.replace(**{"cache.enable_prefix_caching": True})
     sched = build_scheduler(engine, cfg.capacity(kv_blocks, slots), checkpoint_policy=admission)
     cache = sched.cache
+    if cfg.prefill_cost is not None:
+        cache.set_prefill_cost(*cfg.prefill_cost)
     roots = workload.roots()
-    plan = plan_arrivals(roots, arrival, workload.seed)
+    plan = plan_arrivals(roots, arrival, workload.seed, default_concurrency=workload.default_concurrency)
     clock = 0.0
     order = itertools.count()
     events: list[tuple[float, int, RequestSpec, str]] = []  # (due, tie, spec, tree)
@@ -204,6 +218,7 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
     active_trees = 0
     concurrency = plan["concurrency"] if plan["mode"] == "closed" else None
     finished: list[tuple[RequestSpec, int]] = []  # (spec, cached tokens)
+    served: list[tuple[list[int], list[int]]] = []  # (prompt, reply) in submission order
     rejected = 0
     steps = 0
     tokens = 0
@@ -235,7 +250,9 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
             return
         req = Request(request_id=spec.rid, prompt_token_ids=list(spec.prompt_ids), sampling_params=None)
         req.arrival_time = due
-        live[spec.rid] = (req, spec, synthetic_reply(workload, spec), tree)
+        reply = synthetic_reply(workload, spec)
+        live[spec.rid] = (req, spec, reply, tree)
+        served.append((spec.prompt_ids, reply))
         sched.add(req)
 
     def complete(req: Request) -> None:
@@ -316,6 +333,7 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
         checkpoints_stored=c["checkpoints.stored"],
         checkpoints_skipped_budget=c["checkpoints.skipped_budget"],
         checkpoints_skipped_pool=c["checkpoints.skipped_pool"],
+        checkpoints_skipped_value=c["checkpoints.skipped_value"],
         checkpoints_evicted=c["checkpoints.evicted"],
         kv_evicted_blocks=c["kv.evicted_blocks"],
         preemptions=sched.num_preemptions,
@@ -323,6 +341,7 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
         tokens_computed=tokens,
         sim_time_s=clock,
         wall_s=time.perf_counter() - t_wall,
+        served=served,
     )
 
 
@@ -336,6 +355,86 @@ def compare_policies(
         if oracle is not None:
             r.oracle_ratio = r.hit_rate / oracle.hit_rate if oracle.hit_rate > 0 else None
     return results
+
+
+@dataclass
+class Bounds:
+    """Offline ceilings at the run's memory (``tools/cache_bounds.py``), requests one by one
+    in the oracle run's submission order."""
+
+    kv_lru: float  # KV alone, LRU: what plain prefix caching of that KV memory hits
+    kv_belady: float  # KV alone, clairvoyant
+    checkpoint_belady: float  # checkpoints alone (KV unlimited), clairvoyant
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
+    bs = cfg.block_size
+    unit = math.lcm(bs, GDN_CHUNK_SIZE)
+    return Bounds(
+        kv_lru=kv_only_lru(oracle.served, cfg.kv_blocks, bs),
+        kv_belady=kv_only_belady(oracle.served, cfg.kv_blocks, bs),
+        checkpoint_belady=checkpoint_belady(oracle.served, cfg.checkpoint_slots, bs, unit),
+    )
+
+
+def summary_row(name: str, seed: int, results: Sequence[SimResult], bounds: Bounds | None) -> dict[str, Any]:
+    """v1 vs default vs the ceilings, measured in the same run."""
+    by = {r.policy: r.hit_rate for r in results}
+    row: dict[str, Any] = {
+        "workload": name,
+        "seed": seed,
+        **{p: by.get(p) for p in ("v1", "default", "oracle")},
+    }
+    row.update(bounds.to_dict() if bounds else {"kv_lru": None, "kv_belady": None, "checkpoint_belady": None})
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    d = row["default"]
+    row["default/kv_lru"] = ratio(d, row["kv_lru"])
+    row["default/checkpoint_belady"] = ratio(d, row["checkpoint_belady"])
+    row["default/v1"] = ratio(d, row["v1"])
+    row["default-v1"] = d - row["v1"] if d is not None and row["v1"] is not None else None
+    row["default/oracle"] = ratio(d, row["oracle"])
+    return row
+
+
+def format_summary(rows: Sequence[dict[str, Any]]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    def rat(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    out = [["workload", "seed", "v1", "default", "KV LRU", "KV Belady", "ckpt Belady", "oracle",
+            "def/KV-LRU", "def/ckpt", "def/v1", "def-v1", "def/oracle"]]  # fmt: skip
+    for r in rows:
+        out.append([
+            r["workload"], str(r["seed"]), pct(r["v1"]), pct(r["default"]), pct(r["kv_lru"]),
+            pct(r["kv_belady"]), pct(r["checkpoint_belady"]), pct(r["oracle"]), rat(r["default/kv_lru"]),
+            rat(r["default/checkpoint_belady"]), rat(r["default/v1"]),
+            "-" if r["default-v1"] is None else f"{100 * r['default-v1']:+.1f}", rat(r["default/oracle"]),
+        ])  # fmt: skip
+    return _grid(out)
+
+
+def recommend_pool(
+    sweep: dict[int, list[SimResult]], cfg: SimConfig, target: float = 0.9
+) -> dict[str, int | None]:
+    """Per policy: the smallest swept checkpoint pool (slots) reaching ``target`` x the oracle."""
+    oracle = next((r.hit_rate for rs in sweep.values() for r in rs if r.policy == "oracle"), None)
+    out: dict[str, int | None] = {}
+    for slots in sorted(sweep):
+        for r in sweep[slots]:
+            if r.policy == "oracle":
+                continue
+            out.setdefault(r.policy, None)
+            if out[r.policy] is None and oracle and r.hit_rate >= target * oracle:
+                out[r.policy] = slots
+    return out
 
 
 # ============================================================================ budgets
@@ -362,7 +461,7 @@ def format_results(results: Sequence[SimResult]) -> str:
             f"{100 * r.hit_rate:.1f}%",
             "-" if r.oracle_ratio is None else f"{r.oracle_ratio:.2f}",
             str(r.checkpoints_stored),
-            str(r.checkpoints_skipped_budget + r.checkpoints_skipped_pool),
+            str(r.checkpoints_skipped_budget + r.checkpoints_skipped_pool + r.checkpoints_skipped_value),
             str(r.checkpoints_evicted),
             str(r.kv_evicted_blocks),
             str(r.preemptions),
@@ -459,7 +558,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument(
         "--kv-mb", type=float, help=f"KV budget in MiB (default {DEFAULT_KV_MB}, or cache.num_kv_blocks)"
     )
-    g.add_argument("--kv-bytes-per-token", type=int, default=32 * 1024, help="default %(default)s (32 KiB)")
+    g.add_argument(
+        "--kv-bytes-per-token", type=int,
+        help="default: model.path's config.json when --config/--set names one, else 32768 (32 KiB, 4B-like)",
+    )  # fmt: skip
     ck = g.add_mutually_exclusive_group()
     ck.add_argument(
         "--checkpoint-slots",
@@ -467,7 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"checkpoint budget in slots (default {DEFAULT_CHECKPOINT_SLOTS})",
     )
     ck.add_argument("--checkpoint-mb", type=float, help="checkpoint budget in MiB")
-    g.add_argument("--checkpoint-bytes", type=int, default=50 * MiB, help="one checkpoint (default 50 MiB)")
+    g.add_argument(
+        "--checkpoint-bytes", type=int,
+        help="one checkpoint (default: model.path's config.json when --config/--set names one, else 50 MiB)",
+    )  # fmt: skip
     g.add_argument("--checkpoint-interval", type=int, help="tokens (default: cache.checkpoint_interval)")
     g.add_argument(
         "--staging-mb", type=float, help="per-step capture budget (default: cache.checkpoint_staging_bytes)"
@@ -483,6 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--tokenizer", help="folder with tokenizer.json, builtin:NAME or synthetic (default: built-in)"
     )
+    o.add_argument("--seeds", help="comma list of workload seeds, each run in turn (default: --seed)")
     o.add_argument("--check", action="store_true", help="check_integrity() after every step")
     o.add_argument("--json", metavar="FILE")
     o.add_argument("--plot", metavar="FILE.png", help="hit rate vs checkpoint memory (with --sweep)")
@@ -490,7 +596,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_path_given(args: argparse.Namespace, ecfg: EngineConfig) -> bool:
+    """``model.path`` set by ``--set`` or by the ``--config`` file (not the built-in default)."""
+    if any(item.split("=", 1)[0].strip() == "model.path" for item in args.set):
+        return True
+    return bool(args.config) and ecfg.model.path != EngineConfig().model.path
+
+
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Budgets from the flags; block size, interval, staging and scheduler from the engine
+    config; checkpoint and KV sizes (and the value model's prefill cost) from the flags, else
+    from ``model.path``'s config.json when ``--config``/``--set`` names one, else 4B-like."""
     base: dict[str, object] = {}
     if args.checkpoint_interval is not None:
         base["cache.checkpoint_interval"] = args.checkpoint_interval
@@ -498,31 +614,108 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         base["cache.checkpoint_staging_bytes"] = int(args.staging_mb * MiB)
     ecfg = engine_cli.config_from_args(args, base)
     cc = ecfg.cache
-    ckpt_bytes = args.checkpoint_bytes
+    ckpt_bytes, kv_per_token, cost, model = DEFAULT_CHECKPOINT_BYTES, DEFAULT_KV_BYTES_PER_TOKEN, None, None
+    if _model_path_given(args, ecfg):
+        sizes = model_sizes(ecfg.model.path)
+        ckpt_bytes, kv_per_token = sizes.checkpoint_bytes, sizes.kv_bytes_per_token
+        cost = (sizes.prefill_flops_per_token, sizes.prefill_flops_per_token_pair)
+        model = (
+            f"{ecfg.model.path}: {sizes.attention_layers} attention + {sizes.gdn_layers} GDN layers, "
+            f"{kv_per_token} B KV/token, {ckpt_bytes / MiB:.2f} MiB/checkpoint"
+        )
+    ckpt_bytes = args.checkpoint_bytes if args.checkpoint_bytes is not None else ckpt_bytes
+    kv_per_token = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else kv_per_token
+    ckpt_bytes, kv_per_token = max(ckpt_bytes, 1), max(kv_per_token, 1)
     if args.kv_blocks is not None:
         kv_blocks = args.kv_blocks
     elif args.kv_mb is not None:
-        kv_blocks = int(args.kv_mb * MiB // (args.kv_bytes_per_token * cc.block_size))
+        kv_blocks = int(args.kv_mb * MiB // (kv_per_token * cc.block_size))
     elif cc.num_kv_blocks is not None:
         kv_blocks = cc.num_kv_blocks
     else:
-        kv_blocks = int(DEFAULT_KV_MB * MiB // (args.kv_bytes_per_token * cc.block_size))
+        kv_blocks = int(DEFAULT_KV_MB * MiB // (kv_per_token * cc.block_size))
     if args.checkpoint_slots is not None:
         slots = args.checkpoint_slots
     elif args.checkpoint_mb is not None:
         slots = int(args.checkpoint_mb * MiB // ckpt_bytes)
     else:
         slots = DEFAULT_CHECKPOINT_SLOTS
-    return SimConfig(
+    out = SimConfig(
         kv_blocks=max(kv_blocks, 1),
         checkpoint_slots=max(slots, 0),
         checkpoint_bytes=ckpt_bytes,
-        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_bytes_per_token=kv_per_token,
         engine=ecfg,
         step_s=args.step_ms / 1000,
         token_s=args.ms_per_token / 1000,
         check_integrity=args.check,
+        prefill_cost=cost,
     )
+    if model:
+        out.model = model
+    return out
+
+
+def run_workload(
+    args: argparse.Namespace,
+    name: str,
+    cfg: SimConfig,
+    codec: Any,
+    policies: list[str],
+    arrival: ArrivalParams,
+    budgets: list[int],
+    sweeps: dict[str, dict[int, list[SimResult]]],
+    summary: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """One workload (at ``args.seed``): every policy, the bounds, the sweep; printed."""
+    workload = make_workload(params_from_args(args, name=name, block_size=cfg.block_size), codec)
+    plan = plan_arrivals(
+        workload.roots(), arrival, args.seed, default_concurrency=workload.default_concurrency
+    )
+    mode = plan["mode"] + (
+        f" {plan['rate']}/s" if plan["rate"] else f" x{plan['concurrency']}" if plan["concurrency"] else ""
+    )
+    print(header_line(workload, cfg, mode) + f"; seed {args.seed}")
+    results = compare_policies(workload, policies, cfg, arrival)
+    print(format_results(results))
+    entry: dict[str, Any] = {
+        "params": workload.describe(),
+        "arrivals": {k: v for k, v in plan.items() if k != "times"},
+        "results": [r.to_dict() for r in results],
+    }
+    oracle = next((r for r in results if r.policy == "oracle"), None)
+    bounds = offline_bounds(oracle, cfg) if oracle is not None else None
+    if bounds is not None:
+        entry["bounds"] = bounds.to_dict()
+        print(
+            f"bounds: KV alone LRU {100 * bounds.kv_lru:.1f}%, Belady {100 * bounds.kv_belady:.1f}%; "
+            f"checkpoints alone Belady {100 * bounds.checkpoint_belady:.1f}%"
+        )
+    summary.append(summary_row(name, args.seed, results, bounds))
+    if budgets:
+        sweep: dict[int, list[SimResult]] = {}
+        for b in budgets:
+            rs = [
+                simulate(workload, p, replace(cfg, checkpoint_slots=b), arrival)
+                for p in policies
+                if p != "oracle"
+            ]
+            for r in rs:
+                r.oracle_ratio = r.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate > 0 else None
+            sweep[b] = rs + ([oracle] if oracle else [])
+        print(f"\nsweep over checkpoint budgets ({name}, hit rate):")
+        print(format_sweep(sweep, cfg))
+        entry["sweep"] = {str(b): [r.to_dict() for r in rs] for b, rs in sweep.items()}
+        if oracle is not None:
+            rec = recommend_pool(sweep, cfg)
+            entry["recommended_slots"] = rec
+            print("smallest checkpoint pool reaching 90% of the oracle: " + "; ".join(
+                f"{p} {n} slots ({n * cfg.checkpoint_bytes / MiB:.0f} MiB)" if n is not None
+                else f"{p} none of the swept budgets" for p, n in rec.items()
+            ))  # fmt: skip
+        sweeps[name] = sweep
+    print()
+    return entry
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -551,42 +744,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "workloads": {},
     }
     sweeps: dict[str, dict[int, list[SimResult]]] = {}
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    summary: list[dict[str, Any]] = []
     for name in names:
-        workload = make_workload(params_from_args(args, name=name, block_size=cfg.block_size), codec)
-        plan = plan_arrivals(workload.roots(), arrival, args.seed)
-        mode = plan["mode"] + (
-            f" {plan['rate']}/s"
-            if plan["rate"]
-            else f" x{plan['concurrency']}"
-            if plan["concurrency"]
-            else ""
+        for seed in seeds:
+            args.seed = seed
+            key = name if len(seeds) == 1 else f"{name}:{seed}"
+            doc["workloads"][key] = run_workload(
+                args, name, cfg, codec, policies, arrival, budgets, sweeps, summary
+            )
+    if len(summary) and any(r["default"] is not None for r in summary):
+        print(
+            f"summary ({cfg.model}; KV {cfg.kv_bytes / MiB:.0f} MiB, checkpoints {cfg.checkpoint_pool_bytes / MiB:.0f} MiB):"
         )
-        print(header_line(workload, cfg, mode))
-        results = compare_policies(workload, policies, cfg, arrival)
-        print(format_results(results))
-        entry: dict[str, Any] = {
-            "params": workload.describe(),
-            "arrivals": {k: v for k, v in plan.items() if k != "times"},
-            "results": [r.to_dict() for r in results],
-        }
-        if budgets:
-            oracle = next((r for r in results if r.policy == "oracle"), None)
-            sweep: dict[int, list[SimResult]] = {}
-            for b in budgets:
-                rs = [
-                    simulate(workload, p, replace(cfg, checkpoint_slots=b), arrival)
-                    for p in policies
-                    if p != "oracle"
-                ]
-                for r in rs:
-                    r.oracle_ratio = r.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate > 0 else None
-                sweep[b] = rs + ([oracle] if oracle else [])
-            print(f"\nsweep over checkpoint budgets ({name}, hit rate):")
-            print(format_sweep(sweep, cfg))
-            entry["sweep"] = {str(b): [r.to_dict() for r in rs] for b, rs in sweep.items()}
-            sweeps[name] = sweep
-        print()
-        doc["workloads"][name] = entry
+        print(format_summary(summary))
+        print(
+            "KV LRU / KV Belady: KV alone, requests one by one; ckpt Belady: checkpoints alone (KV unlimited),"
+        )
+        print("clairvoyant; oracle: every unit boundary, unlimited memory, the same concurrency.\n")
+        doc["summary"] = summary
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.json}")

@@ -20,7 +20,7 @@ from deltaserve.tools.simulate_cache import (
 from deltaserve.tools.workloads import ArrivalParams, Codec, WorkloadParams, make_workload, workload_names
 
 ROOT = Path(__file__).resolve().parents[2]
-POLICIES = ["interval", "step-end", "sequence-end", "default", "every-unit", "none", "oracle"]
+POLICIES = ["interval", "step-end", "sequence-end", "v1", "default", "every-unit", "none", "oracle"]
 TINY = {
     "chat": {"sessions": 3, "turns": 3, "prefix_len": 70, "prompt_len": 30, "output_len": 24},
     "shared-prefix": {"num_requests": 8, "prefix_len": 200, "prompt_len": 30, "output_len": 8},
@@ -28,6 +28,10 @@ TINY = {
     "shifted-prefix": {"num_requests": 6, "prefix_len": 150, "prompt_len": 80, "output_len": 8},
     "agent": {"sessions": 2, "turns": 4, "prefix_len": 80, "prompt_len": 30, "output_len": 24, "tool_len": 40},
     "random": {"num_requests": 6, "prompt_len": 100, "output_len": 8},
+    "multi-turn": {"sessions": 4, "turns": 3, "prefix_len": 70, "session_prefix_len": 60, "prompt_len": 30, "output_len": 16},
+    "swe-agent": {"sessions": 2, "turns": 4, "min_turns": 3, "prefix_len": 90, "prompt_len": 30, "output_len": 24, "tool_len": 40},
+    "tree": {"sessions": 2, "prefix_len": 40, "prompt_len": 60, "output_len": 24, "branches": 3, "depth": 2},
+    "tenants": {"sessions": 8, "tenants": 2, "volatile_every": 2, "prefix_len": 100, "prompt_len": 20, "output_len": 8},
 }  # fmt: skip
 
 
@@ -132,8 +136,13 @@ def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert saved["sim_config"]["checkpoint_slots"] == 2
     assert saved["sim_config"]["kv_blocks"] == 64 * 1024**2 // (32 * 1024 * 32)
     res = saved["workloads"]["shared-prefix"]["results"]
-    assert [r["policy"] for r in res] == ["interval", "step-end", "sequence-end", "default", "oracle"]
+    assert [r["policy"] for r in res] == ["interval", "step-end", "sequence-end", "v1", "default", "oracle"]
     assert res[-1]["oracle_ratio"] == 1.0
+    assert "summary (" in out and "def/KV-LRU" in out and "smallest checkpoint pool reaching 90%" in out
+    assert [r["workload"] for r in saved["summary"]] == ["shared-prefix", "trace"]
+    assert set(saved["workloads"]["shared-prefix"]["recommended_slots"]) == {
+        "interval", "step-end", "sequence-end", "v1", "default",
+    }  # fmt: skip
     assert saved["workloads"]["trace"]["results"][-1]["hit_rate"] > 0.5  # repeated text
     assert png.stat().st_size > 10_000
     assert workload_names("all") == [
@@ -144,3 +153,94 @@ def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         "agent",
         "random",
     ]
+
+
+def test_bounds_bracket_the_policies(tiny_codec: Codec) -> None:
+    """KV-only LRU <= KV-only Belady; the oracle bounds the simulated policies; more KV never
+    lowers the KV bounds."""
+    from deltaserve.tools.simulate_cache import offline_bounds
+
+    w = make_workload(WorkloadParams(name="chat", **TINY["chat"]), tiny_codec)  # type: ignore[arg-type]
+    engine = EngineConfig.load(None, {"scheduler.max_num_batched_tokens": 256})
+    prev = None
+    for kv_blocks in (40, 80, 4096):
+        cfg = SimConfig(checkpoint_slots=2, kv_blocks=kv_blocks, engine=engine)
+        results = compare_policies(w, ["v1", "default", "oracle"], cfg, ArrivalParams())
+        b = offline_bounds(results[-1], cfg)
+        assert 0 <= b.kv_lru <= b.kv_belady + 1e-12 <= 1
+        assert 0 <= b.checkpoint_belady <= results[-1].hit_rate + 1e-12
+        assert all(r.hit_rate <= results[-1].hit_rate + 1e-12 for r in results)
+        if prev is not None:
+            assert b.kv_lru >= prev.kv_lru - 1e-12 and b.kv_belady >= prev.kv_belady - 1e-12
+        prev = b
+    assert prev is not None and prev.kv_belady == pytest.approx(prev.kv_lru)  # ample: both are exact
+
+
+def test_model_path_supplies_sizes_and_seeds_repeat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deltaserve.tools.model_sizes import model_sizes, sizes_from_config
+
+    tiny = model_sizes("builtin:tiny-qwen3.5")
+    # 2 attention layers x K,V x 2 KV heads x 64 x bf16; 6 GDN layers x (conv 512 x 3 bf16 + 4x64x64 fp32)
+    assert tiny.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2
+    assert tiny.checkpoint_bytes == 6 * (512 * 3 * 2 + 4 * 64 * 64 * 4)
+    qwen35_4b = {
+        "text_config": {
+            "num_hidden_layers": 32, "full_attention_interval": 4, "hidden_size": 2560, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "intermediate_size": 9216, "vocab_size": 248320,
+        }
+    }  # fmt: skip
+    big = sizes_from_config(qwen35_4b)
+    assert big.kv_bytes_per_token == 32 * 1024  # the simulator's default sizes are this model's
+    assert 48 * 2**20 < big.checkpoint_bytes < 52 * 2**20
+    js = tmp_path / "s.json"
+    main([
+        "--workload", "chat", "--sessions", "2", "--turns", "2", "--seeds", "3,4", "--policies", "v1,default,oracle",
+        "--set", "model.path=builtin:tiny-qwen3.5", "--kv-mb", "1", "--checkpoint-mb", "2", "--json", str(js),
+    ])  # fmt: skip
+    saved = json.loads(js.read_text())
+    sim = saved["sim_config"]
+    assert (
+        sim["kv_bytes_per_token"] == tiny.kv_bytes_per_token
+        and sim["checkpoint_bytes"] == tiny.checkpoint_bytes
+    )
+    assert sim["checkpoint_slots"] == 2 * 2**20 // tiny.checkpoint_bytes
+    assert sim["kv_blocks"] == 2**20 // (tiny.kv_bytes_per_token * 16)
+    assert sim["prefill_cost"] == [tiny.prefill_flops_per_token, tiny.prefill_flops_per_token_pair]
+    assert set(saved["workloads"]) == {"chat:3", "chat:4"}
+    assert [(r["workload"], r["seed"]) for r in saved["summary"]] == [("chat", 3), ("chat", 4)]
+    assert "builtin:tiny-qwen3.5: 2 attention + 6 GDN layers" in capsys.readouterr().out
+
+
+def test_mooncake_trace_through_the_simulator(tmp_path: Path) -> None:
+    trace = tmp_path / "mooncake.jsonl"
+    rows = [{"timestamp": 100 * i, "input_length": 1200 + 40 * i, "output_length": 4, "hash_ids": [0, 1, 2 + i % 2]}
+            for i in range(6)]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    doc = main(["--workload", "trace", "--trace", str(trace), "--policies", "v1,default,oracle", "--check"])
+    res = {r["policy"]: r for r in doc["workloads"]["trace"]["results"]}
+    assert res["oracle"]["requests"] == 6 and res["oracle"]["hit_rate"] > 0.5
+    assert doc["workloads"]["trace"]["bounds"]["kv_lru"] > 0.5
+
+
+@pytest.mark.slow
+def test_pressure_targets(tmp_path: Path) -> None:
+    """Issue 11's table at KV 2 GiB / checkpoints 512 MiB (4B sizes), three seeds: the value
+    model never loses more than 2 points to v1, beats it on every pressure shape, reaches 0.9 x
+    the KV-only LRU bound where checkpoints are not the binding limit (swe-agent), and 0.9 x the
+    oracle when memory is ample. (What is reached elsewhere: docs/cache.md.)"""
+    doc = main(["--workload", "pressure", "--policies", "v1,default,oracle", "--kv-mb", "2048",
+                "--checkpoint-mb", "512", "--seeds", "0,1,2", "--json", str(tmp_path / "p.json")])  # fmt: skip
+    for row in doc["summary"]:
+        assert row["default-v1"] > -0.02, row
+        assert row["default"] > row["v1"], row
+        if row["workload"] == "swe-agent":
+            assert row["default/kv_lru"] >= 0.9, row
+    doc = main(["--workload", "pressure", "--policies", "v1,default,oracle", "--kv-mb", "8192",
+                "--checkpoint-mb", "2048", "--seeds", "0"])  # fmt: skip
+    for row in doc["summary"]:
+        if row["workload"] != "tenants":
+            assert row["default/oracle"] >= 0.9, row

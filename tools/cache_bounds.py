@@ -1,0 +1,188 @@
+"""Offline ceilings for the cache-policy simulator: KV alone, requests served one by one.
+
+A hybrid model hits only where KV *and* a checkpoint exist, and the real run overlaps
+requests (running ones pin memory). Dropping both gives a ceiling every checkpoint policy is
+measured against at the same KV memory:
+
+* ``kv_only_lru`` — the engine's own ``CacheManager`` with no GDN layers (plain KV prefix
+  caching, LRU leaves), each request admitted, computed whole (prompt + output) and freed
+  before the next one arrives;
+* ``kv_only_belady`` — the same sequence with Belady's eviction (the cached block whose next
+  use is farthest goes first; deeper first on ties, so a prefix never loses its parent
+  before its child): what a clairvoyant KV cache of that size could hit.
+
+Both count hits as the simulator does: the longest cached prefix of full blocks, at most
+``len(prompt) - 1`` tokens, summed over requests and divided by the prompt tokens. Requests
+come in the order the oracle run submitted them. Torch-free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+
+from deltaserve.cache.hashing import block_hashes
+from deltaserve.cache.manager import CacheManager, CacheManagerConfig
+
+#: (prompt token ids, output token ids) of one request, in service order
+Served = tuple[Sequence[int], Sequence[int]]
+
+
+def kv_only_lru(requests: Sequence[Served], kv_blocks: int, block_size: int) -> float:
+    """Token hit rate of plain LRU KV prefix caching, one request at a time."""
+    cm = CacheManager(
+        CacheManagerConfig(block_size=block_size, num_kv_blocks=kv_blocks, has_gdn=False, num_live_slots=0)
+    )
+    hit = total = 0
+    for i, (prompt, output) in enumerate(requests):
+        tokens = list(prompt) + list(output)
+        computed = len(tokens) - 1 if output else len(tokens)  # the last sampled token is never computed
+        total += len(prompt)
+        if not cm.can_ever_fit(computed):
+            continue
+        seq = cm.admit(f"r{i}", tokens[: len(prompt)], b"", prompt_len=len(prompt))
+        assert seq is not None
+        hit += seq.num_cached_tokens
+        assert cm.allocate(seq, computed)
+        cm.publish(seq, tokens, computed)
+        cm.free(seq, publish_output=False)
+    return hit / total if total else 0.0
+
+
+def kv_only_belady(requests: Sequence[Served], kv_blocks: int, block_size: int) -> float:
+    """Token hit rate of a clairvoyant (Belady) KV block cache, one request at a time."""
+    usable: list[list[int]] = []  # hashes a request can hit on (at most len(prompt) - 1 tokens)
+    written: list[list[int]] = []  # hashes a request's computed tokens fill
+    occurrences: dict[int, list[int]] = {}
+    for i, (prompt, output) in enumerate(requests):
+        tokens = list(prompt) + list(output)
+        computed = len(tokens) - 1 if output else len(tokens)
+        hashes = block_hashes(tokens[:computed], block_size, b"")
+        n_usable = min((len(prompt) - 1) // block_size, len(hashes)) if prompt else 0
+        usable.append(hashes[:n_usable])
+        written.append(hashes)
+        for h in hashes[:n_usable]:
+            occurrences.setdefault(h, []).append(i)
+    never = len(requests) + 1
+
+    def next_use(h: int, after: int) -> int:
+        occ = occurrences.get(h)
+        if not occ:
+            return never
+        k = bisect.bisect_right(occ, after)
+        return occ[k] if k < len(occ) else never
+
+    cached: dict[int, tuple[int, int]] = {}  # hash -> (next use, depth)
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, hash), lazily invalidated
+    hit = total = 0
+    for i, (prompt, _) in enumerate(requests):
+        total += len(prompt)
+        hashes = written[i]
+        if len(hashes) > kv_blocks:
+            continue
+        n = 0
+        for h in usable[i]:
+            if h not in cached:
+                break
+            n += 1
+        hit += n * block_size
+        mine = set(hashes)
+        new = [h for h in hashes if h not in cached]
+        evict_over = len(cached) + len(new) - kv_blocks
+        kept: list[tuple[int, int, int]] = []
+        while evict_over > 0:
+            neg_use, neg_depth, h = heapq.heappop(heap)
+            entry = cached.get(h)
+            if entry is None or entry != (-neg_use, -neg_depth):
+                continue  # stale
+            if h in mine:
+                kept.append((neg_use, neg_depth, h))  # in use by this request: not now
+                continue
+            del cached[h]
+            evict_over -= 1
+        for e in kept:
+            heapq.heappush(heap, e)
+        for depth, h in enumerate(hashes):
+            entry = (next_use(h, i), depth)
+            if cached.get(h) != entry:
+                cached[h] = entry
+                heapq.heappush(heap, (-entry[0], -depth, h))
+        if len(heap) > 4 * (len(cached) + 64):
+            heap = [(-u, -d, h) for h, (u, d) in cached.items()]
+            heapq.heapify(heap)
+    return hit / total if total else 0.0
+
+
+def checkpoint_belady(requests: Sequence[Served], slots: int, block_size: int, unit: int) -> float:
+    """Token hit rate with unlimited KV and ``slots`` checkpoints kept by Belady's rule.
+
+    Each request captures its tail (deepest unit boundary <= len(prompt) - 1), its output
+    (deepest unit boundary of prompt + output) and its branch (the deepest unit boundary it
+    shares with an earlier request); a request hits the deepest resident
+    checkpoint on its path. A capture is kept when its next use comes sooner than the
+    farthest next use among residents (which it then replaces). The hybrid ceiling at this
+    checkpoint memory, KV aside (clairvoyant, so not reachable online)."""
+    stride = unit // block_size
+    paths: list[list[int]] = []  # hashes at usable unit boundaries, shallow to deep
+    captures: list[list[int]] = []
+    occurrences: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for prompt, output in requests:
+        tokens = list(prompt) + list(output)
+        hashes = block_hashes(tokens[: max(len(tokens) - 1, 0)], block_size, b"")
+        usable = (len(prompt) - 1) // unit * stride if prompt else 0
+        path = [hashes[n - 1] for n in range(stride, min(usable, len(hashes)) + 1, stride)]
+        paths.append(path)
+        shared = 0
+        while shared < min(usable, len(hashes)) and hashes[shared] in seen:
+            shared += 1
+        seen.update(hashes)
+        caps = [path[-1]] if path else []
+        if shared // stride and shared // stride < len(path):
+            caps.append(path[shared // stride - 1])
+        out_blocks = len(hashes) // stride * stride
+        if out_blocks > usable:
+            caps.append(hashes[out_blocks - 1])
+        captures.append(caps)
+    # a checkpoint is "used" by the requests it would serve with every capture kept: those
+    # whose deepest earlier-captured boundary it is (a shallower one on the same path is not)
+    captured: set[int] = set()
+    for i, path in enumerate(paths):
+        for h in reversed(path):
+            if h in captured:
+                occurrences.setdefault(h, []).append(i)
+                break
+        captured.update(captures[i])
+    never = len(requests) + 1
+
+    def next_use(h: int, after: int) -> int:
+        occ = occurrences.get(h)
+        if not occ:
+            return never
+        k = bisect.bisect_right(occ, after)
+        return occ[k] if k < len(occ) else never
+
+    resident: set[int] = set()
+    hit = total = 0
+    for i, (prompt, _) in enumerate(requests):
+        total += len(prompt)
+        path = paths[i]
+        for n in range(len(path), 0, -1):
+            if path[n - 1] in resident:
+                hit += n * unit
+                break
+        for h in captures[i]:
+            if h in resident or slots <= 0:
+                continue
+            use = next_use(h, i)
+            if use == never:
+                continue
+            if len(resident) < slots:
+                resident.add(h)
+                continue
+            far = max(resident, key=lambda r: next_use(r, i))
+            if next_use(far, i) > use:
+                resident.discard(far)
+                resident.add(h)
+    return hit / total if total else 0.0
