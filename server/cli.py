@@ -104,6 +104,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # listen now: the URL is printed before uvicorn starts accepting, and a client that connects
+    # in between waits in the backlog instead of being refused
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
