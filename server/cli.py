@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--access-log", action="store_true", help="uvicorn access log lines on stderr")
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
+    from deltaserve.cluster.cli import add_cluster_args  # --replicas N --router prefix|pow2 (no Ray import)
+
+    add_cluster_args(s)
     return parser
 
 
@@ -226,6 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "replicas", None):  # N engine replicas on Ray Serve (docs/cluster.md)
+        from deltaserve.cluster.cli import main_cluster
+
+        return main_cluster(args, engine_config, server_config)
     install_uvloop()
     try:
         return asyncio.run(serve(engine_config, server_config))

@@ -15,6 +15,6 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}"
-.venv/bin/python -m pip install -q -e ".[test,triton,plot]"
+.venv/bin/python -m pip install -q -e ".[test,triton,plot,cluster]"
 echo "$want" > "$stamp"
 echo "deltaserve: environment ready in .venv" >&2

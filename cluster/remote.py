@@ -1,0 +1,368 @@
+"""The ingress side: an engine-shaped object over the engine deployment's ``DeploymentHandle``.
+
+``RemoteEngine`` has the part of ``AsyncEngine``'s surface the OpenAI server uses
+(``generate``, ``stats``, ``is_healthy``, ``config``, ``core``, ``start``/``shutdown``), so
+``deltaserve.server.app.create_app(RemoteEngine(...))`` serves every endpoint of the
+single-engine server (chat, completions, streaming, ``n``, logprobs, tools, tokenize, errors)
+unchanged, with each request's work done on a replica chosen by the router.
+
+* ``start()`` asks a replica to ``describe()`` itself, loads the tokenizer locally and builds
+  an ``IngressCore``: the engine's own validation and tokenization (``EngineCore.make_request``
+  / ``tokenize``, chat templates included) without a model. So bad input is refused at the
+  ingress with the same typed errors (400 before any stream starts), the prompt is tokenized
+  once, and its route keys are hashed once, with the exact salt the engine uses.
+* ``generate()`` returns a ``RemoteStream``: the replica's ``RequestOutput`` deltas.
+  Replica faults: a replica that dies (or is unreachable) before the request produced any
+  output is retried on another one (``max_retries``; the router has forgotten the dead one);
+  after output was produced the stream ends at once with ``finish_reason="error"`` and an
+  ``error`` naming the replica (the server turns that into an in-band error frame or a 500).
+  Closing the stream cancels the remote call, which aborts the request on the replica.
+* ``stats()`` sums the numeric engine stats the replicas sent with their last routing-stats
+  reports (``/metrics`` of the ingress: the cluster's counters, at most one report period old).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from deltaserve.cluster.affinity import RouteHint, route_keys
+from deltaserve.engine.core import EngineCore, Prompt
+from deltaserve.engine.errors import DeltaServeError, EngineDeadError
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.logs import get_logger
+from deltaserve.scheduler.request import Request
+
+log = get_logger("deltaserve.cluster")
+
+#: most recent request id -> replica records kept for GET /cluster/routes
+MAX_ROUTES = 4096
+
+
+class IngressCore(EngineCore):
+    """``EngineCore``'s validation and tokenization, without a model or a cache.
+
+    Built from a replica's ``describe()`` and a local tokenizer; ``make_request`` /
+    ``tokenize`` are the engine's own methods. Request ids are not checked for uniqueness here
+    (the replica does)."""
+
+    def __init__(self, config: Any, info: dict[str, Any], tokenizer: Any) -> None:  # no super(): no model
+        self.config = config
+        self.info = dict(info)
+        self.tokenizer = tokenizer
+        self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info["vocab_size"])
+        self.max_token_chars = int(info["max_token_chars"])
+        self.block_size = int(info["block_size"])
+        self.unit = int(info["unit"])
+        self._salt_parts = tuple(info["salt_parts"])
+        self._ids = itertools.count()
+        self.scheduler = SimpleNamespace(requests={})
+        self.capacity = SimpleNamespace(describe=lambda: dict(info.get("capacity") or {}))
+
+    def route_hint(self, req: Request) -> RouteHint:
+        keys = route_keys(
+            req.prompt_token_ids, block_size=self.block_size, unit=self.unit, salt=req.cache_salt
+        )
+        return RouteHint(tuple(keys), self.unit, req.num_prompt_tokens)
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The tokenizer the engine loads for ``model.path`` (``builtin:NAME`` is built on first use)."""
+    from deltaserve.models.loader import _load_tokenizer, _resolve_folder
+
+    return _load_tokenizer(_resolve_folder(model_path))
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The user exception inside a Ray task error (its ``cause``), else the error itself."""
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:  # pragma: no cover - ray is there whenever this runs
+        return exc
+    if isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None:
+        return exc.cause
+    return exc
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """The replica (or its node) died or cannot be reached: not the request's fault."""
+    try:
+        from ray import exceptions as rx
+    except ImportError:  # pragma: no cover
+        return False
+    kinds: list[type] = [rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError]
+    for name in ("ActorDiedError", "ActorUnavailableError", "OutOfMemoryError", "ObjectLostError"):
+        k = getattr(rx, name, None)
+        if isinstance(k, type):
+            kinds.append(k)
+    if isinstance(exc, tuple(kinds)):
+        return True
+    cause = _unwrap(exc)
+    return cause is not exc and isinstance(cause, tuple(kinds))
+
+
+class RemoteStream:
+    """One request's deltas from a replica (``AsyncEngine``'s ``RequestStream`` contract:
+    async-iterate it; the last delta of each of the ``n`` completions has ``finished=True``;
+    leaving early or ``aclose()`` aborts the request)."""
+
+    def __init__(self, engine: RemoteEngine, req: Request, hint: RouteHint, cache_salt: str | None) -> None:
+        self.request_id = req.request_id
+        self.finished = False
+        self.replica: str | None = None
+        self.attempts = 0
+        self._engine = engine
+        self._req = req
+        self._hint = hint
+        self._cache_salt = cache_salt  # the tenant's string (req.cache_salt is the hashed salt)
+        self._gen: Any = None
+        self._pending: deque[RequestOutput] = deque()
+        self._open = set(range(req.sampling_params.n))
+        self._received = False  # the replica sent output: a failure is no longer retried
+
+    # ------------------------------------------------------------------ iteration
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                yield await self._next()
+        finally:
+            if not self.finished:
+                self._cancel()
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            return await self._next()
+        except asyncio.CancelledError:
+            self._cancel()
+            raise
+
+    async def aclose(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        if not self.finished:
+            self._cancel()
+
+    async def _next(self) -> RequestOutput:
+        while not self._pending:
+            await self._fill()
+        out = self._pending.popleft()
+        if out.finished:
+            self._open.discard(out.index)
+            if not self._open:
+                self.finished = True
+                self._engine._closed_stream(self)
+        return out
+
+    # ------------------------------------------------------------------ the remote call
+    def _start(self) -> None:
+        self.attempts += 1
+        req = self._req
+        self._gen = self._engine.handle.options(stream=True).generate.remote(
+            list(req.prompt_token_ids),
+            req.sampling_params,
+            request_id=req.request_id,
+            priority=req.priority,
+            cache_salt=self._cache_salt,
+            route=self._hint,
+        )
+
+    def _cancel(self) -> None:
+        self.finished = True
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            with contextlib.suppress(Exception):  # already finished or gone
+                gen.cancel()
+        self._engine._closed_stream(self)
+
+    async def _fill(self) -> None:
+        if self._gen is None:
+            self._start()
+        try:
+            item = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self._gen = None
+            self._fail(f"replica {self.replica} ended the stream before the request finished")
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted below
+            self._on_error(e)
+            return
+        if isinstance(item, dict) and "accepted" in item:
+            self.replica = str(item["accepted"])
+            self._engine._record_route(self.request_id, self.replica, self.attempts)
+            return
+        self._received = True
+        for out in item:
+            out.request_id = self.request_id
+            self._pending.append(out)
+
+    def _on_error(self, e: Exception) -> None:
+        gen, self._gen = self._gen, None
+        engine = self._engine
+        if is_replica_failure(e) or isinstance(_unwrap(e), EngineDeadError):
+            engine.counters["replica_failures"] += 1
+            if gen is not None:
+                with contextlib.suppress(Exception):
+                    gen.cancel()
+            if not self._received and self.attempts <= engine.max_retries:
+                engine.counters["retries"] += 1
+                log.warning(
+                    "cluster.retry", request_id=self.request_id, replica=self.replica, error=repr(e)[:300]
+                )
+                self.replica = None
+                return  # the next _fill starts a new call; the router avoids the dead replica
+            self._fail(f"replica {self.replica or '?'} failed: {type(_unwrap(e)).__name__}: {_unwrap(e)}")
+            return
+        cause = _unwrap(e)
+        if not self._received and self.replica is None and isinstance(cause, DeltaServeError):
+            self.finished = True
+            self._engine._closed_stream(self)
+            raise cause  # rejected by the replica (e.g. request id in use, overloaded): typed
+        self._fail(f"replica {self.replica or '?'}: {type(cause).__name__}: {cause}")
+
+    def _fail(self, message: str) -> None:
+        """End every open completion with an error (nothing is lost silently)."""
+        log.error("cluster.request_failed", request_id=self.request_id, error=message)
+        self._engine.counters["failed"] += 1
+        for i in sorted(self._open):
+            self._pending.append(
+                RequestOutput(
+                    request_id=self.request_id,
+                    token_ids=[],
+                    text="",
+                    finished=True,
+                    finish_reason="error",
+                    error=message,
+                    index=i,
+                    num_prompt_tokens=self._req.num_prompt_tokens,
+                )
+            )
+
+
+class RemoteEngine:
+    """``AsyncEngine``'s serving surface over the engine deployment (module docstring)."""
+
+    def __init__(
+        self,
+        handle: Any,
+        config: Any,
+        *,
+        app_name: str | None = None,
+        deployment_name: str | None = None,
+        max_retries: int = 2,
+    ) -> None:
+        self.handle = handle
+        self.config = config
+        self.app_name = app_name
+        self.deployment_name = deployment_name or getattr(handle, "deployment_name", None)
+        self.max_retries = max_retries
+        self.core: IngressCore | None = None
+        self.info: dict[str, Any] = {}
+        self._task: Any = None  # create_app: an engine without a task is started by the app's lifespan
+        self._closed = False
+        self._streams: set[RemoteStream] = set()
+        self.routes: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.counters = {"requests": 0, "retries": 0, "replica_failures": 0, "failed": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> RemoteEngine:
+        if self.core is not None:
+            return self
+        self.info = dict(await self.handle.describe.remote())
+        loop = asyncio.get_running_loop()
+        tokenizer = await loop.run_in_executor(None, load_tokenizer, str(self.config.model.path))
+        self.core = IngressCore(self.config, self.info, tokenizer)
+        self._task = True
+        log.info("cluster.ingress_ready", model=self.info.get("model"), unit=self.core.unit)
+        return self
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        for s in list(self._streams):
+            await s.aclose()
+
+    async def __aenter__(self) -> RemoteEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def tokenizer(self) -> Any:
+        assert self.core is not None, "engine not started"
+        return self.core.tokenizer
+
+    def is_healthy(self) -> bool:
+        return self.core is not None and not self._closed
+
+    # ------------------------------------------------------------------ API
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> RemoteStream:
+        """Validate and tokenize here (typed errors, as ``AsyncEngine.generate``); the work runs
+        on the replica the router picks."""
+        if not self.is_healthy():
+            raise EngineDeadError("the cluster ingress is not running")
+        assert self.core is not None
+        req = self.core.make_request(
+            prompt,
+            sampling_params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        stream = RemoteStream(self, req, self.core.route_hint(req), cache_salt)
+        self._streams.add(stream)
+        self.counters["requests"] += 1
+        return stream
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' engine stats, summed (ratios recomputed from the sums)."""
+        from deltaserve.cluster.registry import routers
+
+        per_replica: dict[Any, dict[str, Any]] = {}
+        for r in routers(self.app_name, self.deployment_name):
+            per_replica.update(r.index.replica_stats())
+        total: dict[str, Any] = {}
+        for s in per_replica.values():
+            for k, v in s.items():
+                if isinstance(v, (int, float)):
+                    total[k] = total.get(k, 0) + v
+        q = total.get("prefix_cache.query_tokens", 0)
+        total["prefix_cache.hit_rate"] = total.get("prefix_cache.hit_tokens", 0) / q if q else 0.0
+        blocks = total.get("kv.total_blocks", 0)
+        total["kv.usage"] = (blocks - total.get("kv.free_blocks", 0)) / blocks if blocks else 0.0
+        total["cluster.replicas_reporting"] = len(per_replica)
+        return total
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _closed_stream(self, stream: RemoteStream) -> None:
+        self._streams.discard(stream)
+
+    def _record_route(self, request_id: str, replica: str, attempt: int) -> None:
+        self.routes[request_id] = {"replica": replica, "attempt": attempt}
+        self.routes.move_to_end(request_id)
+        while len(self.routes) > MAX_ROUTES:
+            self.routes.popitem(last=False)
