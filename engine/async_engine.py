@@ -494,8 +494,8 @@ class AsyncEngine:
                     # requests wait but none could be scheduled: do not spin
                     self._wakeup.clear()
                     await self._idle(_IDLE_RETRY_S)
-                else:
-                    await asyncio.sleep(0)  # let producers and consumers run between steps
+                # Otherwise go straight on to the next step: consumers (an SSE writer, say)
+                # handle this step's outputs while it runs in the worker, not before it starts.
         except BaseException as e:
             self._die(e)
             if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
