@@ -12,6 +12,17 @@ TTFT ratio warm ÷ cold is printed beside the ideal ratio, uncached ÷ all promp
 memory, skips and evictions.
 
     python tools/bench_prefix_cache.py [--turns 10] [--user-tokens 220] [--reply-tokens 48]
+
+``--pressure``: memory pressure (issue 11). ``--conversations`` conversations, more than
+the pools hold (``--checkpoint-slots`` checkpoints, KV for about ``--kv-conversations`` of
+them), take turns round-robin; odd ones re-send the model's reply verbatim, even ones a
+rewritten one (its leading 70 % stripped, like a client that drops reasoning). The same
+prompts go, one at a time, to one engine per ``--policies`` entry (``cache.checkpoint_policy``:
+the value model ``default`` and the previous ``v1``) and to a cache-off engine: per policy,
+the token hit rate and warm TTFT (turns after the first) beside cold TTFT, measured in the
+same run; outputs must equal the cache-off ones.
+
+    python tools/bench_prefix_cache.py --pressure [--conversations 8] [--checkpoint-slots 3]
 """
 
 from __future__ import annotations
@@ -51,9 +62,101 @@ def ttft(core: EngineCore, prompt: list[int], max_tokens: int) -> tuple[float, l
     return first, tokens, cached
 
 
+def pressure(args: argparse.Namespace) -> None:
+    """More conversations than the pools hold, the same prompts through every policy."""
+    base = {"scheduler.max_num_batched_tokens": 8192, "cache.checkpoint_interval": 0}
+    probe = EngineCore(config_from_args(args, base))
+    state_bytes = probe.cache.config.checkpoint_bytes
+    tok = probe.tokenizer
+    rng = random.Random(args.seed)
+    system = "You are a helpful assistant for cache experiments. " + " ".join(
+        rng.choice(WORDS) for _ in range(60)
+    )
+    final_len = len(tok.encode(system)) + args.turns * 2 * (args.user_tokens + args.reply_tokens)
+    kv_blocks = args.kv_blocks or max(args.kv_conversations * final_len // 16, 64)
+    pools = {
+        "cache.checkpoint_pool_bytes": args.checkpoint_slots * state_bytes,
+        "cache.num_kv_blocks": kv_blocks,
+    }
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    warm = {p: EngineCore(config_from_args(args, {**base, **pools, "cache.checkpoint_policy": p}), loaded=probe.loaded)
+            for p in policies}  # fmt: skip
+    cold = EngineCore(
+        config_from_args(args, {**base, "cache.enable_prefix_caching": False}), loaded=probe.loaded
+    )
+    for core in (*warm.values(), cold):
+        ttft(core, tok.encode("warm up", add_special_tokens=False), 2)
+    convs = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
+    rows: list[dict[str, object]] = []
+    for turn in range(args.turns):
+        for c, messages in enumerate(convs):
+            messages.append(
+                {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(args.user_tokens))}
+            )
+            prompt = tok.encode(
+                tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            t_cold, reply, _ = ttft(cold, prompt, args.reply_tokens)
+            row: dict[str, object] = {
+                "turn": turn,
+                "conversation": c,
+                "prompt_tokens": len(prompt),
+                "ttft_cold_s": t_cold,
+            }
+            for p, core in warm.items():
+                t, out, cached = ttft(core, prompt, args.reply_tokens)
+                assert out == reply, f"{p}: conversation {c} turn {turn}: a cache hit changed the output"
+                row[f"{p}.ttft_s"], row[f"{p}.cached"] = t, cached
+            rows.append(row)
+            text = tok.decode(reply, skip_special_tokens=True)
+            if c % 2 == 0:  # a client that strips the reasoning before re-sending
+                words = text.split()
+                text = " ".join(words[len(words) * 7 // 10 :])
+            messages.append({"role": "assistant", "content": text})
+    warm_rows = [r for r in rows if r["turn"]]
+    q = sum(int(r["prompt_tokens"]) for r in warm_rows)  # type: ignore[arg-type]
+    cold_ms = 1000 * statistics.mean(float(r["ttft_cold_s"]) for r in warm_rows)  # type: ignore[arg-type]
+    print(
+        f"\n{args.conversations} conversations x {args.turns} turns round-robin; {args.checkpoint_slots} checkpoint "
+        f"slots ({state_bytes / 2**20:.2f} MiB each), {kv_blocks} KV blocks (~{args.kv_conversations} conversations); "
+        f"warm turns: {len(warm_rows)}, cold TTFT mean {cold_ms:.1f} ms"
+    )
+    print(f"{'policy':>8}{'hit rate':>10}{'warm ms':>9}{'median':>8}{'warm/cold':>11}{'stored':>8}{'evicted':>9}"
+          f"{'skip pool':>10}{'skip value':>11}{'KV evicted':>11}")  # fmt: skip
+    summary: dict[str, object] = {}
+    for p, core in warm.items():
+        hit = sum(int(r[f"{p}.cached"]) for r in warm_rows)  # type: ignore[arg-type]
+        times = [1000 * float(r[f"{p}.ttft_s"]) for r in warm_rows]  # type: ignore[arg-type]
+        s = core.stats()
+        summary[p] = {"hit_rate": hit / q, "warm_ttft_ms_mean": statistics.mean(times),
+                      "warm_ttft_ms_median": statistics.median(times), "cold_ttft_ms_mean": cold_ms, "stats": s}  # fmt: skip
+        print(
+            f"{p:>8}{100 * hit / q:>9.1f}%{statistics.mean(times):>9.1f}{statistics.median(times):>8.1f}"
+            f"{statistics.mean(times) / cold_ms:>11.3f}{s['checkpoints.stored']:>8}{s['checkpoints.evicted']:>9}"
+            f"{s['checkpoints.skipped_pool']:>10}{s['checkpoints.skipped_value']:>11}{s['kv.evicted_blocks']:>11}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2, default=str))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap)
+    ap.add_argument(
+        "--pressure", action="store_true", help="more conversations than the pools hold (see above)"
+    )
+    ap.add_argument("--conversations", type=int, default=8, help="--pressure: conversations taking turns")
+    ap.add_argument(
+        "--checkpoint-slots", type=int, default=3, help="--pressure: checkpoint pool, in checkpoints"
+    )
+    ap.add_argument(
+        "--kv-conversations", type=int, default=4, help="--pressure: KV for about this many conversations"
+    )
+    ap.add_argument("--kv-blocks", type=int, help="--pressure: KV blocks (overrides --kv-conversations)")
+    ap.add_argument(
+        "--policies", default="default,v1", help="--pressure: cache.checkpoint_policy values to compare"
+    )
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")
     ap.add_argument("--reply-tokens", type=int, default=48)
@@ -64,6 +167,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     configure_logging("warning")
+    if args.pressure:
+        pressure(args)
+        return
     base = {"scheduler.max_num_batched_tokens": 8192, "cache.num_kv_blocks": 4096}
     warm_cfg = config_from_args(args, base)
     cold_cfg = warm_cfg.replace(**{"cache.enable_prefix_caching": False})

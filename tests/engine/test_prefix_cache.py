@@ -219,3 +219,34 @@ def test_warm_logits_equal_cold_logits(core_factory: Any, monkeypatch: Any) -> N
     assert warm_logits.shape == cold_logits.shape == (5, warm.vocab_size)
     assert_logits_close(warm_logits, cold_logits, "warm (restored checkpoint + cached KV) vs cold")
     assert torch.equal(warm_logits.argmax(-1), cold_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("policy", ["default", "v1"])
+def test_more_conversations_than_the_pools_hold_change_nothing(core_factory: Any, policy: str) -> None:
+    """Memory pressure (issue 11): 6 conversations served side by side over 2 checkpoint slots
+    and a KV pool that holds about half of them; odd conversations re-send the model's reply,
+    even ones a rewritten one. Cache-on outputs equal cache-off outputs at every turn (the
+    integrity check runs after every step), and the cache still hits."""
+    rng = random.Random(31)
+    slot = core_factory().cache.config.checkpoint_bytes
+    cached = core_factory(
+        **{
+            "cache.checkpoint_policy": policy,
+            "cache.checkpoint_pool_bytes": 2 * slot,
+            "cache.num_kv_blocks": 110,
+            "cache.checkpoint_interval": 0,
+        }
+    )
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    convs = [rand_tokens(rng, 140 + 25 * i) for i in range(6)]
+    for _turn in range(4):
+        warm = serve(cached, convs, 6, waves=False)
+        assert warm == serve(plain, convs, 6, waves=False)
+        convs = [
+            c + (w if i % 2 else rand_tokens(rng, 4)) + rand_tokens(rng, 24)
+            for i, (c, w) in enumerate(zip(convs, warm, strict=True))
+        ]
+    s = cached.stats()
+    assert s["prefix_cache.hit_tokens"] > 0
+    assert s["checkpoints.evicted"] + s["checkpoints.skipped_pool"] + s["checkpoints.skipped_value"] > 0
+    assert s["kv.evicted_blocks"] > 0
