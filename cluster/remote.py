@@ -305,7 +305,13 @@ class RemoteEngine:
         return self.core.tokenizer
 
     def is_healthy(self) -> bool:
-        return self.core is not None and not self._closed
+        """Started, not shut down, and (once a router exists) at least one live replica."""
+        if self.core is None or self._closed:
+            return False
+        from deltaserve.cluster.registry import routers
+
+        rs = routers(self.app_name, self.deployment_name)
+        return not rs or any(r.num_live_replicas() for r in rs)
 
     # ------------------------------------------------------------------ API
     def generate(
