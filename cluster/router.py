@@ -62,7 +62,7 @@ class PrefixAffinityRouter(RequestRouter):
         cache_threshold: float = 0.5,
         balance_abs_threshold: int = 8,
         balance_rel_threshold: float = 1.5,
-        load_cost_tokens: float = 16.0,
+        load_cost_tokens: float = 0.0,
         kv_affinity: bool = True,
         max_predicted_keys: int = 65536,
         prediction_ttl_s: float = 600.0,

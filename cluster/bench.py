@@ -1,0 +1,144 @@
+"""Prefix-affinity vs power-of-two routing vs one engine, on the same multi-turn workload.
+
+::
+
+    python -m deltaserve.cluster.bench                               # 2 replicas, chat workload
+    python -m deltaserve.cluster.bench --replicas 2 --sessions 16 --turns 5 --json bench.json
+    python -m deltaserve.cluster.bench --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
+
+One process, in order: a local Ray cluster with N replicas and ``--router prefix``, then the
+same with ``--router pow2`` (each application deployed, measured, deleted), then Ray is stopped
+and one engine is served by ``deltaserve serve``'s app in this process. Each column is
+``tools/loadgen.py``'s OpenAI backend (streamed token-id completions, TTFT from SSE arrival,
+cached tokens from ``usage``) on the identical workload (deterministic under ``--seed``; greedy
+outputs, so every column sends the same follow-up turns). The table is loadgen's, plus the
+requests each replica served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from deltaserve.logs import configure_logging, get_logger
+
+log = get_logger("deltaserve.cluster")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deltaserve.engine.cli import add_config_args
+    from deltaserve.tools.workloads import add_workload_args
+
+    p = argparse.ArgumentParser(
+        prog="python -m deltaserve.cluster.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(p)
+    add_workload_args(p)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--replicas", type=int, default=2)
+    g.add_argument("--replica-cpus", type=float, default=1.0)
+    g.add_argument(
+        "--ray-cpus", type=float, default=None, help="CPUs of the local Ray cluster (default: all)"
+    )
+    g.add_argument("--routers", nargs="+", default=["prefix", "pow2"], choices=["prefix", "pow2"])
+    g.add_argument("--no-single", action="store_true", help="skip the single-engine column")
+    g.add_argument("--warmup", type=int, default=2, help="warm-up requests per column (own cache salt)")
+    g.add_argument("--json", metavar="FILE")
+    g.add_argument("--log-level", default="warning")
+    return p
+
+
+async def _measure(url: str, workload_args: argparse.Namespace, label: str, codec: Any, warmup: int) -> Any:
+    from deltaserve.tools.loadgen import OpenAIBackend, Sampling, run_live
+    from deltaserve.tools.workloads import arrival_from_args, make_workload, params_from_args, plan_arrivals
+
+    params = params_from_args(workload_args, block_size=workload_args._block_size)
+    workload = make_workload(params, codec)
+    plan = plan_arrivals(workload.roots(), arrival_from_args(workload_args), workload_args.seed)
+    backend = OpenAIBackend(url, Sampling(), model=None, codec=codec)
+    res = await run_live(backend, workload, plan, label=label, progress=False, warmup=warmup)
+    return res, workload, plan
+
+
+async def _status(url: str) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        r = await c.get("/cluster/status")
+        return r.json() if r.status_code == 200 else {}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from deltaserve.cluster.config import ClusterConfig
+    from deltaserve.cluster.local import RayCluster
+    from deltaserve.cluster.remote import load_tokenizer
+    from deltaserve.engine.cli import config_from_args
+    from deltaserve.tools.workloads import HFCodec
+
+    cfg = config_from_args(args)
+    args._block_size = cfg.cache.block_size
+    codec = HFCodec(load_tokenizer(str(cfg.model.path)))
+    runs: list[Any] = []
+    routed: dict[str, dict[str, int]] = {}
+    workload = plan = None
+    with RayCluster(num_cpus=args.ray_cpus) as rc:
+        for router in args.routers:
+            cluster = ClusterConfig(
+                replicas=args.replicas, router=router, num_cpus=args.replica_cpus, app_name=f"bench-{router}"
+            )
+            url = rc.deploy(cfg, cluster)
+            label = f"{args.replicas}x {router}"
+            res, workload, plan = asyncio.run(_measure(url, args, label, codec, args.warmup))
+            st = asyncio.run(_status(url))
+            routed[label] = (st.get("routers") or [{}])[0].get("routed", {})
+            runs.append(res)
+            rc.undeploy(cluster.app_name)
+    if not args.no_single:
+        runs.append(asyncio.run(_single(cfg, args, codec)))
+    from deltaserve.tools.loadgen import agreement_rows, workload_line
+    from deltaserve.tools.metrics import format_table
+
+    assert workload is not None or runs
+    title = workload_line(workload, plan) if workload is not None else ""
+    print(title)
+    print(format_table([(r.label, r.summary) for r in runs], agreement_rows(runs)))
+    for label, per in routed.items():
+        print(f"{label}: requests per replica {sorted(per.values(), reverse=True)}")
+    doc = {
+        "workload": title,
+        "argv": sys.argv[1:],
+        "runs": [{"label": r.label, "summary": r.summary, "wall_s": r.wall_s} for r in runs],
+        "routed_per_replica": routed,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return doc
+
+
+async def _single(cfg: Any, args: argparse.Namespace, codec: Any) -> Any:
+    from deltaserve.engine import AsyncEngine
+    from deltaserve.server.app import create_app
+    from deltaserve.server.cli import BackgroundServer
+
+    async with AsyncEngine(cfg) as engine, BackgroundServer(create_app(engine)) as srv:
+        res, _, _ = await _measure(srv.url, args, "1 engine", codec, args.warmup)
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
