@@ -1,46 +1,40 @@
 """What a checkpoint is worth, and who is evicted: the value model and the ``v1`` classes.
 
 Two eviction strategies sit behind one interface (``CheckpointEviction``); the admission
-policy names one (``AdmissionPolicy.eviction``):
+policy names one (``AdmissionPolicy.eviction``). The full story, with measurements, is
+``docs/cache.md``.
 
 ``value`` (the default policy)
     Every resident checkpoint — and through it the KV leaf it ends — is worth
 
-        value = hit density(class, age) x compute saved(depth) / bytes
+        value = hit density(class, age) x compute saved(depth over its base) / bytes
 
-    * *compute saved* (``CostModel``): a hit at depth ``d`` skips the prefill of ``d``
-      tokens, ``cost(d) = a*d + b*d^2/2`` — ``a`` per token (GDN, MLP and projections:
-      linear in tokens) and ``b`` per (token, earlier token) pair (full-attention
-      layers); both from ``CacheManagerConfig`` (relative units are fine).
-    * *hit density* (``ReuseLearner``): expected hits per unit of time spent in the cache
-      for a checkpoint of this *class* that has waited ``age`` without a hit — LHD's
-      estimator (Beckmann et al., NSDI '18), learned online. The class is the capture kind
-      (branch, tail, output, interval, ...) until the checkpoint serves a hit, then
-      ``hit1`` / ``hit2`` (served once / at least twice). Time is counted in prompt
-      admissions. ``age`` restarts at every hit.
-    * A capture is admitted when a slot is free, or when it is worth more than the weakest
-      evictable resident (which it then replaces); otherwise it is skipped
-      (``checkpoints.skipped_value``). KV eviction drops checkpoint-less leaves first (LRU:
-      no hit can end there), then the leaf whose checkpoint is worth least.
-
-    Learning uses a *shadow*: every capture the policy proposes — stored or skipped — is
-    recorded by the hash of its boundary block; each admitted prompt credits the deepest
-    recorded boundary on its path (what an unlimited cache of the policy's own captures
-    would have served). So a workload whose clients re-send rewritten replies drives the
-    output class's density to zero (their boundaries are never on a later path), one whose
-    replies come back keeps it high, and a tail that the output below it always dominates
-    is learned to be worth nothing — whether or not those checkpoints were stored.
-
-    Cyclic reuse larger than the pool (LRU's worst case) does not churn: a new capture has
-    age 0, a resident near its usual reuse age has a *higher* density (its hit is close),
-    so newcomers do not displace residents about to be hit; a resident past every usual
-    reuse age decays to zero and goes.
+    * *compute saved* (``CostModel``): prefilling ``d`` tokens costs ``a*d + b*d^2/2`` — ``a``
+      per token (GDN, MLP, projections), ``b`` per (token, earlier token) pair (full
+      attention); from ``CacheManagerConfig``. A hit falls back, were the checkpoint gone, to
+      the deepest checkpoint above it (its *base*), so it is worth ``cost(d) - cost(base)``.
+    * *hit density* (``ReuseLearner``): P(a hit is still to come | none by ``age``) over the
+      expected wait for it — LHD's idea (Beckmann et al., NSDI '18) — per *class*: the capture
+      kind (branch, tail, output, interval, ...) until the checkpoint serves a hit, then
+      ``hit1`` / ``hit2``. Time is counted in admitted prompts; the age restarts at a hit.
+      Learned from two shadows: every *proposed* capture, stored or not (would this kind
+      serve, were it kept? — a workload whose clients re-send rewritten replies teaches
+      ``output`` it is worthless, one whose replies come back keeps it), and every *kept*
+      capture (will it serve, given what else is kept? — the fallbacks).
+    * A capture takes a free slot, or replaces the weakest evictable resident — a published
+      checkpoint, or a decoding request's tracking slot valued as its output after the
+      remaining decode — if it is worth more; else it is skipped
+      (``checkpoints.skipped_value``). KV eviction drops checkpoint-less leaves first (LRU: no
+      hit can end there), then the leaf whose checkpoint is worth least.
+    * Cyclic reuse larger than the pool (LRU's worst case) does not churn: a new capture has
+      age 0, a resident near its usual reuse age has a higher density (its hit is close);
+      a resident past every usual reuse age decays to zero and goes.
 
 ``v1`` (the previous default, kept for comparison)
     Classes dominated < speculative < proven, LRU within a class; a capture may displace
     only the classes its kind outranks (``CaptureKind.may_evict``).
 
-Torch-free, O(1) per event except victim selection (O(resident checkpoints)).
+Torch-free; O(1) per event except victim selection (O(resident checkpoints + trackers)).
 """
 
 from __future__ import annotations
