@@ -42,13 +42,6 @@ class CaptureKind(enum.Enum):
         self.rank = rank
         self.may_evict = may_evict
 
-    @classmethod
-    def of(cls, label: str) -> CaptureKind:
-        for kind in cls:
-            if kind.label == label:
-                return kind
-        raise ValueError(f"unknown capture kind {label!r}")
-
     def __str__(self) -> str:
         return self.label
 

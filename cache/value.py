@@ -214,8 +214,7 @@ class ReuseLearner:
         n = len(self.classes)
         self.explore = explore
         self.prior_hits, self.prior_misses, self.prior_bucket = prior_hits, prior_misses, _bucket(prior_age)
-        self._tables: list[list[tuple[float, float]] | None] = [None] * n
-        self._windows = [0] * n
+        self._tables: list[tuple[list[tuple[float, float]], int] | None] = [None] * n
         self._pending: list[deque[tuple[_Shadow, int, int]]] = [deque() for _ in range(n)]
         self.proposed = _Shadow(self, follow_hits=False, n=n)
         self.kept = _Shadow(self, follow_hits=True, n=n)
@@ -270,14 +269,7 @@ class ReuseLearner:
         return hits, k.misses[c] + w * p.misses[c] + self.prior_misses
 
     def _window(self, c: int) -> int:
-        if self._tables[c] is None or not self._windows[c]:
-            hits = self._counts(c)[0]
-            total, acc, last = sum(hits), 0.0, 0
-            while last < NUM_BUCKETS - 1 and acc + hits[last] < 0.95 * total:
-                acc += hits[last]
-                last += 1
-            self._windows[c] = int(min(max(2 * _UPPER[last], 16), self.horizon))
-        return self._windows[c]
+        return self._stats(c)[1]
 
     def _decay(self) -> None:
         for shadow in (self.proposed, self.kept):
@@ -291,27 +283,33 @@ class ReuseLearner:
         gone ``age`` admissions without a hit: P(a hit is still to come | none by ``age``)
         over the expected wait for it — plus ``delay`` admissions the slot is held before
         the entry can serve at all (a decoding request's output, tracked until it finishes)."""
-        c = self._index[label]
-        table = self._tables[c]
-        if table is None:
-            table = self._tables[c] = self._table(c)
+        table = self._stats(self._index[label])[0]
         still, wait = table[_bucket(age)]
         return still / (wait + delay) if still else 0.0
 
-    def _table(self, c: int) -> list[tuple[float, float]]:
-        """Per age bucket ``a``: (P(hit still to come | none by a), E[x - a | x >= a] >= 1)
-        over the hit ages ``x`` seen."""
+    def _stats(self, c: int) -> tuple[list[tuple[float, float]], int]:
+        """Class ``c``'s table and window, recomputed when its counts changed. Table, per age
+        bucket ``a``: (P(hit still to come | none by a), E[x - a | x >= a] >= 1) over the hit
+        ages ``x`` seen. Window: twice the age by which 95 % of the hits came (at least 16)."""
+        cached = self._tables[c]
+        if cached is not None:
+            return cached
         hits, never = self._counts(c)
-        self._windows[c] = 0  # recomputed from the same counts
-        out = [(0.0, 1.0)] * NUM_BUCKETS
+        table = [(0.0, 1.0)] * NUM_BUCKETS
         s0 = s1 = 0.0  # suffix sums of hits and hits x age
         for b in range(NUM_BUCKETS - 1, -1, -1):
             s0 += hits[b]
             s1 += hits[b] * _MIDDLE[b]
             if s0 > 0:
                 a = _LOWER[b]
-                out[b] = (s0 / (s0 + never), max((s1 - a * s0) / s0, 1.0))
-        return out
+                table[b] = (s0 / (s0 + never), max((s1 - a * s0) / s0, 1.0))
+        total, acc, last = sum(hits), 0.0, 0
+        while last < NUM_BUCKETS - 1 and acc + hits[last] < 0.95 * total:
+            acc += hits[last]
+            last += 1
+        window = int(min(max(2 * _UPPER[last], 16), self.horizon))
+        self._tables[c] = (table, window)
+        return table, window
 
     def tracked(self, duration: int) -> None:
         """A decoding request held a tracking slot ``duration`` admissions (moving average)."""
