@@ -118,14 +118,35 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def model_shape(spec: CacheSpec, max_position_embeddings: int) -> ModelShape:
-    """The torch-free numbers capacity planning needs."""
+def model_shape(loaded: LoadedModel) -> ModelShape:
+    """The torch-free numbers capacity planning and the cache's value model need."""
+    spec = loaded.model.cache_spec()
+    per_token, per_pair = prefill_flops(loaded, spec)
     return ModelShape(
         kv_bytes_per_token=spec.kv_block_bytes(1) if spec.num_attn_layers else 0,
         state_bytes=spec.state_slot_bytes() if spec.num_gdn_layers else 0,
-        max_position_embeddings=max_position_embeddings,
+        max_position_embeddings=loaded.max_position_embeddings,
         gdn_chunk_size=spec.gdn_chunk_size,
+        prefill_flops_per_token=per_token,
+        prefill_flops_per_token_pair=per_pair,
     )
+
+
+def prefill_flops(loaded: LoadedModel, spec: CacheSpec) -> tuple[float, float]:
+    """Prefill cost of the model: FLOPs per token (2 x the weights a token passes through:
+    projections, MLPs, the routed share of the experts; not the embedding lookup nor the
+    lm_head, which runs on sampled rows only) and per (token, earlier token) pair of the
+    full-attention layers (QK^T and PV: 4 x query heads x head_dim each)."""
+    cfg = loaded.hf_config
+    routed = getattr(cfg, "num_experts_per_tok", 0) / max(getattr(cfg, "num_experts", 0) or 1, 1)
+    weights = 0.0
+    for name, p in loaded.model.named_parameters():
+        if "embed_tokens" in name or name.startswith("lm_head"):
+            continue
+        weights += p.numel() * (routed if ".experts." in name else 1.0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(cfg, "head_dim", 0) or (cfg.hidden_size // heads if heads else 0))
+    return 2.0 * weights, 4.0 * heads * head_dim * spec.num_attn_layers
 
 
 def _cuda_cache_budget(config: EngineConfig, runner_probe: Any, device: torch.device) -> int:
@@ -174,7 +195,7 @@ class EngineCore:
         # each thread gets its own instance.
         self.detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.spec = spec = self.loaded.model.cache_spec()
-        shape = model_shape(spec, self.loaded.max_position_embeddings)
+        shape = model_shape(self.loaded)
         budget = None
         if self.device.type == "cuda":
             tokens, bs = config.scheduler.max_num_batched_tokens, config.cache.block_size

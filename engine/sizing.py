@@ -49,6 +49,9 @@ class ModelShape:
     state_bytes: int  # one GDN state (live slot or checkpoint) across all GDN layers (0: none)
     max_position_embeddings: int
     gdn_chunk_size: int = GDN_CHUNK_SIZE
+    # prefill cost of d tokens = a*d + b*d^2/2 (the cache's value model; any unit, FLOPs here)
+    prefill_flops_per_token: float = 1.0
+    prefill_flops_per_token_pair: float = 1.0 / 65536
 
     @property
     def has_gdn(self) -> bool:
@@ -74,6 +77,8 @@ class Capacity:
     model_max_len: int
     max_num_seqs: int
     gdn_chunk_size: int = GDN_CHUNK_SIZE
+    prefill_flops_per_token: float = 1.0
+    prefill_flops_per_token_pair: float = 1.0 / 65536
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -201,6 +206,8 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
         model_max_len=model_max,
         max_num_seqs=min(sc.max_num_seqs, num_live) if shape.has_gdn else sc.max_num_seqs,
         gdn_chunk_size=shape.gdn_chunk_size,
+        prefill_flops_per_token=shape.prefill_flops_per_token,
+        prefill_flops_per_token_pair=shape.prefill_flops_per_token_pair,
         warnings=tuple(warnings),
     )
 
@@ -223,6 +230,8 @@ def build_cache_manager(
             checkpoint_policy=checkpoint_policy or cc.checkpoint_policy,
             enable_prefix_caching=cc.enable_prefix_caching,
             gdn_chunk_size=capacity.gdn_chunk_size,
+            prefill_cost_per_token=capacity.prefill_flops_per_token,
+            prefill_cost_per_token_pair=capacity.prefill_flops_per_token_pair,
         )
     )
 

@@ -94,3 +94,15 @@ def test_build_scheduler_checks_the_unit_against_the_token_budget() -> None:
         build_scheduler(config, plan_capacity(config, QWEN35_08B))
     sched = build_scheduler(cfg(), plan_capacity(cfg(), QWEN35_08B))
     assert sched.cache.unit == 64 and sched.max_num_seqs == 26
+
+
+def test_the_engine_gives_the_cache_its_models_prefill_cost(core_factory: object) -> None:
+    core = core_factory()  # type: ignore[operator]
+    weights = sum(
+        p.numel()
+        for name, p in core.loaded.model.named_parameters()
+        if "embed_tokens" not in name and not name.startswith("lm_head")
+    )
+    cfg = core.loaded.hf_config
+    assert core.cache.config.prefill_cost_per_token == 2.0 * weights
+    assert core.cache.config.prefill_cost_per_token_pair == 4.0 * cfg.num_attention_heads * cfg.head_dim * 2
