@@ -16,11 +16,12 @@ Measured by the server, per engine request (each of ``n`` completions is one):
 Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling):
 
 * gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (0..1, as
-  vLLM), ``checkpoint_pool_usage_perc``, ``live_slots_usage_perc``, ``checkpoints_attached``;
+  vLLM), ``checkpoint_pool_usage_perc``, ``live_slots_usage_perc``, ``checkpoints_attached``,
+  ``checkpoint_reuse_rate{kind}`` (the value model's learned reuse per capture class);
 * counters ``prompt_tokens``, ``generation_tokens``, ``computed_tokens`` (prompt tokens actually
   prefilled plus decode tokens), ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens, as
   vLLM), ``num_preemptions``, ``checkpoints_stored``, ``checkpoints_restored``,
-  ``checkpoints_evicted``, ``checkpoints_skipped{reason=budget|pool}``, ``kv_evicted_blocks``,
+  ``checkpoints_evicted``, ``checkpoints_skipped{reason=budget|pool|value}``, ``kv_evicted_blocks``,
   ``engine_requests{outcome=finished|aborted|failed}``, ``engine_steps``, ``engine_steps_failed``.
 """
 
@@ -114,7 +115,17 @@ class EngineCollector(Collector):
         )
         skipped.add_metric(["budget"], float(s.get("checkpoints.skipped_budget", 0)))
         skipped.add_metric(["pool"], float(s.get("checkpoints.skipped_pool", 0)))
+        skipped.add_metric(["value"], float(s.get("checkpoints.skipped_value", 0)))
         yield skipped
+        reuse = GaugeMetricFamily(
+            PREFIX + "checkpoint_reuse_rate",
+            "Learned probability that a checkpoint of this class serves a hit (cache value model).",
+            labels=["kind"],
+        )
+        for key, value in s.items():
+            if key.startswith("checkpoints.reuse."):
+                reuse.add_metric([key.removeprefix("checkpoints.reuse.")], float(value))
+        yield reuse
         outcome = CounterMetricFamily(
             PREFIX + "engine_requests", "Engine requests by outcome.", labels=["outcome"]
         )
