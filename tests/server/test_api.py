@@ -174,7 +174,9 @@ async def test_metrics_parse_and_move(served: Served) -> None:
     for name in ("deltaserve:num_requests_running", "deltaserve:num_requests_waiting", "deltaserve:kv_cache_usage_perc",
                  "deltaserve:checkpoint_pool_usage_perc", "deltaserve:checkpoints_stored_total",
                  "deltaserve:checkpoints_evicted_total", "deltaserve:checkpoints_skipped_total{reason=budget}",
-                 "deltaserve:num_preemptions_total", "deltaserve:prefix_cache_queries_total"):  # fmt: skip
+                 "deltaserve:num_preemptions_total", "deltaserve:prefix_cache_queries_total",
+                 "deltaserve:checkpoints_skipped_total{reason=value}",
+                 "deltaserve:checkpoint_reuse_rate{kind=output}"):  # fmt: skip
         assert name in after, name
     assert after["deltaserve:request_success_total{finished_reason=length}"] == before.get(
         "deltaserve:request_success_total{finished_reason=length}", 0) + 1  # fmt: skip
