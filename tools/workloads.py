@@ -599,7 +599,32 @@ class AgentWorkload(_ChatLike):
 
 
 # ---------------------------------------------------------------------------- pressure shapes
-class MultiTurnWorkload(_ChatLike):
+class _UserTurns(_ChatLike):
+    """Conversations whose every follow-up is the (re-sent) reply plus a new user question,
+    after a think time, for ``_turns(session)`` turns; request ids ``{rid_prefix}-s{S}-t{T}``."""
+
+    rid_prefix = ""
+
+    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
+        s, t = spec.meta["session_index"], spec.turn + 1
+        if t >= spec.meta["turns"]:
+            return []
+        rng = self.rng("user", s, t)
+        user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
+        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [{"role": "user", "content": user}])
+        return [
+            RequestSpec(
+                rid=f"{self.rid_prefix}-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
+                session=spec.session, turn=t, parent=spec.rid, delay_s=self.think(s, t),
+                meta=spec.meta, state=hist,
+            )
+        ]  # fmt: skip
+
+    def expected_requests(self) -> int:
+        return sum(self._turns(s) for s in range(int(self.p["sessions"])))
+
+
+class MultiTurnWorkload(_UserTurns):
     """The shape of vLLM's ``benchmarks/multi_turn`` synthetic conversations.
 
     Every conversation's first user message starts with a prefix common to all
@@ -611,6 +636,7 @@ class MultiTurnWorkload(_ChatLike):
     output never comes back."""
 
     name = "multi-turn"
+    rid_prefix = "mt"
     default_concurrency = 12
     defaults = {
         "sessions": 48, "turns": 9, "min_turns": 6, "prefix_len": 500, "session_prefix_len": 1000,
@@ -632,24 +658,6 @@ class MultiTurnWorkload(_ChatLike):
                 )
             )  # fmt: skip
         return out
-
-    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
-        s, t = spec.meta["session_index"], spec.turn + 1
-        if t >= spec.meta["turns"]:
-            return []
-        rng = self.rng("user", s, t)
-        user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
-        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [{"role": "user", "content": user}])
-        return [
-            RequestSpec(
-                rid=f"mt-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
-                session=spec.session, turn=t, parent=spec.rid, delay_s=self.think(s, t),
-                meta=spec.meta, state=hist,
-            )
-        ]  # fmt: skip
-
-    def expected_requests(self) -> int:
-        return sum(self._turns(s) for s in range(int(self.p["sessions"])))
 
 
 class SWEAgentWorkload(_ChatLike):
@@ -765,13 +773,14 @@ class TreeWorkload(_ChatLike):
         return int(self.p["sessions"]) * per
 
 
-class TenantsWorkload(_ChatLike):
+class TenantsWorkload(_UserTurns):
     """Multi-tenant chat: ``tenants`` long system prompts (Zipf popularity) whose first line
     is volatile — a timestamp that changes every ``volatile_every`` sessions of a tenant, so
     nothing is shared across that line's versions — then short conversations of
     ``min_turns``..``turns`` turns."""
 
     name = "tenants"
+    rid_prefix = "tenant"
     default_concurrency = 24
     defaults = {
         "sessions": 128, "tenants": 16, "volatile_every": 4, "prefix_len": 3000, "prompt_len": 200,
@@ -804,24 +813,6 @@ class TenantsWorkload(_ChatLike):
                 )
             )  # fmt: skip
         return out
-
-    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
-        s, t = spec.meta["session_index"], spec.turn + 1
-        if t >= spec.meta["turns"]:
-            return []
-        rng = self.rng("user", s, t)
-        user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
-        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [{"role": "user", "content": user}])
-        return [
-            RequestSpec(
-                rid=f"tenant-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
-                session=spec.session, turn=t, parent=spec.rid, delay_s=self.think(s, t),
-                meta=spec.meta, state=hist,
-            )
-        ]  # fmt: skip
-
-    def expected_requests(self) -> int:
-        return sum(self._turns(s) for s in range(int(self.p["sessions"])))
 
 
 # ---------------------------------------------------------------------------- independent
