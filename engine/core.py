@@ -118,9 +118,8 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def model_shape(loaded: LoadedModel) -> ModelShape:
+def model_shape(loaded: LoadedModel, spec: CacheSpec) -> ModelShape:
     """The torch-free numbers capacity planning and the cache's value model need."""
-    spec = loaded.model.cache_spec()
     per_token, per_pair = prefill_flops(loaded, spec)
     return ModelShape(
         kv_bytes_per_token=spec.kv_block_bytes(1) if spec.num_attn_layers else 0,
@@ -195,7 +194,7 @@ class EngineCore:
         # each thread gets its own instance.
         self.detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.spec = spec = self.loaded.model.cache_spec()
-        shape = model_shape(self.loaded)
+        shape = model_shape(self.loaded, spec)
         budget = None
         if self.device.type == "cuda":
             tokens, bs = config.scheduler.max_num_batched_tokens, config.cache.block_size
