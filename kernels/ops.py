@@ -19,6 +19,7 @@ Backends:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -100,8 +101,16 @@ def _triton_ops(device: torch.device) -> Ops:
             f"kernels.triton was first imported with TRITON_INTERPRET={'1' if tk.INTERPRET else 'unset'}, but it "
             f"is {'1' if interpret else 'unset'} now; set it before the process imports the Triton kernels"
         )
-    # Same table as the reference with every kernel swapped; the sampler stays torch (a few small
-    # ops on the logits, fine on any device).
+    return _triton_table()
+
+
+@functools.cache
+def _triton_table() -> Ops:
+    """The Triton op table, built once per process (like ``REFERENCE_OPS``, one shared object).
+    Same table as the reference with every kernel swapped; the sampler stays torch (a few small
+    ops on the logits, fine on any device)."""
+    import deltaserve.kernels.triton as tk
+
     return replace(
         REFERENCE_OPS,
         name="triton",
