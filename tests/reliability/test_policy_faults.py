@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import deltaserve.scheduler.scheduler as scheduler_module
-from deltaserve.cache import CacheManager, CacheManagerConfig
 from deltaserve.scheduler import FCFSPolicy, PolicyContext, Request, Scheduler, SchedulingPolicy, make_policy
+from tests.scheduler.test_policies import make_scheduler
 
 
 class Params:
@@ -30,21 +30,6 @@ def req(rid: str, n: int, *, t: float, prio: int = 0, max_tokens: int = 4) -> Re
     r = Request(rid, list(range(base, base + n)), Params(max_tokens), priority=prio)
     r.arrival_time = t
     return r
-
-
-def make_scheduler(
-    policy: SchedulingPolicy, *, blocks: int = 400, seqs: int = 16, budget: int = 512
-) -> Scheduler:
-    cm = CacheManager(
-        CacheManagerConfig(
-            block_size=16,
-            num_kv_blocks=blocks,
-            num_live_slots=seqs,
-            num_checkpoint_slots=8,
-            checkpoint_bytes=1,
-        )
-    )
-    return Scheduler(cm, policy, max_num_seqs=seqs, max_num_batched_tokens=budget)
 
 
 def run(s: Scheduler, reqs: list[Request], max_steps: int = 2000) -> tuple[list[str], list[str], int]:

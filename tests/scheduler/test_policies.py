@@ -12,7 +12,7 @@ import pytest
 from deltaserve.cache import CacheManager, CacheManagerConfig
 from deltaserve.engine import ConfigError, EngineConfig
 from deltaserve.engine.cli import add_config_args, config_from_args
-from deltaserve.scheduler import PolicyContext, Request, Scheduler, make_policy
+from deltaserve.scheduler import PolicyContext, Request, Scheduler, SchedulingPolicy, make_policy
 
 
 class Params:
@@ -146,8 +146,14 @@ def test_bad_config_values_name_key_and_value(overrides: dict[str, Any], message
 
 # ---------------------------------------------------------------------- scheduler simulation
 def make_scheduler(
-    policy: str = "fcfs", *, blocks: int = 400, seqs: int = 16, budget: int = 512, **opts: Any
+    policy: str | SchedulingPolicy = "fcfs",
+    *,
+    blocks: int = 400,
+    seqs: int = 16,
+    budget: int = 512,
+    **opts: Any,
 ) -> Scheduler:
+    """Real Scheduler + CacheManager (torch-free) with a policy given by name or instance."""
     cm = CacheManager(
         CacheManagerConfig(
             block_size=16,
@@ -157,7 +163,8 @@ def make_scheduler(
             checkpoint_bytes=1,
         )
     )
-    return Scheduler(cm, make_policy(policy, opts), max_num_seqs=seqs, max_num_batched_tokens=budget)
+    chosen = make_policy(policy, opts) if isinstance(policy, str) else policy
+    return Scheduler(cm, chosen, max_num_seqs=seqs, max_num_batched_tokens=budget)
 
 
 def sim_step(s: Scheduler, finished: list[Request]) -> Any:
