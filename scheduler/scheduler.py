@@ -244,6 +244,10 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         assert victim.cache is not None
+        if victim.token_ids and victim.token_ids[-1] < 0:
+            # the engine's async scheduling: a sampled token still on its way (a negative
+            # placeholder) is no token to recompute or hash; the engine appends it on arrival
+            victim.token_ids.pop()
         self.cache.free(victim.cache, publish_output=True)
         victim.cache = None
         victim.num_computed_tokens = 0
