@@ -743,8 +743,10 @@ class EngineCore:
         outputs = [
             self._fail(s.request, "cache commit failed", error)
             for s in out.seqs
-            if s.request.status is not RequestStatus.FINISHED
+            # (async scheduling: a deferred request has had its final output; it ends below)
+            if s.request.status is not RequestStatus.FINISHED and s.request not in self._deferred
         ]
+        self._apply_deferred()
         self.scheduler.check_integrity()  # AssertionError: corrupt cache -> the engine loop dies
         return outputs
 

@@ -220,6 +220,33 @@ def test_a_failed_step_ends_its_requests_and_the_next_steps(
         assert summary(again[rid]) == summary(ref[rid]), rid
 
 
+def test_a_commit_that_raises_spares_a_request_already_ended(core_factory: Callable[..., EngineCore]) -> None:
+    """Step 3's early commit raises while ``short`` (finished by step 2's token, in step 3
+    already) waits to end: ``short`` keeps its one ``length`` output, ``long`` ends with
+    ``error``, nothing leaks."""
+    ps = prompts(7, (30, 40))
+    core = core_factory(**ASYNC)
+    real = core.cache.commit_step
+    calls = {"n": 0}
+
+    def commit(plan: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected commit fault")
+        real(plan)
+
+    core.cache.commit_step = commit  # type: ignore[method-assign]
+    core.add_request(core.make_request(ps[0], greedy(2), request_id="short"))
+    core.add_request(core.make_request(ps[1], greedy(8), request_id="long"))
+    outs = run_to_completion(core)
+    ref = serve(core_factory(), [[("short", ps[0], greedy(2))]])
+    assert summary(outs["short"]) == summary(ref["short"])
+    assert summary(outs["long"])[2] == "error"
+    assert "cache commit failed" in (outs["long"][-1].error or "")
+    assert not core.states and core.cache.tree.num_pinned == 0
+    core.close()
+
+
 async def test_async_engine_with_overlap_matches_plain(core_factory: Callable[..., EngineCore]) -> None:
     """Through ``AsyncEngine``: staggered arrivals, one consumer that leaves early (abort)."""
     ps = prompts(6, (3, 30, 64, 100, 150))
