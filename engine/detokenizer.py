@@ -145,7 +145,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         texts = self._texts
-        if texts is not None and len(token_ids) == 1 and not self._utf8.buffer:
+        if texts is not None and self._table is not None and len(token_ids) == 1 and not self._utf8.buffer:
             # the common step (byte-level vocabulary, one token, no partial character pending):
             # the token's own text, when it is complete UTF-8
             t = token_ids[0]
