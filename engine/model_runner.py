@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.kernels import Ops
 from deltaserve.kernels.sampler import apply_min_p, apply_penalties, compute_logprobs
@@ -50,6 +51,8 @@ class RunnerSizes:
     block_size: int
     num_live_slots: int
     num_checkpoint_slots: int
+    num_host_kv_blocks: int = 0
+    num_host_checkpoint_slots: int = 0
 
     @property
     def num_state_slots(self) -> int:
@@ -71,6 +74,22 @@ class ModelRunner:
             device,
         )
         self.default_generator = torch.Generator(device=device)
+        self.host: HostPool | None = None
+        if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots:
+            self.host = HostPool(
+                self.spec,
+                sizes.num_host_kv_blocks if self.spec.num_attn_layers else 0,
+                sizes.block_size,
+                sizes.num_host_checkpoint_slots if self.spec.num_gdn_layers else 0,
+                device,
+            )
+
+    def transfer(self, out: SchedulerOutput) -> list[Failure]:
+        """The step's copies between the device and host tiers (before its forward); the
+        ones that failed, with their error. Never raises."""
+        if self.host is None:
+            return []
+        return self.host.transfer(out.plan, self.caches)
 
     @staticmethod
     @torch.inference_mode()
@@ -172,6 +191,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, states: Mapping[str, RequestState]) -> list[int | None]:
         """Run one step; the sampled token per scheduled seq (None where none is due)."""
+        if self.host is not None:
+            self.host.wait()  # loads of earlier steps have landed before anything reads them
         batch, sample_seq = self.build_batch(out)
         self._copy_states(out.plan.restores)
         logits = self.model.forward(batch, self.caches)
