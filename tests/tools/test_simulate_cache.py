@@ -253,7 +253,9 @@ def test_host_tier_flags_raise_hits_and_cost_time(capsys: pytest.CaptureFixture[
     common = ["--workload", "chat", "--num-requests", "24", "--policies", "default,oracle", "--check",
               "--kv-mb", "48", "--checkpoint-slots", "2", "--checkpoint-bytes", str(2 * 1024**2)]  # fmt: skip
     device = main(common)["workloads"]["chat"]["results"]
-    host = main([*common, "--host-kv-mb", "512", "--host-checkpoint-mb", "64"])["workloads"]["chat"]["results"]
+    host = main([*common, "--host-kv-mb", "512", "--host-checkpoint-mb", "64"])["workloads"]["chat"][
+        "results"
+    ]
     slow = main([*common, "--host-kv-mb", "512", "--host-checkpoint-mb", "64", "--h2d-gbps", "0.01"])
     assert "host tier KV 512 MiB" in capsys.readouterr().out
     assert host[0]["hit_tokens_host"] > 0 and host[0]["host_bytes_moved"] > 0
