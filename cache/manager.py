@@ -497,6 +497,25 @@ class CacheManager:
         for item in plan.items:
             item.seq.pending_tracking_boundary = 0
 
+    def discard_written(self, blocks: Collection[int], slots: Collection[int]) -> int:
+        """Drop every cached entry held in ``blocks`` (KV block ids) or ``slots`` (checkpoint
+        slots); the number dropped.
+
+        For a step whose plan was committed before its forward ran (the engine's async
+        scheduling) and whose forward then failed: what that commit published was never
+        written. The step's requests (and any admitted onto its results) must have ended
+        first, so nothing pins these entries; nodes go deepest first (a KV node published by
+        the step has only such nodes below it).
+        """
+        blocks, slots = set(blocks), set(slots)
+        nodes = [n for n in self.tree.nodes() if n.block_id in blocks or n.checkpoint_slot in slots]
+        for node in sorted(nodes, key=lambda n: -n.depth):
+            if node.checkpoint_slot is not None:
+                self.ckpts.drop(node)
+            if node.block_id in blocks:
+                self.kv.remove_leaf(node)
+        return len(nodes)
+
     def publish(self, seq: SeqCache, token_ids: Sequence[int], num_computed: int) -> None:
         """Insert the request's newly full, computed blocks into the tree (and pin them)."""
         if self.enabled:

@@ -20,7 +20,14 @@ def plan_captures(
     items: Sequence[StepItem], policy: AdmissionPolicy, *, unit: int, interval: int
 ) -> list[CaptureCandidate]:
     wanted: list[CaptureCandidate] = []
+    # A decode proposes no prefill boundary, and the base output rule needs the decode to end on
+    # a unit boundary: the other decodes (almost all, in a decode-heavy step) are skipped
+    # without building a context for them.
+    base_output = type(policy).output_boundary is AdmissionPolicy.output_boundary
+    track = policy.track_output
     for idx, item in enumerate(items):
+        if item.is_decode and base_output and (not track or item.end % unit or item.end <= item.start):
+            continue
         ctx = CaptureContext(
             start=item.start,
             end=item.end,

@@ -134,6 +134,8 @@ class PrefixIndex:
 
     def publish(self, seq: SeqCache, token_ids: Sequence[int], num_computed: int) -> None:
         """Insert the request's newly full, computed blocks into the tree (and pin them)."""
+        if num_computed // self.block_size <= len(seq.nodes):
+            return  # no newly full block (most decode steps): nothing to hash or insert yet
         hashes = self.extend_hashes(token_ids, seq.salt, seq.hashes)
         tree = self.tree
         for i in range(len(seq.nodes), num_computed // self.block_size):

@@ -224,6 +224,11 @@ class AsyncEngine:
                 # the loop died (perhaps of a corrupt cache): its requests were already ended
                 log.exception("engine.shutdown_cleanup_failed")
         self._resolve_pending(EngineDeadError("engine shut down"))
+        if self.core is not None:
+            # the forward worker of async scheduling (abort_all above finished the step in flight;
+            # after a dead loop, whatever is left is not worth another error)
+            with contextlib.suppress(Exception) if self._dead is not None else contextlib.nullcontext():
+                self.core.close()
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> AsyncEngine:
@@ -490,8 +495,9 @@ class AsyncEngine:
                 self._window["steps"] += 1
                 self._window["tokens"] += len(outputs)
                 self._maybe_log()
-                if core.scheduler.step_count == steps_before:
-                    # requests wait but none could be scheduled: do not spin
+                if core.scheduler.step_count == steps_before and not outputs:
+                    # requests wait but none could be scheduled (with async scheduling: nor was
+                    # a step in flight to finish): do not spin
                     self._wakeup.clear()
                     await self._idle(_IDLE_RETRY_S)
                 # Otherwise go straight on to the next step: consumers (an SSE writer, say)

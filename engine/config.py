@@ -94,6 +94,7 @@ def _section_name(cls: type) -> str:
         "SchedulerConfig": "scheduler",
         "KernelsConfig": "kernels",
         "LoggingConfig": "logging",
+        "EngineLoopConfig": "engine",
     }.get(cls.__name__, cls.__name__)
 
 
@@ -291,6 +292,19 @@ class KernelsConfig(_Section):
     ] = KernelBackend.AUTO
 
 
+class EngineLoopConfig(_Section):
+    """``[engine]``: how the engine loop runs its steps."""
+
+    async_scheduling: Annotated[
+        bool,
+        _doc(
+            "Overlap the host work with the model: schedule and prepare step N+1, and process step N's "
+            "outputs, while step N's forward runs on a worker thread (its sampled tokens reach step N+1 on "
+            "the device). Same outputs as off; pays on a GPU, may not on a CPU. See docs/architecture.md."
+        ),
+    ] = False
+
+
 class LoggingConfig(_Section):
     """``[logging]``: what the engine logs. The application configures where logs go."""
 
@@ -311,7 +325,7 @@ class LoggingConfig(_Section):
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole engine configuration: ``[model]``, ``[cache]``, ``[scheduler]``, ``[kernels]``,
-    ``[logging]`` (every key: docs/config.md).
+    ``[engine]``, ``[logging]`` (every key: docs/config.md).
 
     Build it with ``EngineConfig.load(path, overrides)`` (TOML/JSON/YAML), ``from_dict``, or
     in code (``EngineConfig(cache=CacheConfig(block_size=32))``); all three validate and
@@ -323,6 +337,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     kernels: KernelsConfig = msgspec.field(default_factory=KernelsConfig)
+    engine: EngineLoopConfig = msgspec.field(default_factory=EngineLoopConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
@@ -331,6 +346,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("cache", CacheConfig),
             ("scheduler", SchedulerConfig),
             ("kernels", KernelsConfig),
+            ("engine", EngineLoopConfig),
             ("logging", LoggingConfig),
         ):
             if not isinstance(getattr(self, name), cls):
@@ -452,6 +468,7 @@ def _field_type(section: str, key: str) -> Any:
         "cache": CacheConfig,
         "scheduler": SchedulerConfig,
         "kernels": KernelsConfig,
+        "engine": EngineLoopConfig,
         "logging": LoggingConfig,
     }.get(section)
     if cls is None:
@@ -473,7 +490,9 @@ def _explain(message: str, data: dict[str, Any]) -> str:
     if unknown:
         key = ".".join(p for p in (where, unknown.group(1)) if p)
         return f"{key}: unknown key"
-    if reason.startswith(tuple(f"{s}." for s in ("model", "cache", "scheduler", "kernels", "logging"))):
+    if reason.startswith(
+        tuple(f"{s}." for s in ("model", "cache", "scheduler", "kernels", "engine", "logging"))
+    ):
         return reason  # a ConfigError message from a section's check, wrapped by msgspec
     node: Any = data
     for part in where.split(".") if where else []:

@@ -7,6 +7,30 @@ thread-safe: its owner calls ``add_request``/``abort_request`` only between step
 Nothing is lost: every admitted request ends with exactly one finished ``RequestOutput``
 (``stop``, ``length``, ``abort`` or ``error`` with a message), and every block and slot
 returns to its pool.
+
+**Async scheduling** (``engine.async_scheduling = true``; docs/architecture.md, "The step
+loop"). The forward runs on a worker thread (one step at a time, in order: on CUDA it only
+enqueues kernels), and each ``step()`` call does, on the caller's thread::
+
+    commit N ahead   scheduler.update(N, placeholders): N's plan is committed although N's
+                     forward may still run; each request that samples in N gets the
+                     placeholder -(row + 1) as its next token
+    end deferred     requests that finished (stop, abort, error) while N was in flight
+    schedule N+1     as if every decode got its token: a placeholder is a token to compute
+    prepare N+1      host tensors; then hand N+1 to the worker, whose input ids for the
+                     placeholders are read from N's sampled-token tensor on the device
+    process N        wait for N's tokens (the only wait), fill the placeholders in, then
+                     detokenize, check stops and build outputs while N+1 runs
+
+so ``step()`` returns step N's outputs while N+1 is in flight. Committing ahead is safe
+because every later reader of what N publishes (a prefix hit, a restore) is a later step,
+which the worker (or the CUDA stream) runs after N. A request found finished in N is in N+1
+already: it ends once N+1 is committed, and its token from N+1 is discarded (its blocks and
+slots are released then; the extra token's KV is real output and may stay cached). The
+failure rules stay local: a failed prepare ends that step's requests; a forward that fails
+on the worker ends its step's requests and those of the step after it (scheduled on its
+results, refused by the worker), and ``CacheManager.discard_written`` drops what its early
+commit published. With it off, ``step()`` is the plain schedule → execute → update → outputs.
 """
 
 from __future__ import annotations
@@ -17,6 +41,8 @@ import itertools
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +56,14 @@ from deltaserve.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
-from deltaserve.engine.model_runner import ModelRunner, RequestState, RunnerSizes
+from deltaserve.engine.model_runner import (
+    ModelRunner,
+    PreparedStep,
+    RequestState,
+    RunnerSizes,
+    StepResult,
+    plain_greedy,
+)
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.sizing import Capacity, ModelShape, build_scheduler, plan_capacity
@@ -167,6 +200,21 @@ def _cuda_cache_budget(config: EngineConfig, runner_probe: Any, device: torch.de
     return budget
 
 
+class _StepSkipped(RuntimeError):
+    """The forward worker refused a step: the step before it failed, and this one was scheduled
+    on that step's (never produced) results."""
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step handed to the forward worker (async scheduling), its plan not yet committed."""
+
+    out: SchedulerOutput
+    prep: PreparedStep
+    future: Future[StepResult]
+    requests: set[Request]  # the step's requests (identity set)
+
+
 class EngineCore:
     """The synchronous engine: ``make_request`` / ``add_request`` / ``step`` / ``abort_request``.
 
@@ -231,6 +279,21 @@ class EngineCore:
         self._ids = itertools.count()
         # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
         self.states: dict[str, RequestState] = {}
+        # async scheduling (module docstring): the step on the forward worker, requests to end
+        # once it has left flight, and the worker that runs the forwards one at a time, in order
+        self.async_scheduling = config.engine.async_scheduling
+        if self.async_scheduling and (
+            self.capacity.num_host_kv_blocks or self.capacity.num_host_checkpoint_slots
+        ):
+            # the overlapped loop does not run the host tier's copies yet
+            raise ConfigError(
+                "engine.async_scheduling = true with a host tier (cache.host_kv_cache_bytes / "
+                "cache.host_checkpoint_pool_bytes) is not supported yet; turn one of them off"
+            )
+        self._flight: _InFlight | None = None
+        self._deferred: dict[Request, tuple[str, bool]] = {}  # request -> (reason, publish_output)
+        self._worker: ThreadPoolExecutor | None = None  # started on first use, stopped by close()
+        self._worker_broken = False  # a step failed on the worker: it refuses the next until reset
         self.counters = {
             "requests.finished": 0,
             "requests.aborted": 0,
@@ -438,6 +501,7 @@ class EngineCore:
             detokenizer=IncrementalDetokenizer(self.detok_tokenizer, params.stop),
             stop_ids=stop_ids,
             generator=generator,
+            plain_greedy=plain_greedy(params),
         )
 
     def check_capacity(self, pending: int = 0) -> None:
@@ -458,18 +522,52 @@ class EngineCore:
         self.counters["tokens.prompt"] += req.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort(request_id)
-        if req is None:
+        """Abort a queued or running request; its final output (``abort``), or None if there is
+        no such request. With async scheduling a request in the step in flight ends once that
+        step is committed (its token from that step is discarded); the output is returned now."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req in self._deferred:
             return None
+        self._end(req, "abort", publish_output=False)
         self.counters["requests.aborted"] += 1
         return self._final_output(req, "abort", [], "")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._flight is not None
+
+    def _end(self, req: Request, reason: str, *, publish_output: bool = True) -> None:
+        """Finish ``req`` (its blocks and slots go back), or — while it is in the step on the
+        forward worker, whose plan the cache still holds — as soon as that step is committed."""
+        if self._flight is not None and req in self._flight.requests:
+            self._deferred[req] = (reason, publish_output)
+        else:
+            self.scheduler.finish(req, reason, publish_output=publish_output)
+
+    def _apply_deferred(self) -> None:
+        """End the requests that waited for their step to leave flight (it has)."""
+        deferred, self._deferred = self._deferred, {}
+        for req, (reason, publish_output) in deferred.items():
+            self.scheduler.finish(req, reason, publish_output=publish_output)
+
+    def close(self) -> None:
+        """Stop the forward worker thread (async scheduling), after the step in flight has been
+        processed (its outputs are dropped: call ``abort_all`` first to get them). Idempotent;
+        a later ``step`` starts the worker again."""
+        self._drain()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, apply results; the outputs produced by this step."""
+        """Schedule, run the model, apply results; the outputs produced by this step.
+
+        With ``engine.async_scheduling`` the outputs are those of the step before (see the
+        module docstring): the first call returns none, and ``has_work`` stays true until
+        the last step in flight has been processed.
+        """
+        if self.async_scheduling:
+            return self._step_async()
         out = self.scheduler.schedule()
         if out is None:
             return []
@@ -495,14 +593,159 @@ class EngineCore:
         except Exception as e:
             return outputs + self._recover_failed_update(out, e)
         self.counters["tokens.computed"] += out.num_tokens
+        process = self._process_token
         for s, token in zip(out.seqs, sampled, strict=True):
-            if token is None:
+            if token is not None:
+                try:
+                    outputs.append(process(s.request, token))
+                except Exception as e:  # detokenizer / stop check of one request: that request ends
+                    outputs.append(self._output_failed(s.request, e))
+        return outputs
+
+    def _output_failed(self, req: Request, error: Exception) -> RequestOutput:
+        """Detokenizing or stop-checking ``req``'s token raised: only that request ends."""
+        log.error("request.output_failed", request_id=req.request_id, error=repr(error))
+        return self._fail(req, "output processing failed", error)
+
+    # ------------------------------------------------------------------ async scheduling
+    def _step_async(self) -> list[RequestOutput]:
+        """One turn of the overlapped loop: commit step N (on the worker) ahead of its result,
+        schedule and launch N+1, then process N's tokens while N+1 runs."""
+        outputs: list[RequestOutput] = []
+        prev, self._flight = self._flight, None
+        if prev is not None and not self._commit_ahead(prev, outputs):
+            prev = None  # its commit failed: that step's requests have ended
+        self._apply_deferred()
+        out = self.scheduler.schedule()
+        if out is not None:
+            self._flight = self._submit(out, prev, outputs)
+        if prev is not None:
+            self._process_result(prev, outputs)
+        return outputs
+
+    def _commit_ahead(self, flight: _InFlight, outputs: list[RequestOutput]) -> bool:
+        """Commit step N's plan before its result is known (the forward may still run): every
+        request that samples in N gets the placeholder of its row (``model_runner``), so the
+        scheduler sees it decoding. False when the commit raised (handled like a failed commit,
+        once the step has finished on the worker)."""
+        out = flight.out
+        placeholders: list[int | None] = [None] * len(out.seqs)
+        for row, i in enumerate(flight.prep.sample_seq):
+            if out.seqs[i].request not in self._deferred:
+                placeholders[i] = -(row + 1)
+        try:
+            self.scheduler.update(out, placeholders)
+        except Exception as e:
+            # the forward is running into slots this recovery may free: let it finish first
+            with contextlib.suppress(Exception):
+                flight.future.result()
+            outputs += self._recover_failed_update(out, e)
+            if flight.future.exception() is not None:
+                self._discard_written(flight)
+            self._worker_broken = False
+            return False
+        self.counters["tokens.computed"] += out.num_tokens
+        return True
+
+    def _submit(
+        self, out: SchedulerOutput, prev: _InFlight | None, outputs: list[RequestOutput]
+    ) -> _InFlight | None:
+        """Prepare step ``out`` on this thread and hand it to the forward worker; None (and its
+        requests ended) if preparing it failed."""
+        try:
+            prep = self.runner.prepare(out, self.states, placeholder_step=prev.out.step if prev else -1)
+        except Exception as e:
+            self.counters["steps.failed"] += 1
+            log.error("step.failed", error=repr(e), requests=[s.request.request_id for s in out.seqs])
+            failed = self.scheduler.fail_step(out)
+            outputs += [self._fail(r, "model step failed", e, finish=False) for r in failed]
+            return None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-forward")
+        future = self._worker.submit(self._launch, prep)
+        return _InFlight(out, prep, future, {s.request for s in out.seqs})
+
+    def _launch(self, prep: PreparedStep) -> StepResult:
+        """On the forward worker: run one step, unless the one before it failed."""
+        if self._worker_broken:
+            raise _StepSkipped(f"step {prep.out.step} follows a failed step")
+        try:
+            return self.runner.launch(prep)
+        except BaseException:
+            self._worker_broken = True
+            raise
+
+    def _process_result(self, flight: _InFlight, outputs: list[RequestOutput]) -> None:
+        """Step N's tokens: fill the placeholders, then detokenize, check stops and build
+        outputs (the next step runs meanwhile). A request that ended while N was in flight has
+        its token discarded."""
+        try:
+            result = flight.future.result()
+            tokens = result.token_list()
+        except Exception as e:
+            outputs += self._recover_failed_async(flight, e)
+            return
+        seqs = flight.out.seqs
+        finished = RequestStatus.FINISHED
+        deferred = self._deferred
+        logprobs = result.logprobs
+        for row, i in enumerate(flight.prep.sample_seq):
+            req = seqs[i].request
+            if req.status is finished or req in deferred:
                 continue
+            token = tokens[row]
+            ids = req.token_ids
+            if ids[-1] == -(row + 1):
+                ids[-1] = token
+            else:  # preempted while in flight: its placeholder was dropped, the token goes on
+                ids.append(token)
+            if logprobs is not None and logprobs[row] is not None:
+                self.states[req.request_id].logprobs.append(logprobs[row])  # type: ignore[arg-type]
             try:
-                outputs.append(self._process_token(s.request, token))
+                outputs.append(self._process_token(req, token))
             except Exception as e:  # detokenizer / stop check of one request: that request ends
-                log.error("request.output_failed", request_id=s.request.request_id, error=repr(e))
-                outputs.append(self._fail(s.request, "output processing failed", e))
+                outputs.append(self._output_failed(req, e))
+
+    def _recover_failed_async(self, flight: _InFlight, error: Exception) -> list[RequestOutput]:
+        """Step N failed on the worker after its plan was committed. It ends N's requests and
+        those of step N+1 (scheduled on N's results, refused by the worker), and drops what N's
+        commit published: KV blocks and checkpoints its forward never wrote."""
+        self.counters["steps.failed"] += 1
+        log.error("step.failed", error=repr(error), requests=[s.request.request_id for s in flight.out.seqs])
+        outputs: list[RequestOutput] = []
+        nxt, self._flight = self._flight, None
+        if nxt is not None:
+            with contextlib.suppress(Exception):
+                nxt.future.result()  # refused, or ran: either way it is over before we free
+            self.counters["steps.failed"] += 1
+            for req in self.scheduler.fail_step(nxt.out):
+                if self._deferred.pop(req, None) is None:  # (a deferred one has its output)
+                    outputs.append(self._fail(req, "model step failed", error, finish=False))
+        for s in flight.out.seqs:
+            if s.request.status is not RequestStatus.FINISHED:
+                outputs.append(self._fail(s.request, "model step failed", error))
+        self._apply_deferred()
+        self._discard_written(flight)
+        self._worker_broken = False
+        return outputs
+
+    def _discard_written(self, flight: _InFlight) -> None:
+        """Drop the cache entries whose contents a failed step was to write (committed ahead)."""
+        bs = self.cache.block_size
+        blocks, slots = self.runner.written(flight.prep, bs)
+        dropped = self.cache.discard_written(blocks, slots)
+        if dropped:
+            log.warning("step.cache_discarded", step=flight.out.step, entries=dropped)
+
+    def _drain(self) -> list[RequestOutput]:
+        """Finish the step in flight (async scheduling) without starting another."""
+        outputs: list[RequestOutput] = []
+        while self._flight is not None:
+            prev, self._flight = self._flight, None
+            if self._commit_ahead(prev, outputs):
+                self._apply_deferred()
+                self._process_result(prev, outputs)
+        self._apply_deferred()
         return outputs
 
     def _recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -519,29 +762,34 @@ class EngineCore:
         outputs = [
             self._fail(s.request, "cache commit failed", error)
             for s in out.seqs
-            if s.request.status is not RequestStatus.FINISHED
+            # (async scheduling: a deferred request has had its final output; it ends below)
+            if s.request.status is not RequestStatus.FINISHED and s.request not in self._deferred
         ]
+        self._apply_deferred()
         self.scheduler.check_integrity()  # AssertionError: corrupt cache -> the engine loop dies
         return outputs
 
     def _fail(self, req: Request, what: str, error: BaseException, *, finish: bool = True) -> RequestOutput:
         """End ``req`` with ``finish_reason="error"``, releasing its blocks and slots."""
         if finish:
-            self.scheduler.finish(req, "error", publish_output=False)
+            self._end(req, "error", publish_output=False)
         self.counters["requests.failed"] += 1
         return self._final_output(req, "error", [], "", error=f"{what}: {type(error).__name__}: {error}")
 
     def _process_token(self, req: Request, token: int) -> RequestOutput:
-        params: SamplingParams = req.sampling_params
+        """Detokenize one new token of ``req`` (already in ``req.token_ids``), check its stop
+        conditions, and build its output; a request that stops ends here."""
         self.counters["tokens.generated"] += 1
         state = self.states[req.request_id]
         detok = state.detokenizer
         text = detok.add([token])
-        n_out = req.num_output_tokens
+        params: SamplingParams = req.sampling_params
+        num_tokens = len(req.token_ids)
+        n_out = num_tokens - len(req.prompt_token_ids)
         reason: str | None = None
-        if n_out >= params.min_tokens and (token in state.stop_ids or detok.stopped):
+        if (token in state.stop_ids or detok.stopped) and n_out >= params.min_tokens:
             reason = "stop"
-        if reason is None and (n_out >= params.max_tokens or req.num_tokens >= self.max_model_len):
+        elif n_out >= params.max_tokens or num_tokens >= self.max_model_len:
             reason = "length"
         logprobs = None
         if params.logprobs is not None:  # filled by the runner when it sampled the token
@@ -551,12 +799,12 @@ class EngineCore:
                 request_id=req.request_id,
                 token_ids=[token],
                 text=text,
-                num_prompt_tokens=req.num_prompt_tokens,
+                num_prompt_tokens=len(req.prompt_token_ids),
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 logprobs=logprobs,
             )
         text += detok.flush()
-        self.scheduler.finish(req, reason)
+        self._end(req, reason)
         self.counters["requests.finished"] += 1
         return self._final_output(req, reason, [token], text, logprobs=logprobs)
 
@@ -595,6 +843,8 @@ class EngineCore:
         return out
 
     def abort_all(self) -> list[RequestOutput]:
-        """Abort every request still queued or running (engine exit); their final outputs."""
+        """Abort every request still queued or running (engine exit); their final outputs (with
+        async scheduling, first those of the step in flight, which is finished first)."""
+        drained = self._drain()
         outs = [self.abort_request(rid) for rid in list(self.scheduler.requests)]
-        return [o for o in outs if o is not None]
+        return drained + [o for o in outs if o is not None]

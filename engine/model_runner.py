@@ -1,30 +1,48 @@
 """Model runner: the one place a ``SchedulerOutput`` becomes tensors.
 
 It owns the cache tensors (paged KV per attention layer, state slots per GDN layer), builds
-``BatchMetadata`` (docs/contracts.md), and runs one step:
+``BatchMetadata`` (docs/contracts.md), and runs one step in two halves:
 
-1. restore copies (checkpoint slot -> live slot) planned by the cache manager;
-2. the model forward (decodes first, then prefill segments; prefill captures are written
+``prepare`` (host only; with async scheduling the engine thread runs it while the previous
+step's forward is still running): every field of the batch is computed with numpy from one
+pass over the scheduled sequences (no per-token Python) and packed into **one** int64 host
+buffer, so it reaches the device in one copy.
+
+``launch`` (the device half; with async scheduling it runs on the forward worker thread):
+
+1. the buffer to the device (CPU: zero-copy views), placeholder input ids resolved (below);
+2. restore copies (checkpoint slot -> live slot) planned by the cache manager;
+3. the model forward (decodes first, then prefill segments; prefill captures are written
    by the kernels straight into their reserved slots);
-3. decode-time output tracking copies (live slot -> tracking slot);
-4. sampling, only for sequences whose piece reaches the end of their known tokens: raw
-   log-probabilities first for requests that asked for them (``SamplingParams.logprobs``),
-   then penalties and min-p on the rows that use them (``kernels/sampler.py``), then the
-   ``sample`` op.
+4. decode-time output tracking copies (live slot -> tracking slot);
+5. sampling, only for sequences whose piece reaches the end of their known tokens. When
+   every such row is plain greedy (no penalties, min-p or log-probabilities) it is one
+   ``argmax`` — the sampler's greedy rows, without building per-row parameter tensors;
+   otherwise raw log-probabilities for requests that asked, then penalties and min-p on the
+   rows that use them (``kernels/sampler.py``), then the ``sample`` op.
+
+**Placeholders.** With async scheduling the engine schedules step N+1 before it has step N's
+sampled tokens: a request that samples in step N gets the placeholder ``-(j + 1)`` appended
+(``j``: its row among step N's sampled rows), and step N+1's input id for it is read on the
+device from step N's token tensor (``StepResult.tokens``), never through Python. The runner
+keeps the last step it ran for that; ``launch`` checks the step ids match.
 
 Only this module (and the models it calls) touch torch on the engine side.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from deltaserve.kernels import Ops
 from deltaserve.kernels.sampler import apply_min_p, apply_penalties, compute_logprobs
 from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
@@ -43,6 +61,76 @@ class RequestState:
     # log-probabilities of the tokens sampled since the engine last took them (logprobs requests)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_ids: torch.Tensor | None = None  # the prompt as a tensor, built once (repetition penalty)
+    # greedy with nothing before the argmax (``plain_greedy(params)``): a batch of only such
+    # rows samples with one argmax
+    plain_greedy: bool = False
+
+
+@dataclass(eq=False)
+class PreparedStep:
+    """One step's inputs, built on the host by ``ModelRunner.prepare`` and run by ``launch``.
+
+    ``host`` packs every index field of the batch (int64, CPU); ``offsets`` delimit them in
+    ``_device_batch``'s order. The sampling fields are None when every row is plain greedy.
+    """
+
+    out: SchedulerOutput
+    host: torch.Tensor
+    offsets: list[int]
+    num_seqs: int
+    num_decodes: int
+    width: int  # block-table columns
+    sample_seq: list[int]  # scheduled-seq index of each logits row
+    requests: list[Request]  # the request of each logits row
+    num_placeholders: int = 0
+    placeholder_step: int = -1  # the step whose tokens the placeholders stand for
+    params: list[SamplingParams] | None = None
+    row_states: list[RequestState] | None = None
+    output_ids: list[list[int]] | None = None  # per row: output ids its penalties count
+
+
+class StepResult:
+    """What ``launch`` gives back: the sampled tokens on the device (one per logits row) and,
+    for rows that asked, their log-probabilities. ``token_list`` brings the tokens to the host
+    (on CUDA through an asynchronous copy into pinned memory; it waits for that copy only)."""
+
+    def __init__(self, step: int, tokens: torch.Tensor, logprobs: list[TokenLogprob | None] | None) -> None:
+        self.step = step
+        self.tokens = tokens
+        self.logprobs = logprobs
+        self._list: list[int] | None = None
+        self._event: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    def token_list(self) -> list[int]:
+        """The sampled tokens as ints, in logits-row order (waits for the device copy)."""
+        if self._list is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._list = self._host.tolist()
+        return self._list
+
+    def per_seq(
+        self, prep: PreparedStep, states: Mapping[str, RequestState] | None = None
+    ) -> list[int | None]:
+        """The token of each scheduled sequence (None where none was due). With ``states``,
+        log-probabilities are appended to the requests' states first."""
+        sampled: list[int | None] = [None] * prep.num_seqs
+        tokens = self.token_list()
+        for i, t in zip(prep.sample_seq, tokens, strict=True):
+            sampled[i] = t
+        if states is not None and self.logprobs is not None:
+            for r, lp in zip(prep.requests, self.logprobs, strict=True):
+                st = states.get(r.request_id)
+                if lp is not None and st is not None:
+                    st.logprobs.append(lp)
+        return sampled
 
 
 @dataclass
@@ -74,6 +162,7 @@ class ModelRunner:
             device,
         )
         self.default_generator = torch.Generator(device=device)
+        self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
         self.host: HostPool | None = None
         if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots:
             self.host = HostPool(
@@ -127,90 +216,244 @@ class ModelRunner:
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def build_batch(self, out: SchedulerOutput) -> tuple[BatchMetadata, list[int]]:
-        """BatchMetadata for the step, and the scheduled-seq index of each logits row."""
+    # ------------------------------------------------------------------ host side
+    def prepare(
+        self,
+        out: SchedulerOutput,
+        states: Mapping[str, RequestState] | None = None,
+        *,
+        all_greedy: bool = False,
+        placeholder_step: int = -1,
+    ) -> PreparedStep:
+        """The step's inputs, built on the host (no device work: the engine thread runs this
+        while the previous step's forward is still running).
+
+        ``states``: the requests' engine-side state (generators, the repetition-penalty prompt
+        tensor), needed unless every sampled row is plain greedy; ``all_greedy`` says so
+        without looking (the engine keeps count). ``placeholder_step``: the step whose sampled
+        tokens the placeholders in this step's input ids stand for (async scheduling).
+        """
         bs = self.sizes.block_size
-        input_ids: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        state_slots: list[int] = []
-        has_init: list[bool] = []
-        logits_rows: list[int] = []
-        sample_seq: list[int] = []
-        tables: list[list[int]] = []
-        for i, s in enumerate(out.seqs):
-            req = s.request
-            assert req.cache is not None
-            table = req.cache.block_table
-            input_ids.extend(req.token_ids[s.start : s.end])
-            cu.append(cu[-1] + s.end - s.start)
-            seq_lens.append(s.end)
-            state_slots.append(req.cache.state_slot)
-            has_init.append(s.start > 0)
-            tables.append(table[: -(-s.end // bs)])
-            if s.samples:
-                logits_rows.append(cu[-1] - 1)
-                sample_seq.append(i)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        block_tables = self._tensor(padded).view(len(tables), width)
-        # Positions and flat KV slots of every token, vectorised (no per-token Python):
-        # token j of segment b sits at start_b + j, in block block_tables[b, pos // bs].
-        cu_t = self._tensor(cu)
-        lens = cu_t[1:] - cu_t[:-1]
-        seq_index = torch.repeat_interleave(torch.arange(len(tables), device=self.device), lens)
-        starts = self._tensor([s.start for s in out.seqs])
-        positions = starts[seq_index] + torch.arange(cu[-1], device=self.device) - cu_t[:-1][seq_index]
+        seqs = out.seqs
+        n = len(seqs)
+        nd = out.num_decodes
+        # Per-sequence scalars: one list comprehension per field, then one array per field.
+        starts = np.array([s.start for s in seqs], dtype=np.int64)
+        ends = starts + 1  # a decode computes one token
+        if nd < n:
+            ends[nd:] = [s.end for s in seqs[nd:]]
+        caches = [s.request.cache for s in seqs]
+        slots = np.array([c.state_slot for c in caches], dtype=np.int64)  # type: ignore[union-attr]
+        tables = [c.block_table for c in caches]  # type: ignore[union-attr]
+        # input ids: a decode's one token, then every prefill segment's slice
+        ids_list = [s.request.token_ids[s.start] for s in seqs[:nd]]
+        for s in seqs[nd:]:
+            ids_list += s.request.token_ids[s.start : s.end]
+        input_ids = np.array(ids_list, dtype=np.int64)
+        num_tokens = len(input_ids)
+        if num_tokens == n:  # every segment is one token (all decodes): no per-token expansion
+            positions = starts
+            seq_index = np.arange(n)
+            cu = np.arange(n + 1, dtype=np.int64)
+        else:
+            lens = ends - starts
+            cu = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lens, out=cu[1:])
+            seq_index = np.repeat(np.arange(n), lens)
+            positions = np.arange(num_tokens, dtype=np.int64) - (cu[:-1] - starts)[seq_index]
+        # Block tables, padded with 0 to the longest needed: the tables flattened in one pass
+        # (C-level iteration), then scattered into the padded rows. A table may hold blocks past
+        # the step's end (never read): only the needed ones are copied.
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
+        need = np.minimum((ends + bs - 1) // bs, table_lens)
+        width = max(int(need.max()), 1)
+        cols = np.arange(width, dtype=np.int64)
+        valid = cols < need[:, None]
+        block_tables = np.zeros((n, width), dtype=np.int64)
+        row_start = np.cumsum(table_lens) - table_lens
+        block_tables[valid] = flat[(row_start[:, None] + cols)[valid]]
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
-        cap_seq = [c.item_index for c in out.plan.captures]
-        cap_pos = [c.boundary - out.seqs[c.item_index].start for c in out.plan.captures]
-        cap_slot = [c.slot for c in out.plan.captures]
-        batch = BatchMetadata(
-            input_ids=self._tensor(input_ids),
-            positions=positions,
-            cu_seqlens=cu_t,
-            seq_lens=self._tensor(seq_lens),
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-            num_decodes=out.num_decodes,
-            state_slots=self._tensor(state_slots),
-            has_initial_state=self._tensor(has_init, torch.bool),
-            capture_seq=self._tensor(cap_seq),
-            capture_pos=self._tensor(cap_pos),
-            capture_slots=self._tensor(cap_slot),
-            logits_indices=self._tensor(logits_rows),
+        # logits rows: every decode samples; a prefill segment samples when it reaches the end
+        sample_seq = list(range(nd))
+        sample_seq += [i for i in range(nd, n) if seqs[i].samples]
+        logits_rows = cu[1:][sample_seq] - 1 if sample_seq else np.zeros(0, dtype=np.int64)
+        captures = out.plan.captures
+        cap = np.array(
+            [(c.item_index, c.boundary - seqs[c.item_index].start, c.slot) for c in captures],
+            dtype=np.int64,
+        ).reshape(-1, 3)
+        # placeholders (async scheduling): negative ids name rows of the previous step's tokens
+        ph_dst = np.flatnonzero(input_ids < 0)
+        ph_src = -input_ids[ph_dst] - 1
+        if len(ph_dst):
+            input_ids[ph_dst] = 0
+        parts = (
+            input_ids, positions, slot_mapping, cu, ends, slots, (starts > 0).astype(np.int64),
+            logits_rows, cap[:, 0], cap[:, 1], cap[:, 2], ph_dst, ph_src, block_tables.reshape(-1),
+        )  # fmt: skip
+        offsets = np.cumsum([0, *(len(p) for p in parts)]).tolist()
+        host = torch.from_numpy(np.concatenate(parts))
+        reqs = [seqs[i].request for i in sample_seq]
+        prep = PreparedStep(
+            out=out,
+            host=host,
+            offsets=offsets,
+            num_seqs=n,
+            num_decodes=nd,
+            width=width,
+            sample_seq=sample_seq,
+            requests=reqs,
+            num_placeholders=len(ph_dst),
+            placeholder_step=placeholder_step,
         )
-        return batch, sample_seq
+        if reqs and not all_greedy:
+            assert states is not None, "states are needed to sample rows that are not plain greedy"
+            row_states = [states[r.request_id] for r in reqs]
+            if not all(st.plain_greedy for st in row_states):
+                params = [r.sampling_params for r in reqs]
+                prep.row_states = row_states
+                prep.params = params
+                # the output ids penalties count, as they are now (the engine thread may
+                # append the next placeholder while this step runs)
+                prep.output_ids = [
+                    r.output_token_ids if p.has_penalties else [] for r, p in zip(reqs, params)
+                ]
+        return prep
+
+    def build_batch(self, out: SchedulerOutput) -> tuple[BatchMetadata, list[int]]:
+        """BatchMetadata for the step (on the device), and the scheduled-seq index of each logits row."""
+        prep = self.prepare(out, all_greedy=True)
+        return self._device_batch(prep)[0], prep.sample_seq
+
+    # ------------------------------------------------------------------ device side
+    def _device_batch(self, prep: PreparedStep) -> tuple[BatchMetadata, torch.Tensor, torch.Tensor]:
+        """The prepared buffer on the device (one copy), sliced into the batch's fields; and the
+        placeholder destinations / sources."""
+        buf = prep.host
+        if self.device.type != "cpu":
+            # one pinned host copy, one asynchronous transfer: nothing here waits for the device
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        o = prep.offsets
+        n, width = prep.num_seqs, prep.width
+        batch = BatchMetadata(
+            input_ids=buf[o[0] : o[1]],
+            positions=buf[o[1] : o[2]],
+            slot_mapping=buf[o[2] : o[3]],
+            cu_seqlens=buf[o[3] : o[4]],
+            seq_lens=buf[o[4] : o[5]],
+            state_slots=buf[o[5] : o[6]],
+            has_initial_state=buf[o[6] : o[7]] != 0,
+            logits_indices=buf[o[7] : o[8]],
+            capture_seq=buf[o[8] : o[9]],
+            capture_pos=buf[o[9] : o[10]],
+            capture_slots=buf[o[10] : o[11]],
+            block_tables=buf[o[13] : o[14]].view(n, width),
+            num_decodes=prep.num_decodes,
+        )
+        return batch, buf[o[11] : o[12]], buf[o[12] : o[13]]
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if pairs and self.spec.num_gdn_layers:
-            src = self._tensor([p[0] for p in pairs])
-            dst = self._tensor([p[1] for p in pairs])
+            # host index lists: the op validates them on the host anyway (no device round trip)
+            src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+            dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
             self.ops.copy_state_slots(self.caches.state_tensors(), src, dst)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, states: Mapping[str, RequestState]) -> list[int | None]:
-        """Run one step; the sampled token per scheduled seq (None where none is due)."""
+    def launch(self, prep: PreparedStep) -> StepResult:
+        """Run a prepared step on the device: restores, forward, tracking copies, sampling.
+
+        With async scheduling this runs on the forward worker thread, one step at a time and
+        in order, so the device sees every step's reads and writes after the previous step's.
+        On CUDA nothing here waits for the device (except a penalised row's placeholder, which
+        needs the previous tokens on the host): the sampled tokens are copied to pinned host
+        memory asynchronously and ``StepResult.token_list`` waits for them.
+        """
+        out = prep.out
         if self.host is not None:
             self.host.wait()  # loads of earlier steps have landed before anything reads them
-        batch, sample_seq = self.build_batch(out)
+        batch, ph_dst, ph_src = self._device_batch(prep)
+        if prep.num_placeholders:
+            if self._last is None or self._last.step != prep.placeholder_step:
+                raise RuntimeError(
+                    f"step {out.step} reads the sampled tokens of step {prep.placeholder_step}, "
+                    f"but the last step run is {None if self._last is None else self._last.step}"
+                )
+            batch.input_ids[ph_dst] = self._last.tokens[ph_src]
         self._copy_states(out.plan.restores)
         logits = self.model.forward(batch, self.caches)
         self._copy_states(out.plan.decode_copies)
-        sampled: list[int | None] = [None] * len(out.seqs)
-        if sample_seq:
-            reqs = [out.seqs[i].request for i in sample_seq]
-            sampled_rows = self.sample(logits, reqs, states)
-            for i, t in zip(sample_seq, sampled_rows, strict=True):
-                sampled[i] = t
-        return sampled
+        tokens, logprobs = self._sample(logits, prep)
+        result = StepResult(out.step, tokens, logprobs)
+        self._last = result
+        return result
+
+    def _sample(
+        self, logits: torch.Tensor, prep: PreparedStep
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+        """The step's tokens (one per logits row, on the device) and any log-probabilities."""
+        if not prep.requests:
+            return torch.zeros(0, dtype=torch.int64, device=self.device), None
+        if prep.params is None or prep.row_states is None or prep.output_ids is None:
+            # every row plain greedy (the common case): argmax, first index on ties (and the
+            # first NaN, like torch), as the sampler's greedy rows; no per-row parameter tensors
+            if logits.device.type == "cpu" and logits.dtype == torch.float32:
+                # numpy's row argmax is an order of magnitude faster than torch's on the CPU
+                return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1)), None
+            return logits.argmax(dim=-1), None
+        outputs = prep.output_ids
+        if prep.num_placeholders and any(o and o[-1] < 0 for o in outputs):
+            assert self._last is not None
+            prev = self._last.token_list()  # the placeholders' tokens, for the penalties' counts
+            outputs = [[prev[-t - 1] if t < 0 else t for t in o] for o in outputs]
+        return self._sample_rows(logits, prep.requests, prep.params, prep.row_states, outputs)
+
+    @staticmethod
+    def written(prep: PreparedStep, block_size: int) -> tuple[set[int], set[int]]:
+        """The KV block ids and checkpoint slots a step writes (its tokens' blocks; its capture
+        and tracking-copy destinations): what a failed step leaves unwritten."""
+        o = prep.offsets
+        blocks = set((prep.host[o[2] : o[3]] // block_size).tolist())
+        slots = set(prep.host[o[10] : o[11]].tolist())
+        slots.update(dst for _, dst in prep.out.plan.decode_copies)
+        return blocks, slots
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, states: Mapping[str, RequestState]) -> list[int | None]:
+        """Run one step synchronously; the sampled token per scheduled seq (None where none is due).
+        Log-probabilities (requests that asked) are appended to their state's ``logprobs``."""
+        prep = self.prepare(out, states)
+        result = self.launch(prep)
+        return result.per_seq(prep, states)
 
     @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, reqs: list[Request], states: Mapping[str, RequestState]
     ) -> list[int]:
-        """One token per row of ``logits`` (row ``i`` belongs to ``reqs[i]``)."""
+        """One token per row of ``logits`` (row ``i`` belongs to ``reqs[i]``); log-probabilities
+        of the requests that asked for them are appended to their state's ``logprobs``."""
+        row_states = [states[r.request_id] for r in reqs]
         params = [r.sampling_params for r in reqs]
+        outputs = [r.output_token_ids if p.has_penalties else [] for r, p in zip(reqs, params, strict=True)]
+        tokens, logprobs = self._sample_rows(logits, reqs, params, row_states, outputs)
+        if logprobs is not None:
+            for st, lp in zip(row_states, logprobs, strict=True):
+                if lp is not None:
+                    st.logprobs.append(lp)
+        return tokens.tolist()
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        params: list[SamplingParams],
+        row_states: list[RequestState],
+        output_ids: list[list[int]],
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+        """The general sampling path: penalties and min-p on the rows that use them, then the
+        ``sample`` op; the tokens (on the device) and, when a row asked, its log-probabilities.
+        ``output_ids[i]``: the output tokens row ``i``'s penalties count."""
         dev = self.device
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         raw = logits
@@ -223,14 +466,14 @@ class ModelRunner:
             if need_prompt:
                 prompts = []
                 for i in penalised:
-                    st = states[reqs[i].request_id]
+                    st = row_states[i]
                     if st.prompt_ids is None:
                         st.prompt_ids = self._tensor(reqs[i].prompt_token_ids)
                     prompts.append(st.prompt_ids)
             logits = logits.float().clone()
             logits[index] = apply_penalties(
                 logits[index],
-                [reqs[i].output_token_ids for i in penalised],
+                [output_ids[i] for i in penalised],
                 [p.presence_penalty for p in sub],
                 [p.frequency_penalty for p in sub],
                 [p.repetition_penalty for p in sub],
@@ -244,7 +487,7 @@ class ModelRunner:
             logits[index] = apply_min_p(
                 logits[index], [params[i].min_p for i in with_min_p], temperature[index]
             )
-        gens = [states[r.request_id].generator or self.default_generator for r in reqs]
+        gens = [st.generator or self.default_generator for st in row_states]
         tokens = self.ops.sample(
             logits,
             temperature,
@@ -252,21 +495,28 @@ class ModelRunner:
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
             gens,
         )
-        token_list = [int(t) for t in tokens.tolist()]
         wants = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if wants:
-            index = self._tensor(wants)
-            k = max(params[i].logprobs or 0 for i in wants)
-            chosen, rank, top_ids, top_lp = compute_logprobs(raw[index], tokens[index], k)
-            chosen_l, rank_l, ids_l, lp_l = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
-            for j, i in enumerate(wants):
-                n_top = params[i].logprobs or 0
-                states[reqs[i].request_id].logprobs.append(
-                    TokenLogprob(
-                        token_id=token_list[i],
-                        logprob=chosen_l[j],
-                        rank=rank_l[j],
-                        top=list(zip(ids_l[j][:n_top], lp_l[j][:n_top], strict=True)),
-                    )
-                )
-        return token_list
+        if not wants:
+            return tokens, None
+        index = self._tensor(wants)
+        k = max(params[i].logprobs or 0 for i in wants)
+        chosen, rank, top_ids, top_lp = compute_logprobs(raw[index], tokens[index], k)
+        chosen_l, rank_l, ids_l, lp_l = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(params)
+        for j, i in enumerate(wants):
+            n_top = params[i].logprobs or 0
+            logprobs[i] = TokenLogprob(
+                token_id=token_list[i],
+                logprob=chosen_l[j],
+                rank=rank_l[j],
+                top=list(zip(ids_l[j][:n_top], lp_l[j][:n_top], strict=True)),
+            )
+        return tokens, logprobs
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing before the argmax: no penalties, no min-p, no log-probabilities."""
+    return (
+        p.temperature < GREEDY_TEMPERATURE and p.logprobs is None and p.min_p <= 0.0 and not p.has_penalties
+    )

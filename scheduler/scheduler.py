@@ -42,6 +42,7 @@ operator which case they are in.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -70,7 +71,7 @@ class ScheduledSeq:
     def __post_init__(self) -> None:
         # Fixed at schedule time: after update() appends the sampled token, the request's
         # length has moved on.
-        self.samples = self.end == self.request.num_tokens
+        self.samples = self.is_decode or self.end == self.request.num_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -84,11 +85,11 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     step: int = 0
 
-    @property
-    def num_decodes(self) -> int:
+    @functools.cached_property
+    def num_decodes(self) -> int:  # counted once (the runner and the engine both ask)
         return sum(1 for s in self.seqs if s.is_decode)
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
 
@@ -249,6 +250,10 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         assert victim.cache is not None
+        if victim.token_ids and victim.token_ids[-1] < 0:
+            # the engine's async scheduling: a sampled token still on its way (a negative
+            # placeholder) is no token to recompute or hash; the engine appends it on arrival
+            victim.token_ids.pop()
         self.cache.free(victim.cache, publish_output=True)
         victim.cache = None
         victim.num_computed_tokens = 0
@@ -282,18 +287,28 @@ class Scheduler:
         scheduled: set[int] = set()
         preempted: list[Request] = []
 
-        # 1. decodes of running requests, oldest admission first
+        # 1. decodes of running requests, oldest admission first. The hot loop of a decode-heavy
+        # step: the request's fields are read directly, and the cache is asked for blocks only
+        # when the block table does not already cover the new token.
+        bs = self.cache.block_size
+        running = RequestStatus.RUNNING
         for req in list(self.running):
+            if budget <= 0:
+                break
+            num_tokens = len(req.token_ids)
+            computed = req.num_computed_tokens
             # (a request preempted earlier in this loop is WAITING now)
-            if req.status is not RequestStatus.RUNNING or not req.is_decoding or budget <= 0:
-                continue
-            if req.cache is not None and req.cache.loads:
+            if req.status is not running or computed <= 0 or num_tokens - computed != 1:
+                continue  # not decoding (Request.is_decoding)
+            if req.cache.loads:  # type: ignore[union-attr]
                 continue  # still loading from the host tier (staged below)
             scheduled.add(id(req))
-            if not self._allocate_or_preempt(req, req.num_tokens, scheduled, ctx, preempted):
+            if len(req.cache.block_table) * bs < num_tokens and not self._allocate_or_preempt(  # type: ignore[union-attr]
+                req, num_tokens, scheduled, ctx, preempted
+            ):
                 scheduled.discard(id(req))
                 continue
-            decodes.append(ScheduledSeq(req, req.num_computed_tokens, req.num_tokens, True))
+            decodes.append(ScheduledSeq(req, computed, num_tokens, True))
             budget -= 1
 
         # 2. running requests still in prefill
@@ -318,9 +333,9 @@ class Scheduler:
         # 3. admit waiting requests in policy order. ``max_num_partial_prefills`` bounds the
         # prompts that will still be partially prefilled after this step (a short prompt
         # prefilled whole in this step does not count).
-        completing = {id(p.request) for p in prefills if p.end == p.request.num_tokens}
-        num_partial = sum(1 for r in self.running if not r.is_decoding and id(r) not in completing)
         if self.waiting and budget > 0:
+            completing = {id(p.request) for p in prefills if p.end == p.request.num_tokens}
+            num_partial = sum(1 for r in self.running if not r.is_decoding and id(r) not in completing)
             for req in self._order_waiting(ctx):
                 if len(self.running) >= self.max_num_seqs or budget <= 0:
                     break
@@ -365,18 +380,17 @@ class Scheduler:
         seqs = decodes + prefills
         if not seqs and not self.cache.has_transfers():
             return None
+        # (positional: StepItem(seq, token_ids, start, end, is_decode); keywords cost a third more
+        # per sequence, and this runs for every sequence of every step)
         items = [
-            StepItem(
-                seq=s.request.cache,
-                token_ids=s.request.token_ids,
-                start=s.start,
-                end=s.end,
-                is_decode=s.is_decode,
-            )  # type: ignore[arg-type]
+            StepItem(s.request.cache, s.request.token_ids, s.start, s.end, s.is_decode)  # type: ignore[arg-type]
             for s in seqs
         ]
         plan = self.cache.plan_step(items)
         out = SchedulerOutput(seqs=seqs, plan=plan, preempted=preempted, step=self.step_count)
+        # (cached properties: known here without counting)
+        out.num_decodes = len(decodes)
+        out.num_tokens = self.max_num_batched_tokens - budget
         self._inflight = out
         self.step_count += 1
         return out

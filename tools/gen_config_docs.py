@@ -4,7 +4,7 @@
     python tools/gen_config_docs.py            # (re)write docs/config.md
     python tools/gen_config_docs.py --check    # exit 1 if docs/config.md is stale
 
-One table per section (``[model]``, ``[cache]``, ``[scheduler]``, ``[kernels]``,
+One table per section (``[model]``, ``[cache]``, ``[scheduler]``, ``[kernels]``, ``[engine]``,
 ``[logging]``): key, type with its constraints (``int ≥ 1``, ``float in (0, 1]``, enum
 values), default and meaning, read from the fields' ``Annotated`` types and their
 ``msgspec.Meta(description=...)``; each section's class docstring is its introduction.
