@@ -9,13 +9,18 @@ accounting. Torch-free.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node
 from deltaserve.cache.state_pool import SlotState, StatePool
 from deltaserve.cache.types import Capture, CaptureKind, SeqCache, StepPlan
 from deltaserve.cache.value import CheckpointEviction, V1Eviction, Want
+
+if TYPE_CHECKING:
+    from deltaserve.cache.host_tier import HostTier
 
 
 class CheckpointStore:
@@ -36,6 +41,7 @@ class CheckpointStore:
         self.checkpoint_bytes = checkpoint_bytes
         self.attached: dict[int, Node] = {}  # slot -> node holding it
         self.trackers: dict[int, SeqCache] = {}  # tracking slot -> its decoding request
+        self.host: HostTier | None = None  # set by the manager: where evicted checkpoints go
 
     @property
     def residents(self) -> Iterable[Node]:
@@ -58,8 +64,16 @@ class CheckpointStore:
         return slot
 
     def drop(self, node: Node) -> None:
-        """Evict ``node``'s checkpoint and free its slot."""
+        """Drop ``node``'s checkpoint and free its slot."""
         self.slots.free_checkpoint(self.detach(node))
+
+    def evict(self, node: Node) -> None:
+        """Evict ``node``'s checkpoint from the device: demoted to the host tier when it
+        takes it (the save runs before this step reuses the slot), else dropped."""
+        slot = self.detach(node)
+        if self.host is not None:
+            self.host.demote_checkpoint(node, slot)
+        self.slots.free_checkpoint(slot)
 
     # ------------------------------------------------------------------ slots
     def reserve(self, state: SlotState, want: Want) -> tuple[int, str]:
@@ -70,7 +84,8 @@ class CheckpointStore:
         is none (reason ``pool`` or ``value``; the caller counts the skip)."""
         if self.slots.num_free_checkpoint > 0:
             return self.slots.allocate_checkpoint(state), ""
-        node, reason = self.eviction.victim(want, self.residents, self.trackers.values())
+        floor = self.host.floor() if self.host is not None else math.inf
+        node, reason = self.eviction.victim(want, self.residents, self.trackers.values(), floor)
         if node is None:
             return -1, reason
         if isinstance(node, SeqCache):  # a decoding request's tracked output gives way
@@ -85,7 +100,7 @@ class CheckpointStore:
             slot = self.detach(node)
             self.slots.set_state(slot, state)
             return slot, "own"
-        self.drop(node)
+        self.evict(node)
         return self.slots.allocate_checkpoint(state), ""
 
     def track(self, seq: SeqCache, slot: int) -> None:
@@ -224,6 +239,10 @@ class CheckpointStore:
             if seq.restore_node is not None:
                 pins[id(seq.restore_node)] = pins.get(id(seq.restore_node), 0) + 1
                 assert seq.restore_node.checkpoint_slot is not None, "restore source lost its checkpoint"
+            for t in seq.loads:  # a restore from the host tier, pinned until it lands
+                if not t.kind.is_kv:
+                    pins[id(t.node)] = pins.get(id(t.node), 0) + 1
+                    assert t.node.host_slot == t.src, "host restore source lost its checkpoint"
         for n in nodes:
             assert n.ckpt_pins == pins.get(id(n), 0), f"{n}: ckpt_pins drift"
         live = sorted(s.state_slot for s in active if s.state_slot >= 0)

@@ -17,7 +17,16 @@ model, with the request- and step-level contract the scheduler uses (DESIGN.md, 
 * ``free`` ends a request (finish, abort, preemption, error): unpins, returns private
   blocks and slots, and on a normal finish publishes its output checkpoint.
 * ``check_integrity`` proves the accounting of each part (every block and slot in exactly
-  one state, ref counts = pins).
+  one state, ref counts = pins), across both tiers.
+
+Host tier (``cache/host_tier.py``; off unless a host pool is configured). What the device
+evicts and is worth keeping is demoted (a *save*, planned when it is evicted and run at
+the start of the next step). A hit may combine device and host items: ``admit`` gives the
+hit's host KV blocks device blocks and queues their *loads* (and the restore from a host
+checkpoint) on the request; the scheduler stages them under the per-step byte budget
+(``stage_loads``) and the request computes only once all have landed
+(``land_transfers``), so nobody else's decode waits for them. A failed save drops its item;
+a failed load ends only the request that needed it.
 
 Torch-free: plain ints and lists, so it is fuzzed by the thousand and replayed by the
 simulator at full speed.
@@ -26,13 +35,16 @@ simulator at full speed.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from deltaserve.cache.admission import get_admission_policy
 from deltaserve.cache.checkpoint_store import CheckpointStore
+from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
+from deltaserve.cache.radix_tree import Node
 from deltaserve.cache.types import (
     Capture,
     CaptureKind,
@@ -41,6 +53,8 @@ from deltaserve.cache.types import (
     SeqCache,
     StepItem,
     StepPlan,
+    Transfer,
+    TransferKind,
 )
 from deltaserve.cache.value import CostModel, ReuseLearner, V1Eviction, ValueEviction, Want
 
@@ -73,6 +87,11 @@ class CacheManagerConfig:
     # value model (cache/value.py): prefill cost of d tokens = a*d + b*d^2/2, any unit
     prefill_cost_per_token: float = 1.0  # a: GDN, MLP and projections (linear in tokens)
     prefill_cost_per_token_pair: float = 1.0 / 65536  # b: full attention (per token pair)
+    # host tier (cache/host_tier.py): 0 = off
+    num_host_kv_blocks: int = 0
+    num_host_checkpoint_slots: int = 0
+    kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
+    host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
 
 
 class CacheManager:
@@ -91,7 +110,8 @@ class CacheManager:
             ("prefix_cache.queries", "prefix_cache.query_tokens", "prefix_cache.hit_tokens",
              "checkpoints.stored", "checkpoints.restored", "checkpoints.skipped_budget",
              "checkpoints.skipped_pool", "checkpoints.skipped_value", "checkpoints.duplicate",
-             "checkpoints.evicted", "kv.evicted_blocks"), 0)  # fmt: skip
+             "checkpoints.evicted", "kv.evicted_blocks", "prefix_cache.hit_tokens_device",
+             "prefix_cache.hit_tokens_host", "host.loads_completed", "host.load_wait_ms"), 0)  # fmt: skip
         self.value: ValueEviction | None = None
         if self.policy.eviction == "value":
             cost = CostModel(config.prefill_cost_per_token, config.prefill_cost_per_token_pair)
@@ -106,6 +126,18 @@ class CacheManager:
             num_live, num_ckpt, self.kv, eviction, self.counters, config.checkpoint_bytes
         )
         self.slots = self.ckpts.slots
+        self.host = HostTier(
+            self.tree,
+            num_blocks=config.num_host_kv_blocks if self.enabled else 0,
+            num_slots=config.num_host_checkpoint_slots if num_ckpt else 0,
+            kv_block_bytes=config.kv_block_bytes,
+            checkpoint_bytes=config.checkpoint_bytes,
+            counters=self.counters,
+            worth=self.value.value if self.value is not None else _recency,
+        )
+        self.kv.host = self.ckpts.host = self.host
+        self._staged: list[Transfer] = []  # loads staged for the next step's plan
+        self._staged_bytes = 0
         self.active: dict[str, SeqCache] = {}
         self._inflight: StepPlan | None = None
         self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
@@ -189,20 +221,128 @@ class CacheManager:
             return None
         if match is None or match.version != self.kv.version or match.num_tokens != len(token_ids):
             match = self.match(token_ids, salt, hashes, key=request_id)
-        self._matches.pop(request_id, None)
         path, hit = match.path, match.hit_blocks
+        on_host = [n for n in path[:hit] if n.block_id < 0]
+        if on_host and not self._make_room(path[:hit], len(on_host)):
+            return None  # no device blocks to promote the hit into now: retry later
+        self._matches.pop(request_id, None)
         seq = SeqCache(request_id, salt, prompt_len or len(token_ids), hashes=match.hashes)
+        for node in on_host:  # top-down: each one's parent is on the device already
+            self.tree.promote(node, self.blocks.allocate())
+            self.tree.set_moving(node, True)
+            seq.loads.append(Transfer(TransferKind.KV_LOAD, node, node.host_block, node.block_id, seq))
         self.kv.pin_path(seq, path[:hit])
         seq.num_cached_tokens = hit * self.block_size
+        seq.host_hit_tokens = len(on_host) * self.block_size
         if self.has_gdn:
             seq.state_slot = self.slots.allocate_live()
         if self.has_gdn and self.enabled:
-            if hit > 0:
+            if hit > 0 and path[hit - 1].checkpoint_slot is None:  # restore from the host
+                node = path[hit - 1]
+                self.tree.pin_checkpoint(node)
+                self.ckpts.eviction.on_hit(node)
+                assert node.host_slot is not None
+                seq.loads.append(Transfer(TransferKind.STATE_LOAD, node, node.host_slot, seq.state_slot, seq))
+            elif hit > 0:
                 self.ckpts.pin_restore(seq, path[hit - 1])
             seq.branch_boundary = self.kv.branch_boundary(match, token_ids, self.unit)
             self.kv.hold_inflight(seq, len(token_ids) // self.block_size)
+        if seq.loads:
+            seq.load_since = time.monotonic()
         self.active[request_id] = seq
         return seq
+
+    def _make_room(self, path: Sequence[Node], need: int) -> bool:
+        """``need`` free device blocks, evicting leaves off ``path`` (pinned meanwhile, with
+        the checkpoint that ends it: making room may demote, and so evict on the host)."""
+        for node in path:
+            self.tree.pin(node)
+        self.tree.pin_checkpoint(path[-1])
+        try:
+            while self.blocks.num_free < need:
+                if not self._evict_one_leaf():
+                    return False
+            return True
+        finally:
+            self.tree.unpin_checkpoint(path[-1])
+            for node in path:
+                self.tree.unpin(node)
+
+    # ------------------------------------------------------------------ host tier
+    def stage_loads(self, seq: SeqCache) -> bool:
+        """Stage ``seq``'s pending loads into the next step under the per-step byte budget
+        (at least one copy per step, however large); True when all of them are staged."""
+        budget = self.config.host_load_bytes_per_step
+        for t in seq.loads:
+            if t.staged:
+                continue
+            size = self.host.nbytes(t.kind)
+            if budget is not None and self._staged and self._staged_bytes + size > budget:
+                return False
+            t.staged = True
+            self._staged.append(t)
+            self._staged_bytes += size
+        return True
+
+    def has_transfers(self) -> bool:
+        """Copies wait for a step (a step with no forward may run just for them)."""
+        return bool(self._staged or self.host.saves)
+
+    def land_transfers(self, plan: StepPlan, failed: Collection[Transfer] = ()) -> list[SeqCache]:
+        """The plan's copies ran (``failed``: those that did not): landed items become
+        usable, a failed save drops its item. Returns the requests whose loads failed: the
+        caller ends them (they hold nothing else of the step)."""
+        if plan.landed:
+            return []
+        plan.landed = True
+        failed_ids = {id(t) for t in failed}
+        for t in plan.saves:
+            if id(t) in failed_ids:
+                self.host.save_failed(t)
+            else:
+                self.host.save_landed(t)
+        broken: list[SeqCache] = []
+        now = time.monotonic()
+        for t in plan.loads:  # a request's loads fail together: the deeper need the shallower
+            if id(t) in failed_ids and t.seq not in broken:
+                broken.append(t.seq)  # type: ignore[arg-type]
+        for t in plan.loads:
+            seq = t.seq
+            assert seq is not None
+            t.staged = False
+            if seq in broken:
+                self.counters["host.failed_loads"] += id(t) in failed_ids
+                continue
+            seq.loads.remove(t)
+            self.counters["host.bytes_loaded"] += self.host.nbytes(t.kind)
+            if t.kind is TransferKind.KV_LOAD:
+                self.host.release_block(t.node)
+                self.tree.set_moving(t.node, False)
+                self.counters["host.kv_promoted_blocks"] += 1
+            else:
+                self.tree.unpin_checkpoint(t.node)
+                self.ckpts.eviction.on_unpin(t.node)
+                seq.restored_from = t.node
+                self.counters["host.checkpoints_restored"] += 1
+            if not seq.loads:
+                self.counters["host.loads_completed"] += 1
+                self.counters["host.load_wait_ms"] += round(1000 * (now - seq.load_since))
+        return broken
+
+    def _cancel_loads(self, seq: SeqCache) -> None:
+        """``seq`` ends before its loads landed: its promoted nodes go back to the host
+        (deepest first; the request has unpinned them), its host restore is unpinned."""
+        if any(t.staged for t in seq.loads):
+            self._staged = [t for t in self._staged if t.seq is not seq]
+            self._staged_bytes = sum(self.host.nbytes(t.kind) for t in self._staged)
+        for t in reversed(seq.loads):
+            if t.kind is TransferKind.KV_LOAD:
+                self.blocks.free(self.tree.demote(t.node, t.node.host_block))
+                self.tree.set_moving(t.node, False)
+            else:
+                self.tree.unpin_checkpoint(t.node)
+                self.ckpts.eviction.on_unpin(t.node)
+        seq.loads = []
 
     def record_query(self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None) -> None:
         """Count one prompt lookup in the hit-rate stats (once per request, by the caller);
@@ -210,19 +350,41 @@ class CacheManager:
         self.counters["prefix_cache.queries"] += 1
         self.counters["prefix_cache.query_tokens"] += query_tokens
         self.counters["prefix_cache.hit_tokens"] += hit_tokens
+        host = seq.host_hit_tokens if seq is not None else 0
+        self.counters["prefix_cache.hit_tokens_host"] += host
+        self.counters["prefix_cache.hit_tokens_device"] += hit_tokens - host
         if seq is not None and self.value is not None and self.has_gdn and self.enabled:
             bs = self.block_size
             self.value.learner.observe(seq.hashes, (query_tokens - 1) // bs, self.unit // bs)
 
     # ------------------------------------------------------------------ KV blocks
     def _evict_one_leaf(self) -> bool:
+        """Free one device block: the victim leaf is demoted to the host when it is worth
+        keeping (a checkpoint, or host nodes below it) and the host has room, else dropped
+        with everything below it."""
         node = self.ckpts.eviction.kv_victim(self.ckpts.residents)
         if node is None:
             return False
+        self.counters["kv.evicted_blocks"] += 1
+        # without GDN layers every block ends a hit; with them only a checkpoint does
+        keeps = (
+            not self.has_gdn
+            or node.children
+            or node.checkpoint_slot is not None
+            or node.host_slot is not None
+        )
+        device_block = self.host.demote_kv(node) if keeps else None
+        if device_block is not None:
+            if node.checkpoint_slot is not None:  # it follows its KV to the host (or goes)
+                self.ckpts.evict(node)
+            self.blocks.free(device_block)
+            return True
         if node.checkpoint_slot is not None:
             self.ckpts.drop(node)
+        self.host.drop_below(node)
+        if node.host_slot is not None:
+            self.host.drop_checkpoint(node)
         self.kv.remove_leaf(node)
-        self.counters["kv.evicted_blocks"] += 1
         return True
 
     def allocate(self, seq: SeqCache, num_tokens: int) -> bool:
@@ -242,11 +404,20 @@ class CacheManager:
 
     # ------------------------------------------------------------------ steps
     def plan_step(self, items: list[StepItem]) -> StepPlan:
-        """Restores to run before the forward, captures to write, under the staging budget."""
+        """Copies between tiers, restores to run before the forward, captures to write
+        under the staging budget."""
         if self._inflight is not None:
             raise RuntimeError("a step is already in flight")
         plan = StepPlan(items=items)
         self._inflight = plan
+        self._plan_checkpoints(plan)
+        # last: staging captures may have demoted checkpoints
+        plan.saves, self.host.saves = self.host.saves, []
+        plan.loads, self._staged, self._staged_bytes = self._staged, [], 0
+        return plan
+
+    def _plan_checkpoints(self, plan: StepPlan) -> StepPlan:
+        items = plan.items
         if not self.has_gdn:
             return plan
 
@@ -290,6 +461,7 @@ class CacheManager:
         """The step succeeded: publish blocks computed and checkpoints captured."""
         if plan is not self._inflight:
             raise RuntimeError("commit of a plan that is not in flight")
+        self.land_transfers(plan)  # no-op when the caller landed them already
         self._inflight = None
         for seq in plan.restored:
             self.ckpts.release_restore(seq)
@@ -313,6 +485,12 @@ class CacheManager:
         """The step failed: release its reservations. Its requests must then be freed."""
         if plan is not self._inflight:
             raise RuntimeError("abort of a plan that is not in flight")
+        if not plan.landed:  # the copies may not have run: saves are lost, loads retried
+            plan.landed = True
+            for t in plan.saves:
+                self.host.save_failed(t)
+            for t in plan.loads:
+                t.staged = False
         self._inflight = None
         for slot in plan.reserved:
             self.slots.free_checkpoint(slot)
@@ -350,6 +528,14 @@ class CacheManager:
             raise RuntimeError(f"free of unknown request {seq.request_id!r}")
         if self._inflight is not None and any(it.seq is seq for it in self._inflight.items):
             raise RuntimeError("free of a request in the in-flight step")
+        inflight = self._inflight
+        if (
+            seq.loads
+            and inflight is not None
+            and not inflight.landed
+            and any(t.seq is seq for t in inflight.loads)
+        ):
+            raise RuntimeError("free of a request whose loads are in flight")
         del self.active[seq.request_id]
         self.ckpts.release_restore(seq)
         self.kv.release_inflight(seq)
@@ -360,6 +546,8 @@ class CacheManager:
                 self.value.learner.register(seq.hashes[b // self.block_size - 1], CaptureKind.OUTPUT)
         self.ckpts.end_tracking(seq, publish_output)
         self.kv.release(seq)
+        if seq.loads:
+            self._cancel_loads(seq)
         if seq.state_slot >= 0:
             self.slots.free_live(seq.state_slot)
             seq.state_slot = -1
@@ -367,7 +555,7 @@ class CacheManager:
     # ------------------------------------------------------------------ reporting
     def usage(self) -> dict[str, int | float]:
         """Pool occupancy; O(1), so it can be sampled after every step."""
-        return {**self.kv.usage(), **self.ckpts.usage()}
+        return {**self.kv.usage(), **self.ckpts.usage(), **self.host.usage()}
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.counters)
@@ -388,3 +576,16 @@ class CacheManager:
             assert all(s.state_slot >= 0 for s in active), "active request without live slot"
         reserved = set(self._inflight.reserved) if self._inflight else set()
         self.ckpts.check_integrity(nodes, active, reserved, self.unit // self.block_size)
+        inflight = self._inflight
+        saves = inflight.saves if inflight is not None and not inflight.landed else []
+        self.host.check_integrity(nodes, active, saves)
+        for seq in active:
+            assert all(t.seq is seq for t in seq.loads), "a load queued on the wrong request"
+        staged = [t for seq in active for t in seq.loads if t.staged]
+        planned = self._staged + (inflight.loads if inflight is not None and not inflight.landed else [])
+        assert sorted(map(id, staged)) == sorted(map(id, planned)), "staged loads drift"
+
+
+def _recency(node: Node) -> float:
+    """``v1``'s worth of a checkpoint on the host: how recently it was used."""
+    return float(node.ckpt_last_access)

@@ -12,11 +12,15 @@ removes one when told. Torch-free.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.hashing import block_hashes
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import PrefixMatch, SeqCache
+
+if TYPE_CHECKING:
+    from deltaserve.cache.host_tier import HostTier
 
 
 class PrefixIndex:
@@ -27,6 +31,7 @@ class PrefixIndex:
         self.tree = RadixTree()
         # full-block hashes of active requests' prompts -> number of such requests
         self.inflight: dict[int, int] = {}
+        self.host: HostTier | None = None  # set by the manager
 
     @property
     def version(self) -> int:
@@ -46,8 +51,8 @@ class PrefixIndex:
         self.extend_hashes(token_ids, salt, hashes)
         path = self.tree.match(hashes[: len(token_ids) // bs])
         hit = min(len(path), (len(token_ids) - 1) // bs)  # at least one token is computed
-        if self.has_gdn:
-            while hit > 0 and path[hit - 1].checkpoint_slot is None:
+        if self.has_gdn:  # a checkpoint in either tier (joint hits may combine tiers)
+            while hit > 0 and not path[hit - 1].has_checkpoint:
                 hit -= 1
         return PrefixMatch(path, hit, hashes, len(token_ids), self.tree.version, bs)
 
@@ -137,7 +142,15 @@ class PrefixIndex:
             parent = seq.nodes[-1] if seq.nodes else tree.root
             key = hashes[i]
             node = parent.children.get(key)
-            if node is not None:
+            if node is not None and node.moving:
+                break  # being copied between tiers: keep ours private, publish after it lands
+            if node is not None and node.block_id < 0:
+                # Cached on the host tier: our computed block brings it back to the device.
+                assert self.host is not None
+                tree.promote(node, seq.block_table[i])
+                self.host.release_block(node)
+                tree.touch(node)
+            elif node is not None:
                 # Same prefix already cached (computed by another request): share it and
                 # return our duplicate block.
                 self.blocks.free(seq.block_table[i])
@@ -183,7 +196,8 @@ class PrefixIndex:
         for b in pool.free_ids():
             claim(b, "free")
         for node in nodes:
-            claim(node.block_id, "tree")
+            if node.block_id >= 0:
+                claim(node.block_id, "tree")
             parent = node.parent
             assert parent is not None and parent.children.get(node.key) is node, f"{node} detached"
             assert node.depth == parent.depth + 1, f"{node} depth"

@@ -1,12 +1,22 @@
 """Radix index of full KV blocks, one node per block, children keyed by chained hash.
 
-A node owns one KV block id (for all full-attention layers) and optionally one
-checkpoint slot: the GDN state at the node's end boundary ``depth * block_size``.
+A node owns one KV block (for all full-attention layers) and optionally one checkpoint:
+the GDN state at the node's end boundary ``depth * block_size``. With a host tier
+(``cache/host_tier.py``) each lives in one tier at a time: the KV block on the device
+(``block_id >= 0``) or on the host (``block_id == -1``, ``host_block >= 0``), the checkpoint
+in a device slot (``checkpoint_slot``, only on a device node) and/or a host slot
+(``host_slot``). Device nodes form the top of the tree (a device node's parent is a device
+node or the root); host nodes hang below them. A node whose item is being copied between
+tiers is ``moving`` (KV) / ``ckpt_moving`` (checkpoint) until the copy has landed: a match
+stops before a moving node and never ends on a moving checkpoint, so nobody reads an item
+whose copy may still fail.
 
-KV-eviction candidates (unpinned leaves) are kept in a lazily-invalidated heap ordered by
-``(has_checkpoint, last_access)``, so that picking a victim is O(log n) even with hundreds
-of thousands of nodes (the simulator replays big workloads): a leaf with no checkpoint can
-never end a hybrid hit, so it goes first. A heap entry is valid only if its recorded
+KV-eviction candidates are kept in lazily-invalidated heaps ordered by ``(has_checkpoint,
+last_access)``, so that picking a victim is O(log n) even with hundreds of thousands of
+nodes (the simulator replays big workloads): a leaf with no checkpoint (and nothing below)
+can never end a hybrid hit, so it goes first. Device candidates are unpinned device nodes
+with no device child (their host children, if any, are demoted along); host candidates
+are unpinned host nodes with no child at all. A heap entry is valid only if its recorded
 priority still equals the node's current one; anything else is skipped when popped.
 Checkpoint eviction order is the checkpoint store's (``cache/value.py``); the per-node
 checkpoint fields below are its bookkeeping.
@@ -40,6 +50,11 @@ class Node:
         "ckpt_hits",
         "ckpt_since",
         "ckpt_base",
+        "host_block",
+        "host_slot",
+        "moving",
+        "ckpt_moving",
+        "device_children",
     )
 
     def __init__(self, key: int, parent: Node | None, block_id: int, depth: int) -> None:
@@ -60,9 +75,31 @@ class Node:
         self.ckpt_hits = 0
         self.ckpt_since = 0
         self.ckpt_base: Node | None = None  # the nearest checkpoint above it (when it was valued)
+        self.host_block = -1  # host-tier KV block (-1: none)
+        self.host_slot: int | None = None  # host-tier checkpoint slot
+        self.moving = False  # its KV block is being copied between tiers (not matchable)
+        self.ckpt_moving = False  # its host checkpoint is being written (not a hit yet)
+        self.device_children = 0  # children whose KV is on the device
 
     def __repr__(self) -> str:
-        return f"Node(depth={self.depth}, block={self.block_id}, ckpt={self.checkpoint_slot}, ref={self.ref_count})"
+        return (
+            f"Node(depth={self.depth}, block={self.block_id}, ckpt={self.checkpoint_slot}, ref={self.ref_count}"
+            + (
+                f", host_block={self.host_block}, host_slot={self.host_slot}"
+                if self.host_block >= 0 or self.host_slot is not None
+                else ""
+            )
+            + ")"
+        )
+
+    @property
+    def on_device(self) -> bool:
+        return self.block_id >= 0
+
+    @property
+    def has_checkpoint(self) -> bool:
+        """A usable checkpoint in either tier (a host one still being written is not)."""
+        return self.checkpoint_slot is not None or (self.host_slot is not None and not self.ckpt_moving)
 
 
 class RadixTree:
@@ -74,6 +111,7 @@ class RadixTree:
         self.version = 0  # moves whenever a match could change
         self._clock = itertools.count(1)
         self._leaf_heap: list[tuple[bool, int, int, Node]] = []
+        self._host_heap: list[tuple[bool, int, int, Node]] = []
         self._tie = itertools.count()
 
     def tick(self) -> int:
@@ -81,12 +119,13 @@ class RadixTree:
 
     # -- lookup / insert / remove -------------------------------------------------------
     def match(self, hashes: list[int]) -> list[Node]:
-        """Longest path from the root whose keys equal ``hashes[:k]``."""
+        """Longest path from the root whose keys equal ``hashes[:k]`` (stopping before a
+        node whose KV is moving between tiers)."""
         path: list[Node] = []
         node = self.root
         for h in hashes:
             child = node.children.get(h)
-            if child is None:
+            if child is None or child.moving:
                 break
             path.append(child)
             node = child
@@ -98,6 +137,7 @@ class RadixTree:
         node = Node(key, parent, block_id, parent.depth + 1)
         node.last_access = self.tick()
         parent.children[key] = node
+        parent.device_children += 1
         self.num_nodes += 1
         self.version += 1
         self._maybe_push_leaf(node)
@@ -108,11 +148,45 @@ class RadixTree:
             raise RuntimeError(f"cannot remove {node}")
         parent = node.parent
         del parent.children[node.key]
+        if node.block_id >= 0:
+            parent.device_children -= 1
         node.parent = None
         self.num_nodes -= 1
         self.version += 1
         if parent is not self.root:
             self._maybe_push_leaf(parent)
+
+    # -- tiers ---------------------------------------------------------------------------
+    def demote(self, node: Node, host_block: int) -> int:
+        """``node``'s KV leaves the device for ``host_block`` (being written: ``moving``);
+        returns the device block it held. Only a node with no device child can go."""
+        if node.block_id < 0 or node.device_children or node.ref_count or node.parent is None:
+            raise RuntimeError(f"cannot demote {node}")
+        block, node.block_id = node.block_id, -1
+        node.host_block = host_block
+        node.parent.device_children -= 1
+        self.set_moving(node, True)
+        self._maybe_push_leaf(node.parent)
+        return block
+
+    def promote(self, node: Node, block_id: int) -> None:
+        """``node``'s KV gets device block ``block_id`` (its parent must be on the device)."""
+        parent = node.parent
+        if node.block_id >= 0 or parent is None or (parent is not self.root and parent.block_id < 0):
+            raise RuntimeError(f"cannot promote {node}")
+        node.block_id = block_id
+        parent.device_children += 1
+        self.version += 1
+
+    def set_moving(self, node: Node, moving: bool) -> None:
+        node.moving = moving
+        self.version += 1
+        self._maybe_push_leaf(node)
+
+    def set_ckpt_moving(self, node: Node, moving: bool) -> None:
+        node.ckpt_moving = moving
+        self.version += 1
+        self._maybe_push_leaf(node)
 
     def touch(self, node: Node) -> None:
         node.last_access = self.tick()
@@ -165,32 +239,68 @@ class RadixTree:
     # -- eviction candidates -------------------------------------------------------------
     @staticmethod
     def is_evictable_leaf(node: Node) -> bool:
-        return node.parent is not None and not node.children and node.ref_count == 0 and node.ckpt_pins == 0
+        """An unpinned device node with no device child (a device-eviction candidate)."""
+        return (
+            node.parent is not None
+            and node.block_id >= 0
+            and node.device_children == 0
+            and node.ref_count == 0
+            and node.ckpt_pins == 0
+            and not node.moving
+        )
+
+    @staticmethod
+    def is_host_leaf(node: Node) -> bool:
+        """An unpinned host node with no child (a host-eviction candidate)."""
+        return (
+            node.parent is not None
+            and node.block_id < 0
+            and not node.children
+            and node.ref_count == 0
+            and node.ckpt_pins == 0
+            and not node.moving
+            and not node.ckpt_moving
+        )
+
+    @staticmethod
+    def _keeps(node: Node) -> bool:
+        """Evicting it loses more than a block: a checkpoint, or host nodes below it."""
+        return node.checkpoint_slot is not None or node.host_slot is not None or bool(node.children)
+
+    def refresh(self, node: Node) -> None:
+        """Re-queue ``node`` as an eviction candidate after a change to what it holds."""
+        self._maybe_push_leaf(node)
 
     def _maybe_push_leaf(self, node: Node) -> None:
         if self.is_evictable_leaf(node):
-            entry = (node.checkpoint_slot is not None, node.last_access, next(self._tie), node)
-            heapq.heappush(self._leaf_heap, entry)
+            heapq.heappush(self._leaf_heap, (self._keeps(node), node.last_access, next(self._tie), node))
+        elif self.is_host_leaf(node):
+            heapq.heappush(self._host_heap, (self._keeps(node), node.last_access, next(self._tie), node))
+
+    def _peek(self, heap: list[tuple[bool, int, int, Node]], valid: Any) -> Node | None:
+        while heap:
+            keeps, access, _, node = heap[0]
+            if valid(node) and keeps == self._keeps(node) and access == node.last_access:
+                return node
+            heapq.heappop(heap)
+        return None
 
     def peek_evictable_leaf(self) -> Node | None:
-        """The best KV-eviction victim (checkpoint-less first, then LRU), not popped, or None."""
-        while self._leaf_heap:
-            has_ckpt, access, _, node = self._leaf_heap[0]
-            valid = (
-                self.is_evictable_leaf(node)
-                and has_ckpt == (node.checkpoint_slot is not None)
-                and access == node.last_access
-            )
-            if valid:
-                return node
-            heapq.heappop(self._leaf_heap)
-        return None
+        """The best device KV-eviction victim (nothing kept first, then LRU), or None."""
+        return self._peek(self._leaf_heap, self.is_evictable_leaf)
+
+    def peek_host_leaf(self) -> Node | None:
+        """The best host KV-eviction victim (checkpoint-less first, then LRU), or None."""
+        return self._peek(self._host_heap, self.is_host_leaf)
 
     def compact(self) -> None:
         """Drop stale heap entries when they dominate (keeps memory bounded)."""
         if len(self._leaf_heap) > 4 * (self.num_nodes + 64):
             self._leaf_heap = [e for e in self._leaf_heap if self.is_evictable_leaf(e[3])]
             heapq.heapify(self._leaf_heap)
+        if len(self._host_heap) > 4 * (self.num_nodes + 64):
+            self._host_heap = [e for e in self._host_heap if self.is_host_leaf(e[3])]
+            heapq.heapify(self._host_heap)
 
     # -- traversal -----------------------------------------------------------------------
     def nodes(self) -> Iterator[Node]:

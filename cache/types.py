@@ -46,6 +46,36 @@ class CaptureKind(enum.Enum):
         return self.label
 
 
+class TransferKind(enum.Enum):
+    """A copy between the device and host tiers (``cache/host_tier.py``)."""
+
+    KV_SAVE = "kv_save"  # device KV block -> host block (demotion)
+    CKPT_SAVE = "ckpt_save"  # device checkpoint slot -> host checkpoint slot (demotion)
+    KV_LOAD = "kv_load"  # host block -> device block (promotion of a hit)
+    STATE_LOAD = "state_load"  # host checkpoint slot -> the request's live slot (a restore)
+
+    @property
+    def is_load(self) -> bool:
+        return self in (TransferKind.KV_LOAD, TransferKind.STATE_LOAD)
+
+    @property
+    def is_kv(self) -> bool:
+        return self in (TransferKind.KV_SAVE, TransferKind.KV_LOAD)
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One item copied between tiers: ``src`` and ``dst`` are block ids (KV) or slot ids
+    (checkpoints; a live slot for ``STATE_LOAD``) in their tiers' id spaces."""
+
+    kind: TransferKind
+    node: Node
+    src: int
+    dst: int
+    seq: SeqCache | None = None  # loads: the request waiting for it
+    staged: bool = False  # in the next (or in-flight) step's plan
+
+
 @dataclass(eq=False)
 class SeqCache:
     """One request's view of the cache. Owned by the manager, held by the request.
@@ -76,6 +106,11 @@ class SeqCache:
     hashes: list[int] = field(default_factory=list)
     num_inflight: int = 0  # leading ``hashes`` registered as in flight while active
     pending_tracking_boundary: int = 0  # boundary being written by the in-flight step
+    # host tier: copies that must land before the request computes (its hit's host KV
+    # blocks, and its restore when the checkpoint is on the host), oldest first
+    loads: list[Transfer] = field(default_factory=list)
+    host_hit_tokens: int = 0  # tokens of the hit whose KV came from the host tier
+    load_since: float = 0.0  # time.monotonic() at admission, while loads are pending
 
 
 @dataclass(frozen=True)
@@ -138,3 +173,9 @@ class StepPlan:
     )  # (live slot, tracking slot) after forward
     restored: list[SeqCache] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)  # slots in RESERVED state for captures
+    # host tier, run before everything else in the step (saves first: a demoted item's
+    # device block or slot may be reused by this very step); they land (or fail) before the
+    # forward's results are committed (``CacheManager.land_transfers``)
+    saves: list[Transfer] = field(default_factory=list)
+    loads: list[Transfer] = field(default_factory=list)
+    landed: bool = False

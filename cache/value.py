@@ -348,11 +348,17 @@ class CheckpointEviction(ABC):
 
     @abstractmethod
     def victim(
-        self, want: Want, residents: Iterable[Node], trackers: Iterable[SeqCache] = ()
+        self,
+        want: Want,
+        residents: Iterable[Node],
+        trackers: Iterable[SeqCache] = (),
+        host_floor: float = math.inf,
     ) -> tuple[Node | SeqCache | None, str]:
         """The evictable resident (or, for the value model, tracking request) ``want`` may
         displace, or ``(None, reason)``: ``"pool"`` (nothing evictable) or ``"value"``
-        (nothing worth less)."""
+        (nothing worth less). ``host_floor``: the worth below which the host tier takes a
+        demoted checkpoint (the value model then admits ``want`` when it beats that floor:
+        the weaker device resident moves to the host rather than ``want`` being lost)."""
 
     def kv_victim(self, residents: Iterable[Node]) -> Node | None:
         """The unpinned KV leaf to drop next (its checkpoint goes with it), or None."""
@@ -427,7 +433,11 @@ class V1Eviction(CheckpointEviction):
         return None
 
     def victim(
-        self, want: Want, residents: Iterable[Node], trackers: Iterable[SeqCache] = ()
+        self,
+        want: Want,
+        residents: Iterable[Node],
+        trackers: Iterable[SeqCache] = (),
+        host_floor: float = math.inf,
     ) -> tuple[Node | SeqCache | None, str]:
         node = self._peek()
         if node is None or self.ckpt_key(node)[0] > want.max_class:
@@ -519,7 +529,11 @@ class ValueEviction(CheckpointEviction):
         return sorted(wants, key=lambda w: -self.want_value(w[0]))
 
     def victim(
-        self, want: Want, residents: Iterable[Node], trackers: Iterable[SeqCache] = ()
+        self,
+        want: Want,
+        residents: Iterable[Node],
+        trackers: Iterable[SeqCache] = (),
+        host_floor: float = math.inf,
     ) -> tuple[Node | SeqCache | None, str]:
         """The least valuable evictable resident — or tracking slot: a decoding request's
         output, valued as an output capture at its current boundary, not being written by
@@ -540,7 +554,8 @@ class ValueEviction(CheckpointEviction):
                 best, best_value = seq, v
         if best is None:
             return None, "pool"
-        if self.want_value(want) <= best_value:
+        worth = self.want_value(want)
+        if worth <= best_value and not (isinstance(best, Node) and worth > host_floor):
             return None, "value"
         return best, ""
 

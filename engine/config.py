@@ -210,6 +210,27 @@ class CacheConfig(_Section):
     namespace: Annotated[
         str, _doc("Salt separating caches that must never share (e.g. adapters); part of every block hash.")
     ] = ""
+    host_kv_cache_bytes: Annotated[
+        NonNegInt,
+        _doc(
+            "Host tier for KV blocks, in bytes (pinned host memory on CUDA; a separate pool on CPU): "
+            "blocks the device evicts are demoted there and promoted back on a hit. 0 = off."
+        ),
+    ] = 0
+    host_checkpoint_pool_bytes: Annotated[
+        NonNegInt,
+        _doc(
+            "Host tier for GDN checkpoints, in bytes: checkpoints the device evicts are demoted there "
+            "(when worth more than the weakest host checkpoint); a hit restores straight from it. 0 = off."
+        ),
+    ] = 0
+    host_load_bytes_per_step: Annotated[
+        PosInt | None,
+        _doc(
+            "Host -> device copies started per step, in bytes (at least one item per step); a request whose "
+            "hit needs more waits for them over several steps while others run. None: unbounded."
+        ),
+    ] = 256 * 2**20
 
     def check(self) -> None:
         if self.checkpoint_policy not in ADMISSION_POLICIES:

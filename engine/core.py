@@ -265,6 +265,8 @@ class EngineCore:
                 config.cache.block_size,
                 self.cache.slots.num_live,
                 self.cache.slots.num_checkpoint,
+                self.capacity.num_host_kv_blocks,
+                self.capacity.num_host_checkpoint_slots,
             ),
             self.device,
         )
@@ -280,6 +282,14 @@ class EngineCore:
         # async scheduling (module docstring): the step on the forward worker, requests to end
         # once it has left flight, and the worker that runs the forwards one at a time, in order
         self.async_scheduling = config.engine.async_scheduling
+        if self.async_scheduling and (
+            self.capacity.num_host_kv_blocks or self.capacity.num_host_checkpoint_slots
+        ):
+            # the overlapped loop does not run the host tier's copies yet
+            raise ConfigError(
+                "engine.async_scheduling = true with a host tier (cache.host_kv_cache_bytes / "
+                "cache.host_checkpoint_pool_bytes) is not supported yet; turn one of them off"
+            )
         self._flight: _InFlight | None = None
         self._deferred: dict[Request, tuple[str, bool]] = {}  # request -> (reason, publish_output)
         self._worker: ThreadPoolExecutor | None = None  # started on first use, stopped by close()
@@ -561,19 +571,28 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out is None:
             return []
+        # copies between the device and host tiers first; a failed load ends its request only
+        failures = self.runner.transfer(out)
+        errors = {id(t.seq): e for t, e in failures}
+        outputs = [
+            self._fail(r, "host tier load failed", errors[id(r.cache)])
+            for r in self.scheduler.land(out, [t for t, _ in failures])
+        ]
+        if not out.seqs:  # a step of copies only
+            self.scheduler.update(out, [])
+            return outputs
         try:
             sampled = self.runner.execute(out, self.states)
         except Exception as e:  # one failed step ends only its own requests
             self.counters["steps.failed"] += 1
             log.error("step.failed", error=repr(e), requests=[s.request.request_id for s in out.seqs])
             failed = self.scheduler.fail_step(out)
-            return [self._fail(r, "model step failed", e, finish=False) for r in failed]
+            return outputs + [self._fail(r, "model step failed", e, finish=False) for r in failed]
         try:
             self.scheduler.update(out, sampled)
         except Exception as e:
-            return self._recover_failed_update(out, e)
+            return outputs + self._recover_failed_update(out, e)
         self.counters["tokens.computed"] += out.num_tokens
-        outputs: list[RequestOutput] = []
         process = self._process_token
         for s, token in zip(out.seqs, sampled, strict=True):
             if token is not None:

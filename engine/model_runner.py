@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from deltaserve.kernels import Ops
@@ -138,6 +139,8 @@ class RunnerSizes:
     block_size: int
     num_live_slots: int
     num_checkpoint_slots: int
+    num_host_kv_blocks: int = 0
+    num_host_checkpoint_slots: int = 0
 
     @property
     def num_state_slots(self) -> int:
@@ -160,6 +163,22 @@ class ModelRunner:
         )
         self.default_generator = torch.Generator(device=device)
         self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
+        self.host: HostPool | None = None
+        if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots:
+            self.host = HostPool(
+                self.spec,
+                sizes.num_host_kv_blocks if self.spec.num_attn_layers else 0,
+                sizes.block_size,
+                sizes.num_host_checkpoint_slots if self.spec.num_gdn_layers else 0,
+                device,
+            )
+
+    def transfer(self, out: SchedulerOutput) -> list[Failure]:
+        """The step's copies between the device and host tiers (before its forward); the
+        ones that failed, with their error. Never raises."""
+        if self.host is None:
+            return []
+        return self.host.transfer(out.plan, self.caches)
 
     @staticmethod
     @torch.inference_mode()
@@ -352,6 +371,8 @@ class ModelRunner:
         memory asynchronously and ``StepResult.token_list`` waits for them.
         """
         out = prep.out
+        if self.host is not None:
+            self.host.wait()  # loads of earlier steps have landed before anything reads them
         batch, ph_dst, ph_src = self._device_batch(prep)
         if prep.num_placeholders:
             if self._last is None or self._last.step != prep.placeholder_step:

@@ -79,6 +79,8 @@ class Capacity:
     gdn_chunk_size: int = GDN_CHUNK_SIZE
     prefill_flops_per_token: float = 1.0
     prefill_flops_per_token_pair: float = 1.0 / 65536
+    num_host_kv_blocks: int = 0  # host tier (cache.host_kv_cache_bytes)
+    num_host_checkpoint_slots: int = 0  # host tier (cache.host_checkpoint_pool_bytes)
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -117,6 +119,16 @@ class Capacity:
             "checkpoint_mib": round(self.checkpoint_bytes / MiB, 1),
             "max_model_len": self.max_model_len,
             "max_concurrent_at_max_len": self.max_concurrent_at_max_len,
+            **(
+                {
+                    "host_kv_blocks": self.num_host_kv_blocks,
+                    "host_kv_mib": round(self.num_host_kv_blocks * self.kv_block_bytes / MiB, 1),
+                    "host_checkpoint_slots": self.num_host_checkpoint_slots,
+                    "host_checkpoint_mib": round(self.num_host_checkpoint_slots * self.state_bytes / MiB, 1),
+                }
+                if self.num_host_kv_blocks or self.num_host_checkpoint_slots
+                else {}
+            ),
         }
 
 
@@ -194,7 +206,13 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
                 f"max_model_len = {max_len}: the model allows {model_max} tokens but the KV pool holds "
                 f"{pool_tokens}; raise the cache budget for longer requests"
             )
+    # 4. the host tier: its own budgets (host memory), off by default
+    caching = cc.enable_prefix_caching
+    num_host_kv = cc.host_kv_cache_bytes // kv_block_bytes if shape.has_attention and caching else 0
+    num_host_ckpt = cc.host_checkpoint_pool_bytes // shape.state_bytes if shape.has_gdn and caching else 0
     return Capacity(
+        num_host_kv_blocks=num_host_kv,
+        num_host_checkpoint_slots=num_host_ckpt,
         budget_bytes=budget,
         block_size=bs,
         num_kv_blocks=num_blocks,
@@ -232,6 +250,10 @@ def build_cache_manager(
             gdn_chunk_size=capacity.gdn_chunk_size,
             prefill_cost_per_token=capacity.prefill_flops_per_token,
             prefill_cost_per_token_pair=capacity.prefill_flops_per_token_pair,
+            num_host_kv_blocks=capacity.num_host_kv_blocks,
+            num_host_checkpoint_slots=capacity.num_host_checkpoint_slots,
+            kv_block_bytes=capacity.kv_block_bytes,
+            host_load_bytes_per_step=cc.host_load_bytes_per_step,
         )
     )
 

@@ -14,7 +14,13 @@ out for a running request, the policy picks a victim among running requests not 
 scheduled this step (possibly the request itself); the victim is freed and requeued, its
 published prefix stays cached, which makes the recompute cheap.
 
-``update`` applies a finished step; ``fail_step`` releases one that raised. The scheduler
+A request whose hit includes host-tier items is admitted *loading*: it holds its pins,
+live slot and promoted blocks, and computes nothing until the copies it needs have landed
+(staged a per-step byte budget at a time, ``CacheManager.stage_loads``); meanwhile the
+others decode and prefill as usual. A step may carry only copies (no forward).
+
+``land`` applies the step's copies (before its forward's results), ``update`` applies a
+finished step; ``fail_step`` releases one that raised. The scheduler
 never touches torch; the engine decides stop conditions and calls ``finish``.
 
 Policy faults stay local. The policy may be a user's ``module:Class``, so every call into
@@ -44,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.cache.types import PrefixMatch, StepItem, StepPlan
+from deltaserve.cache.types import PrefixMatch, StepItem, StepPlan, Transfer
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.request import Request, RequestStatus
@@ -294,6 +300,8 @@ class Scheduler:
             # (a request preempted earlier in this loop is WAITING now)
             if req.status is not running or computed <= 0 or num_tokens - computed != 1:
                 continue  # not decoding (Request.is_decoding)
+            if req.cache.loads:  # type: ignore[union-attr]
+                continue  # still loading from the host tier (staged below)
             scheduled.add(id(req))
             if len(req.cache.block_table) * bs < num_tokens and not self._allocate_or_preempt(  # type: ignore[union-attr]
                 req, num_tokens, scheduled, ctx, preempted
@@ -305,7 +313,12 @@ class Scheduler:
 
         # 2. running requests still in prefill
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or id(req) in scheduled or req.is_decoding:
+            if req.status is not RequestStatus.RUNNING or id(req) in scheduled:
+                continue
+            if req.cache is not None and req.cache.loads:
+                self.cache.stage_loads(req.cache)
+                continue
+            if req.is_decoding:
                 continue
             end = self._chunk_end(req.num_computed_tokens, req.num_tokens, budget)
             if end == req.num_computed_tokens:
@@ -349,18 +362,15 @@ class Scheduler:
                     break
                 # nothing changed since the match: admission found the same hit
                 assert seq.num_cached_tokens == hit
+                if seq.loads:  # host-tier hit: it computes once its copies have landed
+                    self._start(req, seq)
+                    self.cache.stage_loads(seq)
+                    continue
                 end = first_end
                 if not self.cache.allocate(seq, end):
                     self.cache.free(seq, publish_output=False)
                     break  # new requests never preempt running ones
-                req.cache = seq
-                req.num_computed_tokens = seq.num_cached_tokens
-                if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
-                    req.num_cached_tokens = seq.num_cached_tokens
-                    self.cache.record_query(req.num_tokens, seq.num_cached_tokens, seq)
-                req.status = RequestStatus.RUNNING
-                self.waiting.remove(req)
-                self.running.append(req)
+                self._start(req, seq)
                 scheduled.add(id(req))
                 prefills.append(ScheduledSeq(req, seq.num_cached_tokens, end, False))
                 budget -= end - seq.num_cached_tokens
@@ -368,7 +378,7 @@ class Scheduler:
 
         # a preempted request scheduled earlier in this step cannot be (victims exclude them)
         seqs = decodes + prefills
-        if not seqs:
+        if not seqs and not self.cache.has_transfers():
             return None
         # (positional: StepItem(seq, token_ids, start, end, is_decode); keywords cost a third more
         # per sequence, and this runs for every sequence of every step)
@@ -385,7 +395,26 @@ class Scheduler:
         self.step_count += 1
         return out
 
+    def _start(self, req: Request, seq: Any) -> None:
+        """``req`` was admitted (``seq``: its cache view): it moves to the running list."""
+        req.cache = seq
+        req.num_computed_tokens = seq.num_cached_tokens
+        if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
+            req.num_cached_tokens = seq.num_cached_tokens
+            self.cache.record_query(req.num_tokens, seq.num_cached_tokens, seq)
+        req.status = RequestStatus.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
+
     # ------------------------------------------------------------------ results
+    def land(self, out: SchedulerOutput, failed: Sequence[Transfer] = ()) -> list[Request]:
+        """The step's copies between tiers ran (``failed``: those that did not); the
+        requests whose loads failed are returned for the caller to end."""
+        if out is not self._inflight:
+            raise RuntimeError("land() of a step that is not in flight")
+        broken = self.cache.land_transfers(out.plan, failed)
+        return [self.requests[seq.request_id] for seq in broken]
+
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
         """Apply a successful step: computed counts, published cache, sampled tokens."""
         if out is not self._inflight:

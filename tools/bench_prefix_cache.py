@@ -23,6 +23,12 @@ the token hit rate and warm TTFT (turns after the first) beside cold TTFT, measu
 same run; outputs must equal the cache-off ones.
 
     python tools/bench_prefix_cache.py --pressure [--conversations 8] [--checkpoint-slots 3]
+
+``--pressure --host``: the host tier (issue 13). Two more engines see the same prompts:
+``host`` (the first policy with the same device pools plus a host tier that holds every
+conversation) and ``all-device`` (device pools that hold every conversation: the ideal the
+host tier is measured against). ``--kv-conversations 2 --checkpoint-slots 2`` with the
+default 8 conversations leaves the device a quarter of the working set.
 """
 
 from __future__ import annotations
@@ -79,8 +85,17 @@ def pressure(args: argparse.Namespace) -> None:
         "cache.num_kv_blocks": kv_blocks,
     }
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    warm = {p: EngineCore(config_from_args(args, {**base, **pools, "cache.checkpoint_policy": p}), loaded=probe.loaded)
-            for p in policies}  # fmt: skip
+    variants = {p: {**pools, "cache.checkpoint_policy": p} for p in policies}
+    if args.host:  # room for every conversation (and its older turns) on the host / on the device
+        every_block = 2 * args.conversations * final_len // 16
+        every_ckpt = 4 * args.conversations * args.turns
+        variants["host"] = {**variants[policies[0]],
+                            "cache.host_kv_cache_bytes": every_block * probe.capacity.kv_block_bytes,
+                            "cache.host_checkpoint_pool_bytes": every_ckpt * state_bytes}  # fmt: skip
+        variants["all-device"] = {"cache.checkpoint_policy": policies[0], "cache.num_kv_blocks": every_block,
+                                  "cache.checkpoint_pool_bytes": every_ckpt * state_bytes}  # fmt: skip
+    warm = {name: EngineCore(config_from_args(args, {**base, **over}), loaded=probe.loaded)
+            for name, over in variants.items()}  # fmt: skip
     cold = EngineCore(
         config_from_args(args, {**base, "cache.enable_prefix_caching": False}), loaded=probe.loaded
     )
@@ -122,7 +137,7 @@ def pressure(args: argparse.Namespace) -> None:
         f"slots ({state_bytes / 2**20:.2f} MiB each), {kv_blocks} KV blocks (~{args.kv_conversations} conversations); "
         f"warm turns: {len(warm_rows)}, cold TTFT mean {cold_ms:.1f} ms"
     )
-    print(f"{'policy':>8}{'hit rate':>10}{'warm ms':>9}{'median':>8}{'warm/cold':>11}{'stored':>8}{'evicted':>9}"
+    print(f"{'engine':>10}{'hit rate':>10}{'warm ms':>9}{'median':>8}{'warm/cold':>11}{'stored':>8}{'evicted':>9}"
           f"{'skip pool':>10}{'skip value':>11}{'KV evicted':>11}")  # fmt: skip
     summary: dict[str, object] = {}
     for p, core in warm.items():
@@ -132,9 +147,20 @@ def pressure(args: argparse.Namespace) -> None:
         summary[p] = {"hit_rate": hit / q, "warm_ttft_ms_mean": statistics.mean(times),
                       "warm_ttft_ms_median": statistics.median(times), "cold_ttft_ms_mean": cold_ms, "stats": s}  # fmt: skip
         print(
-            f"{p:>8}{100 * hit / q:>9.1f}%{statistics.mean(times):>9.1f}{statistics.median(times):>8.1f}"
+            f"{p:>10}{100 * hit / q:>9.1f}%{statistics.mean(times):>9.1f}{statistics.median(times):>8.1f}"
             f"{statistics.mean(times) / cold_ms:>11.3f}{s['checkpoints.stored']:>8}{s['checkpoints.evicted']:>9}"
             f"{s['checkpoints.skipped_pool']:>10}{s['checkpoints.skipped_value']:>11}{s['kv.evicted_blocks']:>11}"
+        )
+    if args.host:
+        host, ideal = summary["host"], summary["all-device"]
+        s = warm["host"].stats()
+        print(
+            f"host tier: warm TTFT {host['warm_ttft_ms_mean']:.1f} ms vs all-device {ideal['warm_ttft_ms_mean']:.1f} ms "  # type: ignore[index]
+            f"= {host['warm_ttft_ms_mean'] / ideal['warm_ttft_ms_mean']:.3f}x; hit tokens from host "  # type: ignore[index]
+            f"{s['prefix_cache.hit_tokens_host']} of {s['prefix_cache.hit_tokens']}; promoted KV blocks "
+            f"{s['host.kv_promoted_blocks']}, restores from host {s['host.checkpoints_restored']}, "
+            f"moved {(s['host.bytes_loaded'] + s['host.bytes_saved']) / 2**20:.1f} MiB, load wait "
+            f"{s['host.load_wait_ms']} ms over {s['host.loads_completed']} requests"
         )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2, default=str))
@@ -156,6 +182,9 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, help="--pressure: KV blocks (overrides --kv-conversations)")
     ap.add_argument(
         "--policies", default="default,v1", help="--pressure: cache.checkpoint_policy values to compare"
+    )
+    ap.add_argument(
+        "--host", action="store_true", help="--pressure: also the host tier and the all-device ideal"
     )
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")

@@ -98,6 +98,9 @@ class SimConfig:
     #: value model's prefill cost (per token, per token pair); None: CacheManagerConfig's defaults
     prefill_cost: tuple[float, float] | None = None
     model: str = "Qwen3.5-4B-like (default sizes)"
+    host_kv_blocks: int = 0  # host tier (0 = off)
+    host_checkpoint_slots: int = 0
+    h2d_gbps: float = 50.0  # host <-> device copy bandwidth, GB/s (PCIe 5 x16, effective)
 
     @property
     def block_size(self) -> int:
@@ -125,6 +128,8 @@ class SimConfig:
             max_model_len=kv_blocks * self.block_size,
             model_max_len=1 << 30,
             max_num_seqs=self.max_num_seqs,
+            num_host_kv_blocks=self.host_kv_blocks,
+            num_host_checkpoint_slots=self.host_checkpoint_slots,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,6 +167,8 @@ class SimResult:
     checkpoints_skipped_value: int
     checkpoints_evicted: int
     kv_evicted_blocks: int
+    hit_tokens_host: int
+    host_bytes_moved: int
     preemptions: int
     steps: int
     tokens_computed: int
@@ -202,6 +209,7 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
     if oracle:
         kv_blocks, slots = oracle_sizes(workload, cfg)
         engine = engine.replace(**{"cache.checkpoint_staging_bytes": None})
+        cfg = replace(cfg, host_kv_blocks=0, host_checkpoint_slots=0)
     engine = engine.replace(**{"cache.enable_prefix_caching": True})
     sched = build_scheduler(engine, cfg.capacity(kv_blocks, slots), checkpoint_policy=admission)
     cache = sched.cache
@@ -292,10 +300,13 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
                     sampled.append(live[req.request_id][2][req.num_output_tokens])
                 else:
                     sampled.append(None)
+            moved = sum(cache.host.nbytes(t.kind) for t in out.plan.saves + out.plan.loads)
             sched.update(out, sampled)
             steps += 1
             tokens += out.num_tokens
-            clock += cfg.step_s + cfg.token_s * out.num_tokens
+            # copies between tiers cost their bytes over the link, serially (a conservative
+            # model: on a GPU the loads overlap the forward)
+            clock += cfg.step_s + cfg.token_s * out.num_tokens + moved / (cfg.h2d_gbps * 1e9)
             for s, tok in zip(out.seqs, sampled, strict=True):
                 req = s.request
                 if tok is not None and req.num_output_tokens >= live[req.request_id][1].max_tokens:
@@ -336,6 +347,8 @@ def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalPa
         checkpoints_skipped_value=c["checkpoints.skipped_value"],
         checkpoints_evicted=c["checkpoints.evicted"],
         kv_evicted_blocks=c["kv.evicted_blocks"],
+        hit_tokens_host=c["prefix_cache.hit_tokens_host"],
+        host_bytes_moved=c["host.bytes_saved"] + c["host.bytes_loaded"],
         preemptions=sched.num_preemptions,
         steps=steps,
         tokens_computed=tokens,
@@ -452,14 +465,15 @@ def parse_budget(text: str, checkpoint_bytes: int) -> int:
 
 # ============================================================================ output
 def format_results(results: Sequence[SimResult]) -> str:
-    header = ["policy", "hit rate", "vs oracle", "stored", "skipped", "ckpt evicted", "KV evicted",
-              "preempt", "steps", "sim s"]  # fmt: skip
+    header = ["policy", "hit rate", "vs oracle", "from host", "stored", "skipped", "ckpt evicted",
+              "KV evicted", "preempt", "steps", "sim s"]  # fmt: skip
     rows = [header]
     for r in results:
         rows.append([
             r.policy,
             f"{100 * r.hit_rate:.1f}%",
             "-" if r.oracle_ratio is None else f"{r.oracle_ratio:.2f}",
+            f"{100 * r.hit_tokens_host / max(r.prompt_tokens, 1):.1f}%",
             str(r.checkpoints_stored),
             str(r.checkpoints_skipped_budget + r.checkpoints_skipped_pool + r.checkpoints_skipped_value),
             str(r.checkpoints_evicted),
@@ -504,6 +518,12 @@ def header_line(workload: Workload, cfg: SimConfig, arrival_mode: str) -> str:
         f"KV {cfg.kv_blocks} blocks x {cfg.block_size} tok = {cfg.kv_bytes / MiB:.0f} MiB; "
         f"checkpoints {cfg.checkpoint_slots} x {cfg.checkpoint_bytes / MiB:.0f} MiB = "
         f"{cfg.checkpoint_pool_bytes / MiB:.0f} MiB; unit {unit} tok; interval {cfg.checkpoint_interval}"
+        + (
+            f"; host tier KV {cfg.host_kv_blocks * cfg.block_size * cfg.kv_bytes_per_token / MiB:.0f} MiB + "
+            f"checkpoints {cfg.host_checkpoint_slots * cfg.checkpoint_bytes / MiB:.0f} MiB at {cfg.h2d_gbps:g} GB/s"
+            if cfg.host_kv_blocks or cfg.host_checkpoint_slots
+            else ""
+        )
     )
 
 
@@ -581,6 +601,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep", nargs="?", const=",".join(map(str, DEFAULT_SWEEP)), metavar="BUDGETS",
         help="sweep checkpoint budgets: slots or memory, comma list (default %(const)s slots)",
     )  # fmt: skip
+    h = parser.add_argument_group("host tier")
+    h.add_argument("--host-kv-mb", type=float, default=0.0, help="host KV pool in MiB (default 0: off)")
+    h.add_argument(
+        "--host-checkpoint-mb", type=float, default=0.0, help="host checkpoint pool in MiB (default 0: off)"
+    )
+    h.add_argument(
+        "--h2d-gbps", type=float, default=50.0,
+        help="host <-> device bandwidth in GB/s; each step's copies add bytes / bandwidth (default %(default)s)",
+    )  # fmt: skip
     t = parser.add_argument_group("virtual time")
     t.add_argument("--step-ms", type=float, default=15.0, help="per step (default %(default)s)")
     t.add_argument("--ms-per-token", type=float, default=0.2, help="per computed token (default %(default)s)")
@@ -650,6 +679,9 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         token_s=args.ms_per_token / 1000,
         check_integrity=args.check,
         prefill_cost=cost,
+        host_kv_blocks=int(args.host_kv_mb * MiB // (kv_per_token * cc.block_size)),
+        host_checkpoint_slots=int(args.host_checkpoint_mb * MiB // ckpt_bytes),
+        h2d_gbps=args.h2d_gbps,
     )
     if model:
         out.model = model

@@ -244,3 +244,22 @@ def test_pressure_targets(tmp_path: Path) -> None:
     for row in doc["summary"]:
         if row["workload"] != "tenants":
             assert row["default/oracle"] >= 0.9, row
+
+
+def test_host_tier_flags_raise_hits_and_cost_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--host-kv-mb`` / ``--host-checkpoint-mb`` add a host tier: at the same device pools the
+    default policy hits more (some of it from the host), the copies cost virtual time at
+    ``--h2d-gbps``, and the oracle is unaffected. Integrity is checked after every step."""
+    common = ["--workload", "chat", "--num-requests", "24", "--policies", "default,oracle", "--check",
+              "--kv-mb", "48", "--checkpoint-slots", "2", "--checkpoint-bytes", str(2 * 1024**2)]  # fmt: skip
+    device = main(common)["workloads"]["chat"]["results"]
+    host = main([*common, "--host-kv-mb", "512", "--host-checkpoint-mb", "64"])["workloads"]["chat"][
+        "results"
+    ]
+    slow = main([*common, "--host-kv-mb", "512", "--host-checkpoint-mb", "64", "--h2d-gbps", "0.01"])
+    assert "host tier KV 512 MiB" in capsys.readouterr().out
+    assert host[0]["hit_tokens_host"] > 0 and host[0]["host_bytes_moved"] > 0
+    assert host[0]["hit_rate"] > device[0]["hit_rate"]
+    assert device[0]["hit_tokens_host"] == 0
+    assert host[1]["hit_rate"] == device[1]["hit_rate"]  # the oracle has no host tier
+    assert slow["workloads"]["chat"]["results"][0]["sim_time_s"] > host[0]["sim_time_s"]

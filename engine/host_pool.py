@@ -1,0 +1,128 @@
+"""The host tier's tensors and the copies between tiers (``cache/host_tier.py`` plans them).
+
+``HostPool`` holds KV blocks and checkpoint slots in host memory, in the same layouts as
+the device caches (``CacheSpec.allocate``): pinned on CUDA, plain CPU tensors on the CPU,
+where the device pools are CPU tensors too and every copy is a memcpy through the same
+code path, so everything is tested without a GPU.
+
+``transfer(plan)`` runs a step's copies before its forward: first the saves (device ->
+host: a demoted block's device copy may be reused by this very step), then each request's
+loads (host -> device block, host checkpoint -> the request's live slot). A request's
+loads are one unit: a failure fails only them (and is returned, for the engine to end
+that request); a failed batch of saves is returned too (the cache drops those items).
+
+On CUDA the copies run on a separate stream. The step's forward waits for the saves
+only: loads write blocks and live slots of requests that do not compute in this step (a
+loading request computes once its loads have landed), so they overlap the forward, and
+the next step's copies and forward wait for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from deltaserve.cache.types import StepPlan, Transfer, TransferKind
+from deltaserve.logs import get_logger
+from deltaserve.models import CacheSpec, ModelCaches
+
+log = get_logger("deltaserve.engine")
+
+Failure = tuple[Transfer, BaseException]
+
+
+class HostPool:
+    def __init__(
+        self, spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self.caches: ModelCaches = spec.allocate(num_blocks, block_size, num_slots, "cpu")
+        if device.type == "cuda":  # pinned: the copies are true async DMA
+            for tensors in (
+                self.caches.k_cache,
+                self.caches.v_cache,
+                self.caches.conv_state,
+                self.caches.ssm_state,
+            ):
+                tensors[:] = [t.pin_memory() for t in tensors]
+            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+        else:
+            self.stream = None
+        self._loads_done: torch.cuda.Event | None = None
+
+    @torch.inference_mode()
+    def transfer(self, plan: StepPlan, device: ModelCaches) -> list[Failure]:
+        """Run ``plan``'s saves, then its loads; the copies that failed, with their error."""
+        failed: list[Failure] = []
+        if not plan.saves and not plan.loads:
+            return failed
+        current = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        if self.stream is not None:
+            self.stream.wait_stream(current)  # saves read what earlier steps computed
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            if plan.saves:
+                try:
+                    self._copy(plan.saves, device)
+                except Exception as e:
+                    log.error("host.save_failed", items=len(plan.saves), error=repr(e))
+                    failed += [(t, e) for t in plan.saves]
+            if self.stream is not None:
+                current.wait_stream(self.stream)  # the forward may reuse what was just saved
+            for group in _by_request(plan.loads):
+                try:
+                    self._copy(group, device)
+                except Exception as e:
+                    log.error("host.load_failed", request_id=group[0].seq.request_id, error=repr(e))  # type: ignore[union-attr]
+                    failed += [(t, e) for t in group]
+            if self.stream is not None:
+                self._loads_done = torch.cuda.Event()
+                self._loads_done.record(self.stream)
+        return failed
+
+    def wait(self) -> None:
+        """CUDA: the compute stream waits for the last loads (before a step that may use them)."""
+        if self._loads_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loads_done)
+            self._loads_done = None
+
+    def _copy(self, transfers: Sequence[Transfer], device: ModelCaches) -> None:
+        """One batched copy per kind and tensor."""
+        host = self.caches
+        by_kind: dict[TransferKind, tuple[list[int], list[int]]] = {}
+        for t in transfers:
+            src, dst = by_kind.setdefault(t.kind, ([], []))
+            src.append(t.src)
+            dst.append(t.dst)
+        for kind, (src, dst) in by_kind.items():
+            if kind.is_kv:
+                pairs = list(zip(device.k_cache + device.v_cache, host.k_cache + host.v_cache, strict=True))
+            else:
+                pairs = list(zip(device.state_tensors(), host.state_tensors(), strict=True))
+            for dev, hst in pairs:
+                if kind.is_load:
+                    _move(hst, src, dev, dst)
+                else:
+                    _move(dev, src, hst, dst)
+
+
+def _move(src_t: torch.Tensor, src: list[int], dst_t: torch.Tensor, dst: list[int]) -> None:
+    """``dst_t[dst] = src_t[src]`` across devices (host side pinned on CUDA)."""
+    src_idx = torch.tensor(src, dtype=torch.int64, device=src_t.device)
+    dst_idx = torch.tensor(dst, dtype=torch.int64, device=dst_t.device)
+    rows = src_t.index_select(0, src_idx)
+    if rows.device != dst_t.device:
+        if rows.device.type == "cpu":  # host -> device: async from pinned memory
+            rows = rows.pin_memory().to(dst_t.device, non_blocking=True)
+        else:  # device -> host: the host writes the rows right after, so this one waits
+            rows = rows.to(dst_t.device)
+    dst_t.index_copy_(0, dst_idx, rows)
+
+
+def _by_request(loads: Sequence[Transfer]) -> list[list[Transfer]]:
+    """The loads grouped by the request that waits for them (a group fails together)."""
+    groups: dict[int, list[Transfer]] = {}
+    for t in loads:
+        groups.setdefault(id(t.seq), []).append(t)
+    return list(groups.values())
