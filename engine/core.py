@@ -30,7 +30,8 @@ slots are released then; the extra token's KV is real output and may stay cached
 failure rules stay local: a failed prepare ends that step's requests; a forward that fails
 on the worker ends its step's requests and those of the step after it (scheduled on its
 results, refused by the worker), and ``CacheManager.discard_written`` drops what its early
-commit published. With it off, ``step()`` is the plain schedule → execute → update → outputs.
+commit published. A step's host-tier copies run on the worker before its forward; the early
+commit lands them (``Scheduler.land``) first. With it off, ``step()`` is the plain schedule → execute → update → outputs.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from deltaserve.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.model_runner import (
     ModelRunner,
     PreparedStep,
@@ -210,9 +212,10 @@ class _InFlight:
     """A step handed to the forward worker (async scheduling), its plan not yet committed."""
 
     out: SchedulerOutput
-    prep: PreparedStep
-    future: Future[StepResult]
-    requests: set[Request]  # the step's requests (identity set)
+    prep: PreparedStep | None  # None: a step of host-tier copies only
+    future: Future[StepResult | None]
+    transfers: Future[list[Failure]]  # the step's host-tier copies that failed (set before the forward)
+    requests: set[Request]  # the step's requests, and those whose loads it carries (identity set)
 
 
 class EngineCore:
@@ -282,14 +285,6 @@ class EngineCore:
         # async scheduling (module docstring): the step on the forward worker, requests to end
         # once it has left flight, and the worker that runs the forwards one at a time, in order
         self.async_scheduling = config.engine.async_scheduling
-        if self.async_scheduling and (
-            self.capacity.num_host_kv_blocks or self.capacity.num_host_checkpoint_slots
-        ):
-            # the overlapped loop does not run the host tier's copies yet
-            raise ConfigError(
-                "engine.async_scheduling = true with a host tier (cache.host_kv_cache_bytes / "
-                "cache.host_checkpoint_pool_bytes) is not supported yet; turn one of them off"
-            )
         self._flight: _InFlight | None = None
         self._deferred: dict[Request, tuple[str, bool]] = {}  # request -> (reason, publish_output)
         self._worker: ThreadPoolExecutor | None = None  # started on first use, stopped by close()
@@ -629,10 +624,18 @@ class EngineCore:
         scheduler sees it decoding. False when the commit raised (handled like a failed commit,
         once the step has finished on the worker)."""
         out = flight.out
+        # the step's host-tier copies ran first on the worker (usually long done): land them,
+        # and end the requests whose loads failed (they compute nothing in this step)
+        failures = flight.transfers.result()
+        errors = {id(t.seq): e for t, e in failures}
+        for req in self.scheduler.land(out, [t for t, _ in failures]):
+            if req not in self._deferred:  # (a deferred one has had its final output)
+                outputs.append(self._fail(req, "host tier load failed", errors[id(req.cache)]))
         placeholders: list[int | None] = [None] * len(out.seqs)
-        for row, i in enumerate(flight.prep.sample_seq):
-            if out.seqs[i].request not in self._deferred:
-                placeholders[i] = -(row + 1)
+        if flight.prep is not None:
+            for row, i in enumerate(flight.prep.sample_seq):
+                if out.seqs[i].request not in self._deferred:
+                    placeholders[i] = -(row + 1)
         try:
             self.scheduler.update(out, placeholders)
         except Exception as e:
@@ -650,28 +653,44 @@ class EngineCore:
     def _submit(
         self, out: SchedulerOutput, prev: _InFlight | None, outputs: list[RequestOutput]
     ) -> _InFlight | None:
-        """Prepare step ``out`` on this thread and hand it to the forward worker; None (and its
-        requests ended) if preparing it failed."""
-        try:
-            prep = self.runner.prepare(out, self.states, placeholder_step=prev.out.step if prev else -1)
-        except Exception as e:
-            self.counters["steps.failed"] += 1
-            log.error("step.failed", error=repr(e), requests=[s.request.request_id for s in out.seqs])
-            failed = self.scheduler.fail_step(out)
-            outputs += [self._fail(r, "model step failed", e, finish=False) for r in failed]
-            return None
+        """Prepare step ``out`` on this thread and hand it to the forward worker (its host-tier
+        copies, then its forward); None (and its requests ended) if preparing it failed."""
+        prep = None
+        if out.seqs:  # (a step may carry host-tier copies only)
+            try:
+                prep = self.runner.prepare(out, self.states, placeholder_step=prev.out.step if prev else -1)
+            except Exception as e:
+                self.counters["steps.failed"] += 1
+                log.error("step.failed", error=repr(e), requests=[s.request.request_id for s in out.seqs])
+                failed = self.scheduler.fail_step(out)  # (its copies, never run, are released)
+                outputs += [self._fail(r, "model step failed", e, finish=False) for r in failed]
+                return None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-forward")
-        future = self._worker.submit(self._launch, prep)
-        return _InFlight(out, prep, future, {s.request for s in out.seqs})
+        transfers: Future[list[Failure]] = Future()
+        future = self._worker.submit(self._launch, out, prep, transfers)
+        requests = {s.request for s in out.seqs}
+        for t in out.plan.loads:  # a loading request must not be freed before its copies ran
+            req = self.scheduler.requests.get(t.seq.request_id) if t.seq is not None else None
+            if req is not None:
+                requests.add(req)
+        return _InFlight(out, prep, future, transfers, requests)
 
-    def _launch(self, prep: PreparedStep) -> StepResult:
-        """On the forward worker: run one step, unless the one before it failed."""
+    def _launch(
+        self, out: SchedulerOutput, prep: PreparedStep | None, transfers: Future[list[Failure]]
+    ) -> StepResult | None:
+        """On the forward worker: the step's host-tier copies (their failures go to
+        ``transfers`` at once, for the early commit), then its forward — unless the step
+        before failed: then neither runs."""
         if self._worker_broken:
-            raise _StepSkipped(f"step {prep.out.step} follows a failed step")
+            transfers.cancel()
+            raise _StepSkipped(f"step {out.step} follows a failed step")
         try:
-            return self.runner.launch(prep)
-        except BaseException:
+            transfers.set_result(self.runner.transfer(out))  # (never raises)
+            return self.runner.launch(prep) if prep is not None else None
+        except BaseException as e:
+            if not transfers.done():
+                transfers.set_exception(e)
             self._worker_broken = True
             raise
 
@@ -681,10 +700,12 @@ class EngineCore:
         its token discarded."""
         try:
             result = flight.future.result()
-            tokens = result.token_list()
+            tokens = result.token_list() if result is not None else []
         except Exception as e:
             outputs += self._recover_failed_async(flight, e)
             return
+        if flight.prep is None or result is None:
+            return  # host-tier copies only
         seqs = flight.out.seqs
         finished = RequestStatus.FINISHED
         deferred = self._deferred
@@ -731,6 +752,8 @@ class EngineCore:
 
     def _discard_written(self, flight: _InFlight) -> None:
         """Drop the cache entries whose contents a failed step was to write (committed ahead)."""
+        if flight.prep is None:
+            return  # copies only: what they wrote landed (or was released) at the early commit
         bs = self.cache.block_size
         blocks, slots = self.runner.written(flight.prep, bs)
         dropped = self.cache.discard_written(blocks, slots)

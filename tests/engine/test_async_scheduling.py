@@ -271,3 +271,36 @@ async def test_async_engine_with_overlap_matches_plain(core_factory: Callable[..
     plain = await run(core_factory())
     overlapped = await run(core_factory(**ASYNC))
     assert overlapped == plain
+
+
+# ---------------------------------------------------------------------- with the host tier
+# The host tier's engine tests (tests/engine/test_host_tier.py), on the overlapped loop: the
+# step's copies run on the worker before its forward and land at the early commit.
+def _async_factory(core_factory: Callable[..., EngineCore]) -> Callable[..., EngineCore]:
+    return lambda **dotted: core_factory(**{**dotted, **ASYNC})
+
+
+def test_host_tier_demotion_and_promotion_change_nothing(core_factory: Callable[..., EngineCore]) -> None:
+    from tests.engine import test_host_tier
+
+    test_host_tier.test_demoted_and_promoted_state_changes_nothing(_async_factory(core_factory), "default")
+
+
+def test_host_tier_one_copy_per_step(core_factory: Callable[..., EngineCore]) -> None:
+    from tests.engine import test_host_tier
+
+    test_host_tier.test_one_copy_per_step_budget_changes_nothing(_async_factory(core_factory))
+
+
+def test_host_tier_failed_load_and_save(
+    core_factory: Callable[..., EngineCore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.engine import test_host_tier
+
+    test_host_tier.test_failed_load_ends_only_the_request_that_needed_it(
+        _async_factory(core_factory), monkeypatch
+    )
+    monkeypatch.undo()
+    test_host_tier.test_failed_save_drops_items_and_fails_no_request(
+        _async_factory(core_factory), monkeypatch
+    )
