@@ -23,6 +23,7 @@ import weakref
 from typing import Any
 
 _TABLES: weakref.WeakKeyDictionary[Any, list[bytes] | None] = weakref.WeakKeyDictionary()
+_TEXTS: weakref.WeakKeyDictionary[Any, list[str | None]] = weakref.WeakKeyDictionary()
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -53,6 +54,28 @@ def token_byte_table(tokenizer: Any) -> list[bytes] | None:
     with contextlib.suppress(TypeError):  # not weak-referenceable: built again next time (rare)
         _TABLES[tokenizer] = table
     return table
+
+
+def token_text_table(tokenizer: Any, table: list[bytes]) -> list[str | None]:
+    """``texts[id]``: the text token ``id`` decodes to on its own when its bytes are complete,
+    valid UTF-8 (most tokens), else None. With nothing buffered in the UTF-8 decoder such a
+    token's delta is exactly this text, so the common step skips the incremental decoder.
+    Built once per tokenizer object (from ``token_byte_table``'s ``table``)."""
+    try:
+        return _TEXTS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+
+    def text(b: bytes) -> str | None:
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    texts = [text(b) for b in table]
+    with contextlib.suppress(TypeError):
+        _TEXTS[tokenizer] = texts
+    return texts
 
 
 def _build_table(tokenizer: Any) -> list[bytes] | None:
@@ -91,6 +114,7 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded but held back: it could be the start of a stop string
         self._released_tail = ""  # the last max_stop - 1 released characters
         self._table = token_byte_table(tokenizer)
+        self._texts = token_text_table(tokenizer, self._table) if self._table is not None else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         # sliding-window fallback state
         self._tokens: list[int] = []
@@ -120,7 +144,16 @@ class IncrementalDetokenizer:
         """Feed new tokens; return the newly released text ('' if held back or stopped)."""
         if self.stopped:
             return ""
-        new = self._decode(token_ids)
+        texts = self._texts
+        if texts is not None and self._table is not None and len(token_ids) == 1 and not self._utf8.buffer:
+            # the common step (byte-level vocabulary, one token, no partial character pending):
+            # the token's own text, when it is complete UTF-8
+            t = token_ids[0]
+            new = texts[t] if 0 <= t < len(texts) else ""
+            if new is None:
+                new = self._decode(token_ids)
+        else:
+            new = self._decode(token_ids)
         if not self.stop:
             return new
         offset = len(self._released_tail)
