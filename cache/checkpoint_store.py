@@ -132,17 +132,25 @@ class CheckpointStore:
         return slot
 
     # ------------------------------------------------------------------ restores
-    def pin_restore(self, seq: SeqCache, node: Node) -> None:
-        """``seq`` resumes from ``node``'s checkpoint: pinned until the copy has run."""
+    def pin_source(self, node: Node) -> None:
+        """A request will restore from ``node``'s checkpoint (either tier): a hit, pinned
+        until the copy has run."""
         self.tree.pin_checkpoint(node)
         self.eviction.on_hit(node)
+
+    def unpin_source(self, node: Node) -> None:
+        self.tree.unpin_checkpoint(node)
+        self.eviction.on_unpin(node)
+
+    def pin_restore(self, seq: SeqCache, node: Node) -> None:
+        """``seq`` resumes from ``node``'s device checkpoint: pinned until the copy has run."""
+        self.pin_source(node)
         seq.restore_node = node
 
     def release_restore(self, seq: SeqCache) -> None:
         node = seq.restore_node
         if node is not None:
-            self.tree.unpin_checkpoint(node)
-            self.eviction.on_unpin(node)
+            self.unpin_source(node)
             seq.restored_from = node
             seq.restore_node = None
 

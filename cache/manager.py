@@ -239,8 +239,7 @@ class CacheManager:
         if self.has_gdn and self.enabled:
             if hit > 0 and path[hit - 1].checkpoint_slot is None:  # restore from the host
                 node = path[hit - 1]
-                self.tree.pin_checkpoint(node)
-                self.ckpts.eviction.on_hit(node)
+                self.ckpts.pin_source(node)
                 assert node.host_slot is not None
                 seq.loads.append(Transfer(TransferKind.STATE_LOAD, node, node.host_slot, seq.state_slot, seq))
             elif hit > 0:
@@ -320,8 +319,7 @@ class CacheManager:
                 self.tree.set_moving(t.node, False)
                 self.counters["host.kv_promoted_blocks"] += 1
             else:
-                self.tree.unpin_checkpoint(t.node)
-                self.ckpts.eviction.on_unpin(t.node)
+                self.ckpts.unpin_source(t.node)
                 seq.restored_from = t.node
                 self.counters["host.checkpoints_restored"] += 1
             if not seq.loads:
@@ -340,8 +338,7 @@ class CacheManager:
                 self.blocks.free(self.tree.demote(t.node, t.node.host_block))
                 self.tree.set_moving(t.node, False)
             else:
-                self.tree.unpin_checkpoint(t.node)
-                self.ckpts.eviction.on_unpin(t.node)
+                self.ckpts.unpin_source(t.node)
         seq.loads = []
 
     def record_query(self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None) -> None:

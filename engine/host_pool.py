@@ -100,17 +100,21 @@ class HostPool:
                 pairs = list(zip(device.k_cache + device.v_cache, host.k_cache + host.v_cache, strict=True))
             else:
                 pairs = list(zip(device.state_tensors(), host.state_tensors(), strict=True))
+            if not pairs:
+                continue
+            # the index tensors once per kind, each on the side it indexes
+            host_ids, dev_ids = (src, dst) if kind.is_load else (dst, src)
+            host_idx = torch.tensor(host_ids, dtype=torch.int64)
+            dev_idx = torch.tensor(dev_ids, dtype=torch.int64, device=pairs[0][0].device)
             for dev, hst in pairs:
                 if kind.is_load:
-                    _move(hst, src, dev, dst)
+                    _move(hst, host_idx, dev, dev_idx)
                 else:
-                    _move(dev, src, hst, dst)
+                    _move(dev, dev_idx, hst, host_idx)
 
 
-def _move(src_t: torch.Tensor, src: list[int], dst_t: torch.Tensor, dst: list[int]) -> None:
-    """``dst_t[dst] = src_t[src]`` across devices (host side pinned on CUDA)."""
-    src_idx = torch.tensor(src, dtype=torch.int64, device=src_t.device)
-    dst_idx = torch.tensor(dst, dtype=torch.int64, device=dst_t.device)
+def _move(src_t: torch.Tensor, src_idx: torch.Tensor, dst_t: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """``dst_t[dst_idx] = src_t[src_idx]`` across devices (host side pinned on CUDA)."""
     rows = src_t.index_select(0, src_idx)
     if rows.device != dst_t.device:
         if rows.device.type == "cpu":  # host -> device: async from pinned memory

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.cache.types import PrefixMatch, StepItem, StepPlan, Transfer
+from deltaserve.cache.types import PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.request import Request, RequestStatus
@@ -395,7 +395,7 @@ class Scheduler:
         self.step_count += 1
         return out
 
-    def _start(self, req: Request, seq: Any) -> None:
+    def _start(self, req: Request, seq: SeqCache) -> None:
         """``req`` was admitted (``seq``: its cache view): it moves to the running list."""
         req.cache = seq
         req.num_computed_tokens = seq.num_cached_tokens

@@ -275,6 +275,22 @@ def _run(cm: CacheManager, seq: SeqCache, toks: list[int]) -> None:
     cm.commit_step(plan)
 
 
+def _serve_then_demote(cm: CacheManager, convo: list[int]) -> None:
+    """Serve ``convo`` to the end, then a filler prompt that evicts (so demotes) it; the saves
+    have landed when this returns."""
+    seq = cm.admit("a", convo, b"s")
+    assert seq is not None
+    _run(cm, seq, convo)
+    cm.free(seq)
+    filler = cm.admit("b", [7] * 120, b"s")
+    assert filler is not None
+    _run(cm, filler, [7] * 120)
+    cm.free(filler, publish_output=False)
+    plan = cm.plan_step([])  # nothing left to copy: the saves ran in the filler's step
+    cm.land_transfers(plan)
+    cm.commit_step(plan)
+
+
 def test_demoted_conversation_is_hit_from_the_host_and_promoted() -> None:
     cm = _manager()
     convo = list(range(100))  # 6 full blocks, a checkpoint unit at 64
@@ -310,17 +326,7 @@ def test_demoted_conversation_is_hit_from_the_host_and_promoted() -> None:
 def test_load_budget_spreads_a_promotion_over_steps() -> None:
     cm = _manager(host_load_bytes_per_step=250)  # two KV blocks (100 B) per step
     convo = list(range(120))
-    seq = cm.admit("a", convo, b"s")
-    assert seq is not None
-    _run(cm, seq, convo)
-    cm.free(seq)
-    filler = cm.admit("b", [7] * 120, b"s")
-    assert filler is not None
-    _run(cm, filler, [7] * 120)
-    cm.free(filler, publish_output=False)
-    plan = cm.plan_step([])
-    cm.land_transfers(plan)
-    cm.commit_step(plan)
+    _serve_then_demote(cm, convo)
     again = cm.admit("c", convo + [1], b"s")
     assert again is not None and len(again.loads) >= 3
     steps = 0
@@ -338,17 +344,7 @@ def test_load_budget_spreads_a_promotion_over_steps() -> None:
 def test_failed_load_ends_only_its_request_and_keeps_the_host_copy() -> None:
     cm = _manager()
     convo = list(range(100))
-    seq = cm.admit("a", convo, b"s")
-    assert seq is not None
-    _run(cm, seq, convo)
-    cm.free(seq)
-    filler = cm.admit("b", [7] * 120, b"s")
-    assert filler is not None
-    _run(cm, filler, [7] * 120)
-    cm.free(filler, publish_output=False)
-    plan = cm.plan_step([])
-    cm.land_transfers(plan)
-    cm.commit_step(plan)
+    _serve_then_demote(cm, convo)
     victim = cm.admit("c", convo + [1], b"s")
     assert victim is not None and victim.loads
     cm.stage_loads(victim)
