@@ -440,7 +440,11 @@ class V1Eviction(CheckpointEviction):
         host_floor: float = math.inf,
     ) -> tuple[Node | SeqCache | None, str]:
         node = self._peek()
-        if node is None or self.ckpt_key(node)[0] > want.max_class:
+        if node is None:
+            return None, "pool"
+        # A resident of a class ``want`` may not displace still goes when the host tier
+        # keeps it (its recency beats the host's floor): it moves rather than being lost.
+        if self.ckpt_key(node)[0] > want.max_class and not node.ckpt_last_access > host_floor:
             return None, "pool"
         return node, ""
 

@@ -387,3 +387,35 @@ def test_failed_save_drops_the_item_never_a_request(kind: TransferKind) -> None:
     assert cm.counters["host.failed_saves"] == len(bad)
     again = cm.admit("c", convo + [1], b"s")
     assert again is not None and again.num_cached_tokens == 0  # lost, and nothing reads garbage
+
+
+@pytest.mark.parametrize("host_slots", [0, 4])
+def test_v1_capture_moves_a_protected_checkpoint_to_the_host_instead_of_skipping(host_slots: int) -> None:
+    """``v1`` keeps a live (tail) checkpoint against another request's capture; with room on
+    the host the capture takes the slot and the older checkpoint moves there, still a hit."""
+    cm = _manager(
+        checkpoint_policy="v1", checkpoint_interval=0, num_kv_blocks=60, num_host_checkpoint_slots=host_slots
+    )
+    first = list(range(300))
+    _run_and_free(cm, "a", first)  # the one device slot: a's tail checkpoint at 256
+    other = list(range(1000, 1300))
+    _run_and_free(cm, "b", other)
+    plan = cm.plan_step([])  # a save queued by b's step has run in it; nothing is left
+    cm.land_transfers(plan)
+    cm.commit_step(plan)
+    cm.check_integrity()
+    assert cm.lookup(first + [1], b"s") == 256  # kept, on the device or on the host
+    if host_slots:
+        assert cm.counters["host.checkpoints_demoted"] == 1
+        assert cm.lookup(other + [1], b"s") == 256  # b's capture was not skipped
+    else:
+        assert cm.stats()["checkpoints.skipped_pool"] == 1
+        assert cm.lookup(other + [1], b"s") == 0
+
+
+def _run_and_free(cm: CacheManager, rid: str, toks: list[int]) -> None:
+    seq = cm.admit(rid, toks, b"s")
+    assert seq is not None
+    _run(cm, seq, toks)
+    cm.free(seq, publish_output=False)
+    cm.check_integrity()
