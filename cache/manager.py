@@ -463,11 +463,14 @@ class CacheManager:
         for seq in plan.restored:
             self.ckpts.release_restore(seq)
             self.counters["checkpoints.restored"] += 1
+        enabled, bs, kv = self.enabled, self.block_size, self.kv
         for item in plan.items:
-            self.publish(item.seq, item.token_ids, item.end)
-            if item.seq.pending_tracking_boundary:
-                item.seq.tracking_boundary = item.seq.pending_tracking_boundary
-                item.seq.pending_tracking_boundary = 0
+            seq = item.seq
+            if enabled and item.end // bs > len(seq.nodes):  # a newly full block (kv.publish)
+                kv.publish(seq, item.token_ids, item.end)
+            if seq.pending_tracking_boundary:
+                seq.tracking_boundary = seq.pending_tracking_boundary
+                seq.pending_tracking_boundary = 0
         for cap in plan.captures:
             if cap.tracking:
                 continue

@@ -130,7 +130,7 @@ class PrefixMatch:
         return self.hit_blocks * self.block_size
 
 
-@dataclass
+@dataclass(slots=True)
 class StepItem:
     """One request's piece of a step: tokens ``[start, end)`` get computed."""
 

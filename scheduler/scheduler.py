@@ -60,18 +60,15 @@ log = get_logger("deltaserve.scheduler")
 _FALLBACK = FCFSPolicy()  # answers a policy call that failed
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     request: Request
     start: int  # num_computed_tokens before the step
     end: int  # num_computed_tokens after the step
     is_decode: bool
-    samples: bool = False  # a token is due: the piece reaches the end of the known tokens
-
-    def __post_init__(self) -> None:
-        # Fixed at schedule time: after update() appends the sampled token, the request's
-        # length has moved on.
-        self.samples = self.is_decode or self.end == self.request.num_tokens
+    # A token is due: the piece reaches the end of the known tokens. Fixed at schedule time
+    # (after update() appends the sampled token the request's length has moved on).
+    samples: bool
 
     @property
     def num_tokens(self) -> int:
@@ -290,17 +287,24 @@ class Scheduler:
         # 1. decodes of running requests, oldest admission first. The hot loop of a decode-heavy
         # step: the request's fields are read directly, and the cache is asked for blocks only
         # when the block table does not already cover the new token.
+        # Requests this loop passes over (prefilling, loading, or past the budget) are
+        # collected in ``rest`` for step 2, which so never walks the decodes again.
         bs = self.cache.block_size
         running = RequestStatus.RUNNING
-        for req in list(self.running):
+        order = list(self.running)
+        rest: list[Request] = []
+        for i, req in enumerate(order):
             if budget <= 0:
+                rest.extend(order[i:])
                 break
             num_tokens = len(req.token_ids)
             computed = req.num_computed_tokens
             # (a request preempted earlier in this loop is WAITING now)
             if req.status is not running or computed <= 0 or num_tokens - computed != 1:
+                rest.append(req)
                 continue  # not decoding (Request.is_decoding)
             if req.cache.loads:  # type: ignore[union-attr]
+                rest.append(req)
                 continue  # still loading from the host tier (staged below)
             scheduled.add(id(req))
             if len(req.cache.block_table) * bs < num_tokens and not self._allocate_or_preempt(  # type: ignore[union-attr]
@@ -308,11 +312,11 @@ class Scheduler:
             ):
                 scheduled.discard(id(req))
                 continue
-            decodes.append(ScheduledSeq(req, computed, num_tokens, True))
+            decodes.append(ScheduledSeq(req, computed, num_tokens, True, True))
             budget -= 1
 
-        # 2. running requests still in prefill
-        for req in list(self.running):
+        # 2. running requests still in prefill (or loading)
+        for req in rest:
             if req.status is not RequestStatus.RUNNING or id(req) in scheduled:
                 continue
             if req.cache is not None and req.cache.loads:
@@ -327,7 +331,7 @@ class Scheduler:
             if not self._allocate_or_preempt(req, end, scheduled, ctx, preempted):
                 scheduled.discard(id(req))
                 continue
-            prefills.append(ScheduledSeq(req, req.num_computed_tokens, end, False))
+            prefills.append(ScheduledSeq(req, req.num_computed_tokens, end, False, end == req.num_tokens))
             budget -= end - req.num_computed_tokens
 
         # 3. admit waiting requests in policy order. ``max_num_partial_prefills`` bounds the
@@ -372,7 +376,7 @@ class Scheduler:
                     break  # new requests never preempt running ones
                 self._start(req, seq)
                 scheduled.add(id(req))
-                prefills.append(ScheduledSeq(req, seq.num_cached_tokens, end, False))
+                prefills.append(ScheduledSeq(req, seq.num_cached_tokens, end, False, end == req.num_tokens))
                 budget -= end - seq.num_cached_tokens
                 num_partial += end < req.num_tokens
 
