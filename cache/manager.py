@@ -133,7 +133,7 @@ class CacheManager:
             kv_block_bytes=config.kv_block_bytes,
             checkpoint_bytes=config.checkpoint_bytes,
             counters=self.counters,
-            worth=self.value.value if self.value is not None else _recency,
+            worth=self.value.value if self.value is not None else V1Eviction.worth,
         )
         self.kv.host = self.ckpts.host = self.host
         self._staged: list[Transfer] = []  # loads staged for the next step's plan
@@ -463,10 +463,10 @@ class CacheManager:
         for seq in plan.restored:
             self.ckpts.release_restore(seq)
             self.counters["checkpoints.restored"] += 1
-        enabled, bs, kv = self.enabled, self.block_size, self.kv
+        enabled, kv = self.enabled, self.kv
         for item in plan.items:
             seq = item.seq
-            if enabled and item.end // bs > len(seq.nodes):  # a newly full block (kv.publish)
+            if enabled:
                 kv.publish(seq, item.token_ids, item.end)
             if seq.pending_tracking_boundary:
                 seq.tracking_boundary = seq.pending_tracking_boundary
@@ -584,8 +584,3 @@ class CacheManager:
         staged = [t for seq in active for t in seq.loads if t.staged]
         planned = self._staged + (inflight.loads if inflight is not None and not inflight.landed else [])
         assert sorted(map(id, staged)) == sorted(map(id, planned)), "staged loads drift"
-
-
-def _recency(node: Node) -> float:
-    """``v1``'s worth of a checkpoint on the host: how recently it was used."""
-    return float(node.ckpt_last_access)

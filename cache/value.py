@@ -390,6 +390,12 @@ class V1Eviction(CheckpointEviction):
     def is_demoted(node: Node) -> bool:
         return node.ckpt_last_access < 0
 
+    @staticmethod
+    def worth(node: Node) -> float:
+        """What a checkpoint is worth, on either tier (the host tier's ``worth`` under v1):
+        how recently it was used."""
+        return float(node.ckpt_last_access)
+
     def _push(self, node: Node) -> None:
         if node.checkpoint_slot is not None and node.ckpt_pins == 0:
             heapq.heappush(self._heap, (self.ckpt_key(node), next(self._tie), node))
@@ -444,7 +450,7 @@ class V1Eviction(CheckpointEviction):
             return None, "pool"
         # A resident of a class ``want`` may not displace still goes when the host tier
         # keeps it (its recency beats the host's floor): it moves rather than being lost.
-        if self.ckpt_key(node)[0] > want.max_class and not node.ckpt_last_access > host_floor:
+        if self.ckpt_key(node)[0] > want.max_class and self.worth(node) <= host_floor:
             return None, "pool"
         return node, ""
 

@@ -317,7 +317,7 @@ class Scheduler:
 
         # 2. running requests still in prefill (or loading)
         for req in rest:
-            if req.status is not RequestStatus.RUNNING or id(req) in scheduled:
+            if req.status is not RequestStatus.RUNNING:  # preempted in step 1
                 continue
             if req.cache is not None and req.cache.loads:
                 self.cache.stage_loads(req.cache)

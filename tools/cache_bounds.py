@@ -20,13 +20,27 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from deltaserve.cache.hashing import block_hashes
 from deltaserve.cache.manager import CacheManager, CacheManagerConfig
 
 #: (prompt token ids, output token ids) of one request, in service order
 Served = tuple[Sequence[int], Sequence[int]]
+
+
+def _next_use(occurrences: dict[int, list[int]], never: int) -> Callable[[int, int], int]:
+    """``next_use(h, after)``: the first request index after ``after`` in ``h``'s sorted
+    ``occurrences``, or ``never``."""
+
+    def next_use(h: int, after: int) -> int:
+        occ = occurrences.get(h)
+        if not occ:
+            return never
+        k = bisect.bisect_right(occ, after)
+        return occ[k] if k < len(occ) else never
+
+    return next_use
 
 
 def kv_only_lru(requests: Sequence[Served], kv_blocks: int, block_size: int) -> float:
@@ -65,13 +79,7 @@ def kv_only_belady(requests: Sequence[Served], kv_blocks: int, block_size: int) 
         for h in hashes[:n_usable]:
             occurrences.setdefault(h, []).append(i)
     never = len(requests) + 1
-
-    def next_use(h: int, after: int) -> int:
-        occ = occurrences.get(h)
-        if not occ:
-            return never
-        k = bisect.bisect_right(occ, after)
-        return occ[k] if k < len(occ) else never
+    next_use = _next_use(occurrences, never)
 
     cached: dict[int, tuple[int, int]] = {}  # hash -> (next use, depth)
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, hash), lazily invalidated
@@ -155,13 +163,7 @@ def checkpoint_belady(requests: Sequence[Served], slots: int, block_size: int, u
                 break
         captured.update(captures[i])
     never = len(requests) + 1
-
-    def next_use(h: int, after: int) -> int:
-        occ = occurrences.get(h)
-        if not occ:
-            return never
-        k = bisect.bisect_right(occ, after)
-        return occ[k] if k < len(occ) else never
+    next_use = _next_use(occurrences, never)
 
     resident: set[int] = set()
     hit = total = 0

@@ -159,21 +159,18 @@ class TwoTierMachine(RuleBasedStateMachine):
         mem = self.mem
         failed = pick_failed(plan.saves + plan.loads)
         failed_ids = {id(t) for t in failed}
-        for t in plan.saves:
-            if id(t) in failed_ids:
-                continue
-            if t.kind is TransferKind.KV_SAVE:
-                mem.host_kv[t.dst] = mem.kv.get(t.src)
-            else:
-                mem.host_slot[t.dst] = mem.slot.get(t.src)
-        for t in plan.loads:
-            assert all(it.seq is not t.seq for _, it in items), "a loading request computes"
-            if id(t) in failed_ids:
-                continue
-            if t.kind is TransferKind.KV_LOAD:
-                mem.kv[t.dst] = mem.host_kv.get(t.src)
-            else:
-                mem.slot[t.dst] = mem.host_slot.get(t.src)
+        spaces = {  # (source, destination) of each kind of copy
+            TransferKind.KV_SAVE: (mem.kv, mem.host_kv),
+            TransferKind.CKPT_SAVE: (mem.slot, mem.host_slot),
+            TransferKind.KV_LOAD: (mem.host_kv, mem.kv),
+            TransferKind.STATE_LOAD: (mem.host_slot, mem.slot),
+        }
+        for t in plan.saves + plan.loads:
+            if t.kind.is_load:
+                assert all(it.seq is not t.seq for _, it in items), "a loading request computes"
+            if id(t) not in failed_ids:
+                src, dst = spaces[t.kind]
+                dst[t.dst] = src.get(t.src)
         broken = cm.land_transfers(plan, failed)
         for src, dst in plan.restores:
             mem.slot[dst] = mem.slot.get(src)

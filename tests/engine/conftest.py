@@ -85,3 +85,19 @@ def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, li
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def record_logits(core: EngineCore) -> list[torch.Tensor]:
+    """Wrap ``core``'s forward so that every step's logits (the rows to sample: every
+    sampling path starts from them) are appended, as float on the CPU, to the list returned."""
+    seen: list[torch.Tensor] = []
+    forward = core.runner.model.forward
+
+    def recording_forward(batch: Any, caches: Any) -> torch.Tensor:
+        logits = forward(batch, caches)
+        if logits.shape[0]:
+            seen.append(logits.float().cpu())
+        return logits
+
+    core.runner.model.forward = recording_forward  # type: ignore[method-assign]
+    return seen

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from deltaserve.engine import EngineCore
-from tests.engine.conftest import greedy, make_config, run_to_completion
+from tests.engine.conftest import greedy, make_config, record_logits, run_to_completion
 from tests.tolerances import GPU_BF16, GPU_FP32, assert_logits_close
 
 pytestmark = [
@@ -63,18 +63,7 @@ def serve(tiny_path: Any, backend: str, dtype: str) -> tuple[list[list[int]], li
         })
     )  # fmt: skip
     assert core.ops.name == backend
-    logits_seen: list[torch.Tensor] = []
-
-    forward = core.runner.model.forward
-
-    def recording_forward(batch: Any, caches: Any) -> torch.Tensor:
-        # the logits of the rows to sample (every sampling path starts from them)
-        logits = forward(batch, caches)
-        if logits.shape[0]:
-            logits_seen.append(logits.float().cpu())
-        return logits
-
-    core.runner.model.forward = recording_forward  # type: ignore[method-assign]
+    logits_seen = record_logits(core)
     tokens: list[list[int]] = []
     for wave in prompts(core.vocab_size):
         reqs = [core.make_request(p, greedy(12)) for p in wave]

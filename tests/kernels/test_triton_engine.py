@@ -13,14 +13,13 @@ tests/engine/test_gpu_parity.py is the bigger GPU-only version (bf16 too).
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import torch
 
 from deltaserve.engine import EngineCore
 from deltaserve.kernels import get_ops
 from deltaserve.models import ensure_builtin_model, load_model
-from tests.engine.conftest import greedy, make_config, run_to_completion
+from tests.engine.conftest import greedy, make_config, record_logits, run_to_completion
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 from tests.tolerances import assert_logits_close
 
@@ -34,18 +33,7 @@ def serve(backend: str) -> tuple[list[list[int]], list[torch.Tensor], dict[str, 
         make_config(**{"model.device": DEVICE, "kernels.backend": backend, "cache.checkpoint_interval": 64}),
         loaded=loaded,
     )
-    logits_seen: list[torch.Tensor] = []
-
-    forward = core.runner.model.forward
-
-    def recording_forward(batch: Any, caches: Any) -> torch.Tensor:
-        # the logits of the rows to sample (every sampling path starts from them)
-        logits = forward(batch, caches)
-        if logits.shape[0]:
-            logits_seen.append(logits.float().cpu())
-        return logits
-
-    core.runner.model.forward = recording_forward  # type: ignore[method-assign]
+    logits_seen = record_logits(core)
     rng = random.Random(0)
     first = [[rng.randrange(3, core.vocab_size) for _ in range(n)] for n in (5, 70, 130, 1)]
     second = [first[2][:128] + [7, 8, 9]]  # restores the checkpoint captured at 128 tokens
