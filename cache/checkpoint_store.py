@@ -48,12 +48,12 @@ class CheckpointStore:
         return self.attached.values()
 
     # ------------------------------------------------------------------ publish / drop
-    def attach(self, node: Node, slot: int, kind: CaptureKind) -> None:
+    def attach(self, node: Node, slot: int, kind: CaptureKind, history: int | None = None) -> None:
         """Publish ``slot`` (reserved or tracking) as ``node``'s checkpoint."""
         self.slots.set_state(slot, SlotState.ATTACHED)
         self.tree.attach_checkpoint(node, slot)
         self.attached[slot] = node
-        self.eviction.on_attach(node, kind)
+        self.eviction.on_attach(node, kind, history)
         self.counters["checkpoints.stored"] += 1
 
     def detach(self, node: Node) -> int:
@@ -174,7 +174,7 @@ class CheckpointStore:
             node = self.kv.node_at(seq, seq.tracking_boundary)
             if node is not None and node.checkpoint_slot is None:
                 self.untrack(seq, finished=False)
-                self.attach(node, slot, CaptureKind.OUTPUT)
+                self.attach(node, slot, CaptureKind.OUTPUT, seq.history)
                 slot = -1
         if slot < 0:
             slot = self._reserve(seq, SlotState.TRACKING, want)
@@ -209,7 +209,7 @@ class CheckpointStore:
         self.untrack(seq)
         node = self.kv.node_at(seq, seq.tracking_boundary) if publish else None
         if node is not None and node.checkpoint_slot is None:
-            self.attach(node, slot, CaptureKind.OUTPUT)
+            self.attach(node, slot, CaptureKind.OUTPUT, seq.history)
         else:
             self.slots.free_checkpoint(slot)
 

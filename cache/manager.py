@@ -352,7 +352,7 @@ class CacheManager:
         self.counters["prefix_cache.hit_tokens_device"] += hit_tokens - host
         if seq is not None and self.value is not None and self.has_gdn and self.enabled:
             bs = self.block_size
-            self.value.learner.observe(seq.hashes, (query_tokens - 1) // bs, self.unit // bs)
+            seq.history = self.value.learner.observe(seq.hashes, (query_tokens - 1) // bs, self.unit // bs)
 
     # ------------------------------------------------------------------ KV blocks
     def _evict_one_leaf(self) -> bool:
@@ -433,7 +433,9 @@ class CacheManager:
         for c in candidates:
             seq = items[c.item_index].seq
             if self.value is not None and c.kind is not CaptureKind.OUTPUT:
-                self.value.learner.register(seq.hashes[c.boundary // self.block_size - 1], c.kind)
+                self.value.learner.register(
+                    seq.hashes[c.boundary // self.block_size - 1], c.kind, seq.history
+                )
             # v1: a tail whose request also tracks an output may only take a free or dominated
             # slot (its own output will usually dominate it; LRU would evict the waiting
             # conversation most likely to come back next)
@@ -445,7 +447,7 @@ class CacheManager:
             if self.value is not None:  # a capture may take the slot of its pending restore source
                 own = seq.restore_node
                 base = self.kv.checkpoint_depth_above(seq, c.boundary, skip=own)
-            wants.append((Want(c.kind, c.boundary, max_class, own, base), c))
+            wants.append((Want(c.kind, c.boundary, max_class, own, base, seq.history), c))
         for want, c in self.ckpts.eviction.order(wants):
             if remaining is not None and remaining <= 0:
                 self.counters["checkpoints.skipped_budget"] += 1
@@ -479,7 +481,7 @@ class CacheManager:
                 self.counters["checkpoints.duplicate"] += 1
                 self.slots.free_checkpoint(cap.slot)
                 continue
-            self.ckpts.attach(node, cap.slot, cap.kind)
+            self.ckpts.attach(node, cap.slot, cap.kind, plan.items[cap.item_index].seq.history)
 
     def abort_step(self, plan: StepPlan) -> None:
         """The step failed: release its reservations. Its requests must then be freed."""
@@ -543,7 +545,9 @@ class CacheManager:
             # the output boundary, stored or not, is a capture the value model learns from
             b = len(seq.nodes) * self.block_size // self.unit * self.unit
             if b > (seq.prompt_len - 1) // self.unit * self.unit:
-                self.value.learner.register(seq.hashes[b // self.block_size - 1], CaptureKind.OUTPUT)
+                self.value.learner.register(
+                    seq.hashes[b // self.block_size - 1], CaptureKind.OUTPUT, seq.history
+                )
         self.ckpts.end_tracking(seq, publish_output)
         self.kv.release(seq)
         if seq.loads:

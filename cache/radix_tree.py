@@ -47,6 +47,7 @@ class Node:
         "ckpt_last_access",
         "ckpt_protected",
         "ckpt_kind",
+        "ckpt_history",
         "ckpt_hits",
         "ckpt_since",
         "ckpt_base",
@@ -72,6 +73,7 @@ class Node:
         self.ckpt_protected = False
         # value model: the capture kind, hits served, and when its current reuse class began
         self.ckpt_kind: Any = None
+        self.ckpt_history: int | None = None
         self.ckpt_hits = 0
         self.ckpt_since = 0
         self.ckpt_base: Node | None = None  # the nearest checkpoint above it (when it was valued)

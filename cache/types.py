@@ -101,6 +101,7 @@ class SeqCache:
     tracking_boundary: int = 0  # boundary the tracking slot holds (0: nothing valid)
     tracking_since: int = 0  # value model: when the tracking slot was taken (admissions)
     tracking_base: int = 0  # value model: depth of the nearest checkpoint above the tracked output
+    history: int | None = None  # value model: boundaries proposed on the prompt's path before it
     # chained hashes of the request's full blocks; the same list the request keeps
     # (``Request.block_hashes``), extended as tokens arrive, so nothing is hashed twice
     hashes: list[int] = field(default_factory=list)

@@ -64,6 +64,7 @@ class Want:
     max_class: CheckpointClass = CheckpointClass.PROVEN  # v1: the highest class it may displace
     own: Node | None = None  # value: the request's pending restore source (may be reused in-step)
     base: int = 0  # value: depth (tokens) of the nearest checkpoint above it: a hit falls back there
+    history: int | None = None  # value: the request's path history (ReuseLearner.observe)
 
 
 # ============================================================================ cost model
@@ -82,6 +83,14 @@ class CostModel:
 SUB = 4  # age buckets per octave
 NUM_BUCKETS = 4 + 24 * SUB  # ages 0..3 exactly, then 4 per octave up to 2^26
 HIT_CLASSES = ("hit1", "hit2")
+NUM_HISTORY = 11  # history buckets: 0..7 exactly, 8-11, 12-15, 16+
+
+
+def history_bucket(history: int) -> int:
+    """Bucket of a path's history (how many boundaries were proposed on it before)."""
+    if history < 8:
+        return history
+    return min(8 + (history - 8) // 4, NUM_HISTORY - 1)
 
 
 def _bucket(age: int) -> int:
@@ -150,7 +159,7 @@ class _Shadow:
             return
         for c, since in entry[1]:
             self.hits[c][_bucket(learner.now - since)] += 1
-            learner._tables[c] = None
+            learner._changed(c)
         entry[0] += 1
         entry[1] = []
         entry[2] = learner.now
@@ -204,15 +213,24 @@ class ReuseLearner:
         prior_misses: float = 1.0,
         prior_age: int = 16,
         explore: float = 0.25,
+        backoff: float = 4.0,
     ) -> None:
         self.horizon = horizon
         self.capacity = capacity
         self.half_life = half_life
         self.now = 0
-        self.classes = [k.label for k in CaptureKind] + list(HIT_CLASSES)
+        kinds = [k.label for k in CaptureKind]
+        self.classes = kinds + list(HIT_CLASSES) + [f"{k}@{h}" for k in kinds for h in range(NUM_HISTORY)]
         self._index = {c: i for i, c in enumerate(self.classes)}
+        # a capture kind's classes by history; each backs off to the kind's aggregate
+        self._family = {
+            self._index[f"{k}@{h}"]: [self._index[f"{k}@{g}"] for g in range(NUM_HISTORY)]
+            for k in kinds
+            for h in range(NUM_HISTORY)
+        }
         n = len(self.classes)
         self.explore = explore
+        self.backoff = backoff
         self.prior_hits, self.prior_misses, self.prior_bucket = prior_hits, prior_misses, _bucket(prior_age)
         self._tables: list[tuple[list[tuple[float, float]], int] | None] = [None] * n
         self._pending: list[deque[tuple[_Shadow, int, int]]] = [deque() for _ in range(n)]
@@ -221,25 +239,34 @@ class ReuseLearner:
         self.track_time = 1.0  # admissions a tracking slot is held before its output is published
 
     # -- events --------------------------------------------------------------------------
-    def register(self, key: int, kind: CaptureKind) -> None:
+    def label(self, kind: CaptureKind, history: int | None) -> str:
+        """The class of a capture of ``kind`` on a path of ``history`` (None: the kind alone)."""
+        return kind.label if history is None else f"{kind.label}@{history_bucket(history)}"
+
+    def register(self, key: int, kind: CaptureKind, history: int | None = None) -> None:
         """A capture of ``kind`` was proposed at the boundary whose last block hashes to ``key``
         (one trial of the kind, even where an earlier proposal waits)."""
-        self.proposed.add(key, self._index[kind.label])
+        self.proposed.add(key, self._index[self.label(kind, history)])
 
-    def kept_at(self, key: int, kind: CaptureKind) -> None:
+    def kept_at(self, key: int, kind: CaptureKind, history: int | None = None) -> None:
         """A capture of ``kind`` was published at the boundary ``key``."""
-        self.kept.add(key, self._index[kind.label])
+        self.kept.add(key, self._index[self.label(kind, history)])
 
-    def observe(self, hashes: Sequence[int], limit_blocks: int, stride: int) -> None:
+    def observe(self, hashes: Sequence[int], limit_blocks: int, stride: int) -> int:
         """One admitted prompt: time moves on, and in each shadow the deepest boundary on its
         path (block ``i`` ends a boundary when ``(i + 1) % stride == 0``, up to
-        ``limit_blocks``) is credited."""
+        ``limit_blocks``) is credited. Returns the path's *history*: how many boundaries on
+        it were proposed before (about the turns a conversation has had, the levels a tree
+        branch has gone down)."""
         self.tick()
         top = min(limit_blocks, len(hashes))
+        entries = self.proposed.entries
+        history = sum(1 for n in range(stride, top + 1, stride) if hashes[n - 1] in entries)
         for shadow in (self.proposed, self.kept):
             n = shadow.deepest(hashes, top, stride)
             if n:
                 shadow.credit(hashes[n - 1])
+        return history
 
     def tick(self) -> None:
         self.now += 1
@@ -253,7 +280,7 @@ class ReuseLearner:
                 shadow, key, since = pending.popleft()
                 if shadow.resolve(key, c, since):
                     shadow.misses[c] += 1
-                    self._tables[c] = None
+                    self._changed(c)
         oldest = self.now - self.horizon
         self.proposed.expire(oldest)
         self.kept.expire(oldest)
@@ -263,10 +290,34 @@ class ReuseLearner:
         it serve, given what else is kept?), plus ``explore`` x what all proposals taught
         (would it serve, were it kept? — the only evidence for kinds rarely kept), plus
         the prior."""
-        k, p, w = self.kept, self.proposed, self.explore
-        hits = [a + w * b for a, b in zip(k.hits[c], p.hits[c], strict=True)]
+        hits, misses = self._raw(c)
+        family = self._family.get(c)
+        if family is not None:  # back off to the kind's aggregate, weighted as `backoff` entries
+            agg_hits, agg_misses = self._raw(*family)
+            total = sum(agg_hits) + agg_misses
+            if total > 0:
+                scale = self.backoff / total
+                hits = [a + scale * b for a, b in zip(hits, agg_hits, strict=True)]
+                misses += scale * agg_misses
         hits[self.prior_bucket] += self.prior_hits
-        return hits, k.misses[c] + w * p.misses[c] + self.prior_misses
+        return hits, misses + self.prior_misses
+
+    def _raw(self, *classes: int) -> tuple[list[float], float]:
+        """Hits per age bucket and misses of ``classes`` together: kept + explore x proposed."""
+        k, p, w = self.kept, self.proposed, self.explore
+        hits = [0.0] * NUM_BUCKETS
+        misses = 0.0
+        for c in classes:
+            hits = [h + a + w * b for h, a, b in zip(hits, k.hits[c], p.hits[c], strict=True)]
+            misses += k.misses[c] + w * p.misses[c]
+        return hits, misses
+
+    def _changed(self, c: int) -> None:
+        """Class ``c``'s counts changed: its table, and those of its family (which back off to
+        their aggregate), are stale."""
+        tables = self._tables
+        for f in self._family.get(c, (c,)):
+            tables[f] = None
 
     def _window(self, c: int) -> int:
         return self._stats(c)[1]
@@ -316,9 +367,12 @@ class ReuseLearner:
         self.track_time += 0.1 * (duration - self.track_time)
 
     def reuse_probability(self, label: str) -> float:
-        """Share of the class's entries credited with a hit (decayed counts; for reports)."""
-        hits, misses = self._counts(self._index[label])
-        return sum(hits) / (sum(hits) + misses)
+        """Share of the class's entries credited with a hit (decayed counts; for reports). A
+        capture kind's label covers all its history classes."""
+        c = self._index[label]
+        hits, misses = self._raw(c, *self._family.get(self._index.get(f"{label}@0", -1), ()))
+        hits[self.prior_bucket] += self.prior_hits
+        return sum(hits) / (sum(hits) + misses + self.prior_misses)
 
 
 # ============================================================================ strategies
@@ -331,8 +385,9 @@ class CheckpointEviction(ABC):
         self.tree = tree
 
     @abstractmethod
-    def on_attach(self, node: Node, kind: CaptureKind) -> None:
-        """``node`` just got a checkpoint captured as ``kind``."""
+    def on_attach(self, node: Node, kind: CaptureKind, history: int | None = None) -> None:
+        """``node`` just got a checkpoint captured as ``kind`` by a request whose path had
+        ``history`` (``ReuseLearner.observe``; None: unknown)."""
 
     @abstractmethod
     def on_hit(self, node: Node) -> None:
@@ -400,7 +455,7 @@ class V1Eviction(CheckpointEviction):
         if node.checkpoint_slot is not None and node.ckpt_pins == 0:
             heapq.heappush(self._heap, (self.ckpt_key(node), next(self._tie), node))
 
-    def on_attach(self, node: Node, kind: CaptureKind) -> None:
+    def on_attach(self, node: Node, kind: CaptureKind, history: int | None = None) -> None:
         """Fresh in LRU order; a branch is proven. The checkpoints on the single-child chain
         just above ``node`` are dominated: they serve only prompts diverging inside that chain,
         the new one serves every prompt continuing it. They go to the front of the order
@@ -483,7 +538,7 @@ class ValueEviction(CheckpointEviction):
     def _class(self, node: Node) -> str:
         if node.ckpt_hits:
             return HIT_CLASSES[min(node.ckpt_hits, 2) - 1]
-        return node.ckpt_kind.label if node.ckpt_kind is not None else CaptureKind.TAIL.label
+        return self.learner.label(node.ckpt_kind or CaptureKind.TAIL, node.ckpt_history)
 
     def saved(self, depth: int, base: int) -> float:
         """Compute a hit at ``depth`` saves over falling back to the checkpoint at ``base``."""
@@ -511,22 +566,23 @@ class ValueEviction(CheckpointEviction):
     def want_value(self, want: Want) -> float:
         # an output is tracked until its request finishes: the slot is held that long first
         delay = self.learner.track_time if want.kind is CaptureKind.OUTPUT else 0.0
-        density = self.learner.density(want.kind.label, 0, delay)
+        density = self.learner.density(self.learner.label(want.kind, want.history), 0, delay)
         return density * self.saved(want.boundary, want.base) / self.bytes
 
     def tracker_value(self, seq: SeqCache) -> float:
         """A tracking slot's worth: its output at the tracked boundary, once the request ends."""
         learner = self.learner
         left = max(learner.track_time - (learner.now - seq.tracking_since), 0.0)
-        density = learner.density(CaptureKind.OUTPUT.label, 0, left)
+        density = learner.density(learner.label(CaptureKind.OUTPUT, seq.history), 0, left)
         return density * self.saved(seq.tracking_boundary, seq.tracking_base) / self.bytes
 
-    def on_attach(self, node: Node, kind: CaptureKind) -> None:
+    def on_attach(self, node: Node, kind: CaptureKind, history: int | None = None) -> None:
         node.ckpt_kind = kind
+        node.ckpt_history = history
         node.ckpt_hits = 0
         node.ckpt_since = self.learner.now
         node.ckpt_base = self.checkpoint_above(node)
-        self.learner.kept_at(node.key, kind)
+        self.learner.kept_at(node.key, kind, history)
 
     def on_hit(self, node: Node) -> None:
         node.ckpt_hits += 1

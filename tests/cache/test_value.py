@@ -219,3 +219,55 @@ def test_match_is_computed_once_per_index_version() -> None:
     cm.kv.tree.version += 1  # the index moved on: matched again
     cm.match(prompt, b"s", hashes, key="r2")
     assert calls == 3
+
+
+def test_learner_separates_paths_by_history() -> None:
+    """Conversations of exactly 3 turns: a tail proposed on a path with 0 or 1 earlier
+    proposals is reused (the next turn comes), one with 2 never is (the conversation is
+    over). The history classes learn it; the kind's report covers all of them."""
+    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
+    for c in range(0, 60, 4):  # 4 conversations at a time, round-robin
+        paths = [[1000 * (c + k) + i for i in range(6)] for k in range(4)]
+        for turn in range(3):
+            for path in paths:
+                top = 2 * (turn + 1)
+                assert learner.observe(path[:top], limit_blocks=top, stride=1) == turn
+                learner.register(path[top - 1], CaptureKind.TAIL, turn)
+    for _ in range(200):
+        learner.tick()
+    assert learner.reuse_probability("tail@0") == learner.reuse_probability("tail@1") == 1.0
+    assert learner.reuse_probability("tail@2") == 0.0
+    assert learner.density("tail@2", 0) < 0.2 * learner.density("tail@1", 0)
+    assert learner.reuse_probability("tail") == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_finished_conversations_last_tail_goes_first(seed: int) -> None:
+    """Conversations of 4 turns arrive one after another, 4 live at a time over 3 slots.
+    Each conversation's last tail is its deepest (worth the most tokens) and is never used
+    again; a tail on a path with fewer turns behind it will be. With the history classes the
+    value model evicts the finished conversations' tails first and hits more than without."""
+
+    def run(history: bool) -> float:
+        cm = make(num_checkpoint_slots=3)
+        learner = cm.value.learner
+        if not history:
+            observe = learner.observe
+            learner.observe = lambda *a: (observe(*a), None)[1]  # type: ignore[method-assign]
+        rng = random.Random(seed)
+        hit = total = 0
+        live: list[tuple[int, list[int], int]] = []  # (conversation, prompt, turns done)
+        for c in range(40):
+            live.append((c, [100_000 * (c + 1) + i for i in range(200 + rng.randrange(200))], 0))
+            while len(live) >= 4 or (c == 39 and live):
+                conv, prompt, done = live.pop(0)
+                h = serve(cm, f"c{conv}t{done}", prompt, [7] * 8)
+                if done:
+                    hit, total = hit + h, total + len(prompt)
+                if done < 3:
+                    extra = [rng.randrange(60_000, 70_000) for _ in range(100)]
+                    live.insert(rng.randrange(len(live) + 1), (conv, prompt + extra, done + 1))
+        return hit / total
+
+    with_history, without = run(True), run(False)
+    assert with_history > without + 0.1, (with_history, without)
