@@ -222,12 +222,11 @@ class ReuseLearner:
         kinds = [k.label for k in CaptureKind]
         self.classes = kinds + list(HIT_CLASSES) + [f"{k}@{h}" for k in kinds for h in range(NUM_HISTORY)]
         self._index = {c: i for i, c in enumerate(self.classes)}
-        # a capture kind's classes by history; each backs off to the kind's aggregate
-        self._family = {
-            self._index[f"{k}@{h}"]: [self._index[f"{k}@{g}"] for g in range(NUM_HISTORY)]
-            for k in kinds
-            for h in range(NUM_HISTORY)
-        }
+        # a capture kind's history classes: counted apart, estimated through the kind
+        self._kind_of = {self._index[f"{k}@{h}"]: self._index[k] for k in kinds for h in range(NUM_HISTORY)}
+        self._members = {self._index[k]: [self._index[k]] for k in kinds}
+        for c, k in self._kind_of.items():
+            self._members[k].append(c)
         n = len(self.classes)
         self.explore = explore
         self.backoff = backoff
@@ -286,24 +285,29 @@ class ReuseLearner:
         self.kept.expire(oldest)
 
     def _counts(self, c: int) -> tuple[list[float], float]:
-        """Hits per age bucket and misses of class ``c``: what the kept captures taught (would
-        it serve, given what else is kept?), plus ``explore`` x what all proposals taught
-        (would it serve, were it kept? — the only evidence for kinds rarely kept), plus
-        the prior."""
-        hits, misses = self._raw(c)
-        family = self._family.get(c)
-        if family is not None:  # back off to the kind's aggregate, weighted as `backoff` entries
-            agg_hits, agg_misses = self._raw(*family)
-            total = sum(agg_hits) + agg_misses
-            if total > 0:
-                scale = self.backoff / total
-                hits = [a + scale * b for a, b in zip(hits, agg_hits, strict=True)]
-                misses += scale * agg_misses
+        """Hits per age bucket and misses of class ``c`` (a capture kind: with all its history
+        classes), plus the prior."""
+        hits, misses = self._raw(*self._members.get(c, (c,)))
         hits[self.prior_bucket] += self.prior_hits
         return hits, misses + self.prior_misses
 
+    def _history_factor(self, c: int) -> float:
+        """How much likelier a hit is for history class ``c`` than for its kind: its own
+        share of hits, shrunk toward the kind's by ``backoff`` pseudo-entries, over the
+        kind's. 1 for a history not seen yet; below 1 for one whose paths end there."""
+        kind_hits, kind_misses = self._counts(self._kind_of[c])
+        p_kind = sum(kind_hits) / max(sum(kind_hits) + kind_misses, 1e-9)
+        if p_kind <= 0.0:
+            return 1.0
+        hits, misses = self._raw(c)
+        h = sum(hits)
+        return (h + self.backoff * p_kind) / (h + misses + self.backoff) / p_kind
+
     def _raw(self, *classes: int) -> tuple[list[float], float]:
-        """Hits per age bucket and misses of ``classes`` together: kept + explore x proposed."""
+        """Hits per age bucket and misses of ``classes`` together: what the kept captures
+        taught (would it serve, given what else is kept?), plus ``explore`` x what all
+        proposals taught (would it serve, were it kept? — the only evidence for kinds
+        rarely kept)."""
         k, p, w = self.kept, self.proposed, self.explore
         hits = [0.0] * NUM_BUCKETS
         misses = 0.0
@@ -313,10 +317,10 @@ class ReuseLearner:
         return hits, misses
 
     def _changed(self, c: int) -> None:
-        """Class ``c``'s counts changed: its table, and those of its family (which back off to
-        their aggregate), are stale."""
+        """Class ``c``'s counts changed: its table is stale, and for a history class its
+        kind's and its siblings' (their factors divide by the kind's reuse)."""
         tables = self._tables
-        for f in self._family.get(c, (c,)):
+        for f in self._members.get(self._kind_of.get(c, c), (c,)):
             tables[f] = None
 
     def _window(self, c: int) -> int:
@@ -345,6 +349,12 @@ class ReuseLearner:
         cached = self._tables[c]
         if cached is not None:
             return cached
+        kind = self._kind_of.get(c)
+        if kind is not None:  # the kind's ages, its reuse scaled by the history's
+            table, window = self._stats(kind)
+            f = self._history_factor(c)
+            self._tables[c] = ([(min(p * f, 1.0), w) for p, w in table], window)
+            return self._tables[c]
         hits, never = self._counts(c)
         table = [(0.0, 1.0)] * NUM_BUCKETS
         s0 = s1 = 0.0  # suffix sums of hits and hits x age
@@ -367,12 +377,14 @@ class ReuseLearner:
         self.track_time += 0.1 * (duration - self.track_time)
 
     def reuse_probability(self, label: str) -> float:
-        """Share of the class's entries credited with a hit (decayed counts; for reports). A
-        capture kind's label covers all its history classes."""
+        """Share of the class's entries credited with a hit (decayed counts, with the prior;
+        a capture kind's covers all its history classes; a history class's is the kind's
+        times its factor). For reports and tests."""
         c = self._index[label]
-        hits, misses = self._raw(c, *self._family.get(self._index.get(f"{label}@0", -1), ()))
-        hits[self.prior_bucket] += self.prior_hits
-        return sum(hits) / (sum(hits) + misses + self.prior_misses)
+        kind = self._kind_of.get(c)
+        hits, misses = self._counts(c if kind is None else kind)
+        p = sum(hits) / (sum(hits) + misses)
+        return p if kind is None else min(p * self._history_factor(c), 1.0)
 
 
 # ============================================================================ strategies
