@@ -10,14 +10,14 @@ accounting. Torch-free.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node
 from deltaserve.cache.state_pool import SlotState, StatePool
-from deltaserve.cache.types import Capture, CaptureKind, SeqCache, StepPlan
-from deltaserve.cache.value import CheckpointEviction, V1Eviction, Want
+from deltaserve.cache.types import Capture, CaptureCandidate, CaptureKind, CheckpointClass, SeqCache, StepPlan
+from deltaserve.cache.value import CheckpointEviction, V1Eviction, ValueEviction, Want
 
 if TYPE_CHECKING:
     from deltaserve.cache.host_tier import HostTier
@@ -189,6 +189,43 @@ class CheckpointStore:
         else:
             plan.captures.append(Capture(idx, want.boundary, slot, CaptureKind.OUTPUT))
         return True
+
+    def stage_captures(
+        self,
+        plan: StepPlan,
+        candidates: Sequence[CaptureCandidate],
+        remaining: int | None,
+        *,
+        shield_tails: bool,
+    ) -> None:
+        """Stage a step's proposed captures, most valuable first, while the per-step budget
+        (``remaining`` captures; None: unbounded) lasts; what finds no slot is skipped.
+        The value model learns of every proposal, stored or not."""
+        items = plan.items
+        value = self.eviction if isinstance(self.eviction, ValueEviction) else None
+        bs = self.kv.block_size
+        with_output = {c.item_index for c in candidates if c.kind is CaptureKind.OUTPUT}
+        wants: list[tuple[Want, CaptureCandidate]] = []
+        for c in candidates:
+            seq = items[c.item_index].seq
+            if value is not None and c.kind is not CaptureKind.OUTPUT:
+                value.learner.register(seq.hashes[c.boundary // bs - 1], c.kind, seq.history)
+            # v1: a tail whose request also tracks an output may only take a free or dominated
+            # slot (its own output will usually dominate it; LRU would evict the waiting
+            # conversation most likely to come back next)
+            shielded = c.kind is CaptureKind.TAIL and shield_tails and c.item_index not in with_output
+            max_class = CheckpointClass.DOMINATED if shielded else c.kind.may_evict
+            own, base = None, 0
+            if value is not None:  # a capture may take the slot of its pending restore source
+                own = seq.restore_node
+                base = self.kv.checkpoint_depth_above(seq, c.boundary, skip=own)
+            wants.append((Want(c.kind, c.boundary, max_class, own, base, seq.history), c))
+        for want, c in self.eviction.order(wants):
+            if remaining is not None and remaining <= 0:
+                self.counters["checkpoints.skipped_budget"] += 1
+            elif self.stage(plan, c.item_index, want) and remaining is not None:
+                remaining -= 1
+        plan.captures.sort(key=lambda c: (c.item_index, c.boundary))
 
     def _reserve(self, seq: SeqCache, state: SlotState, want: Want) -> int:
         slot, why = self.reserve(state, want)

@@ -42,13 +42,13 @@ from dataclasses import dataclass
 from deltaserve.cache.admission import get_admission_policy
 from deltaserve.cache.checkpoint_store import CheckpointStore
 from deltaserve.cache.host_tier import HostTier
+from deltaserve.cache.load_queue import LoadQueue
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node
 from deltaserve.cache.types import (
     Capture,
     CaptureKind,
-    CheckpointClass,
     PrefixMatch,
     SeqCache,
     StepItem,
@@ -56,7 +56,7 @@ from deltaserve.cache.types import (
     Transfer,
     TransferKind,
 )
-from deltaserve.cache.value import CostModel, ReuseLearner, V1Eviction, ValueEviction, Want
+from deltaserve.cache.value import CostModel, ReuseLearner, V1Eviction, ValueEviction
 
 GDN_CHUNK_SIZE = 64
 
@@ -136,8 +136,9 @@ class CacheManager:
             worth=self.value.value if self.value is not None else V1Eviction.worth,
         )
         self.kv.host = self.ckpts.host = self.host
-        self._staged: list[Transfer] = []  # loads staged for the next step's plan
-        self._staged_bytes = 0
+        self.load_queue = LoadQueue(
+            self.tree, self.blocks, self.host, self.ckpts, self.counters, config.host_load_bytes_per_step
+        )
         self.active: dict[str, SeqCache] = {}
         self._inflight: StepPlan | None = None
         self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
@@ -269,77 +270,16 @@ class CacheManager:
 
     # ------------------------------------------------------------------ host tier
     def stage_loads(self, seq: SeqCache) -> bool:
-        """Stage ``seq``'s pending loads into the next step under the per-step byte budget
-        (at least one copy per step, however large); True when all of them are staged."""
-        budget = self.config.host_load_bytes_per_step
-        for t in seq.loads:
-            if t.staged:
-                continue
-            size = self.host.nbytes(t.kind)
-            if budget is not None and self._staged and self._staged_bytes + size > budget:
-                return False
-            t.staged = True
-            self._staged.append(t)
-            self._staged_bytes += size
-        return True
+        """Stage ``seq``'s pending loads into the next step (``LoadQueue.stage``)."""
+        return self.load_queue.stage(seq)
 
     def has_transfers(self) -> bool:
         """Copies wait for a step (a step with no forward may run just for them)."""
-        return bool(self._staged or self.host.saves)
+        return bool(self.load_queue.staged or self.host.saves)
 
     def land_transfers(self, plan: StepPlan, failed: Collection[Transfer] = ()) -> list[SeqCache]:
-        """The plan's copies ran (``failed``: those that did not): landed items become
-        usable, a failed save drops its item. Returns the requests whose loads failed: the
-        caller ends them (they hold nothing else of the step)."""
-        if plan.landed:
-            return []
-        plan.landed = True
-        failed_ids = {id(t) for t in failed}
-        for t in plan.saves:
-            if id(t) in failed_ids:
-                self.host.save_failed(t)
-            else:
-                self.host.save_landed(t)
-        broken: list[SeqCache] = []
-        now = time.monotonic()
-        for t in plan.loads:  # a request's loads fail together: the deeper need the shallower
-            if id(t) in failed_ids and t.seq not in broken:
-                broken.append(t.seq)  # type: ignore[arg-type]
-        for t in plan.loads:
-            seq = t.seq
-            assert seq is not None
-            t.staged = False
-            if seq in broken:
-                self.counters["host.failed_loads"] += id(t) in failed_ids
-                continue
-            seq.loads.remove(t)
-            self.counters["host.bytes_loaded"] += self.host.nbytes(t.kind)
-            if t.kind is TransferKind.KV_LOAD:
-                self.host.release_block(t.node)
-                self.tree.set_moving(t.node, False)
-                self.counters["host.kv_promoted_blocks"] += 1
-            else:
-                self.ckpts.unpin_source(t.node)
-                seq.restored_from = t.node
-                self.counters["host.checkpoints_restored"] += 1
-            if not seq.loads:
-                self.counters["host.loads_completed"] += 1
-                self.counters["host.load_wait_ms"] += round(1000 * (now - seq.load_since))
-        return broken
-
-    def _cancel_loads(self, seq: SeqCache) -> None:
-        """``seq`` ends before its loads landed: its promoted nodes go back to the host
-        (deepest first; the request has unpinned them), its host restore is unpinned."""
-        if any(t.staged for t in seq.loads):
-            self._staged = [t for t in self._staged if t.seq is not seq]
-            self._staged_bytes = sum(self.host.nbytes(t.kind) for t in self._staged)
-        for t in reversed(seq.loads):
-            if t.kind is TransferKind.KV_LOAD:
-                self.blocks.free(self.tree.demote(t.node, t.node.host_block))
-                self.tree.set_moving(t.node, False)
-            else:
-                self.ckpts.unpin_source(t.node)
-        seq.loads = []
+        """The plan's copies ran; the requests whose loads failed (``LoadQueue.land``)."""
+        return self.load_queue.land(plan, failed)
 
     def record_query(self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None) -> None:
         """Count one prompt lookup in the hit-rate stats (once per request, by the caller);
@@ -410,7 +350,7 @@ class CacheManager:
         self._plan_checkpoints(plan)
         # last: staging captures may have demoted checkpoints
         plan.saves, self.host.saves = self.host.saves, []
-        plan.loads, self._staged, self._staged_bytes = self._staged, [], 0
+        plan.loads = self.load_queue.take()
         return plan
 
     def _plan_checkpoints(self, plan: StepPlan) -> StepPlan:
@@ -428,32 +368,7 @@ class CacheManager:
         budget = self.config.staging_bytes
         remaining = None if budget is None else budget // max(self.config.checkpoint_bytes, 1)
         candidates = plan_captures(items, self.policy, unit=self.unit, interval=self.interval)
-        with_output = {c.item_index for c in candidates if c.kind is CaptureKind.OUTPUT}
-        wants: list[tuple[Want, object]] = []
-        for c in candidates:
-            seq = items[c.item_index].seq
-            if self.value is not None and c.kind is not CaptureKind.OUTPUT:
-                self.value.learner.register(
-                    seq.hashes[c.boundary // self.block_size - 1], c.kind, seq.history
-                )
-            # v1: a tail whose request also tracks an output may only take a free or dominated
-            # slot (its own output will usually dominate it; LRU would evict the waiting
-            # conversation most likely to come back next)
-            shielded = (
-                c.kind is CaptureKind.TAIL and self.policy.track_output and c.item_index not in with_output
-            )
-            max_class = CheckpointClass.DOMINATED if shielded else c.kind.may_evict
-            own, base = None, 0
-            if self.value is not None:  # a capture may take the slot of its pending restore source
-                own = seq.restore_node
-                base = self.kv.checkpoint_depth_above(seq, c.boundary, skip=own)
-            wants.append((Want(c.kind, c.boundary, max_class, own, base, seq.history), c))
-        for want, c in self.ckpts.eviction.order(wants):
-            if remaining is not None and remaining <= 0:
-                self.counters["checkpoints.skipped_budget"] += 1
-            elif self.ckpts.stage(plan, c.item_index, want) and remaining is not None:  # type: ignore[attr-defined]
-                remaining -= 1
-        plan.captures.sort(key=lambda c: (c.item_index, c.boundary))
+        self.ckpts.stage_captures(plan, candidates, remaining, shield_tails=self.policy.track_output)
         return plan
 
     def commit_step(self, plan: StepPlan) -> None:
@@ -551,7 +466,7 @@ class CacheManager:
         self.ckpts.end_tracking(seq, publish_output)
         self.kv.release(seq)
         if seq.loads:
-            self._cancel_loads(seq)
+            self.load_queue.cancel(seq)
         if seq.state_slot >= 0:
             self.slots.free_live(seq.state_slot)
             seq.state_slot = -1
@@ -586,5 +501,7 @@ class CacheManager:
         for seq in active:
             assert all(t.seq is seq for t in seq.loads), "a load queued on the wrong request"
         staged = [t for seq in active for t in seq.loads if t.staged]
-        planned = self._staged + (inflight.loads if inflight is not None and not inflight.landed else [])
+        planned = self.load_queue.staged + (
+            inflight.loads if inflight is not None and not inflight.landed else []
+        )
         assert sorted(map(id, staged)) == sorted(map(id, planned)), "staged loads drift"

@@ -46,9 +46,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import CaptureKind, CheckpointClass, SeqCache
+
+T = TypeVar("T")  # what a caller pairs with each Want in ``order``
 
 # Subtracted from a demoted checkpoint's access stamp (v1): it sorts before every live one,
 # and demoted checkpoints keep their LRU order among themselves.
@@ -409,7 +412,7 @@ class CheckpointEviction(ABC):
     def on_unpin(self, node: Node) -> None:
         """A pending restore of ``node``'s checkpoint ran."""
 
-    def order(self, wants: list[tuple[Want, object]]) -> list[tuple[Want, object]]:
+    def order(self, wants: list[tuple[Want, T]]) -> list[tuple[Want, T]]:
         """Staging order of a step's captures (most valuable first)."""
         return wants
 
@@ -603,7 +606,7 @@ class ValueEviction(CheckpointEviction):
     def on_unpin(self, node: Node) -> None:
         return None  # values are computed when needed: nothing is queued
 
-    def order(self, wants: list[tuple[Want, object]]) -> list[tuple[Want, object]]:
+    def order(self, wants: list[tuple[Want, T]]) -> list[tuple[Want, T]]:
         return sorted(wants, key=lambda w: -self.want_value(w[0]))
 
     def victim(

@@ -1,0 +1,120 @@
+"""Loads from the host tier: staged a byte budget per step, landed, or cancelled.
+
+A hit that reaches into the host tier leaves *loads* on its request (``SeqCache.loads``:
+host KV blocks promoted into device blocks, and the restore from a host checkpoint), made
+by ``CacheManager.admit``. This queue owns their life after that:
+
+* ``stage(seq)`` puts a request's pending loads into the next step, up to
+  ``budget`` bytes per step (at least one copy per step, however large); ``take()`` hands
+  the staged ones to the step's plan.
+* ``land(plan, failed)``: the plan's copies ran. Saves (planned by ``HostTier``) land or
+  drop their item; landed loads make their nodes usable; a request's loads fail together
+  (the deeper need the shallower) and that request is returned for the caller to end.
+* ``cancel(seq)``: a request ends before its loads landed; what it promoted goes back
+  to the host, its host restore is unpinned.
+
+Invariant: a staged load is in exactly one of ``staged`` (waiting for a step) or the
+in-flight plan's ``loads``; ``CacheManager.check_integrity`` checks the two together.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+
+from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.checkpoint_store import CheckpointStore
+from deltaserve.cache.host_tier import HostTier
+from deltaserve.cache.radix_tree import RadixTree
+from deltaserve.cache.types import SeqCache, StepPlan, Transfer, TransferKind
+
+
+class LoadQueue:
+    def __init__(
+        self,
+        tree: RadixTree,
+        blocks: BlockPool,
+        host: HostTier,
+        ckpts: CheckpointStore,
+        counters: dict[str, int],
+        budget: int | None,
+    ) -> None:
+        self.tree, self.blocks, self.host, self.ckpts = tree, blocks, host, ckpts
+        self.counters = counters
+        self.budget = budget  # bytes of loads per step; None = unbounded
+        self.staged: list[Transfer] = []  # loads staged for the next step's plan
+        self.staged_bytes = 0
+
+    def stage(self, seq: SeqCache) -> bool:
+        """Stage ``seq``'s pending loads into the next step under the byte budget; True
+        when all of them are staged."""
+        for t in seq.loads:
+            if t.staged:
+                continue
+            size = self.host.nbytes(t.kind)
+            if self.budget is not None and self.staged and self.staged_bytes + size > self.budget:
+                return False
+            t.staged = True
+            self.staged.append(t)
+            self.staged_bytes += size
+        return True
+
+    def take(self) -> list[Transfer]:
+        """The staged loads, for the step being planned (the queue starts empty again)."""
+        staged, self.staged, self.staged_bytes = self.staged, [], 0
+        return staged
+
+    def land(self, plan: StepPlan, failed: Collection[Transfer] = ()) -> list[SeqCache]:
+        """The plan's copies ran (``failed``: those that did not). Returns the requests whose
+        loads failed: the caller ends them (they hold nothing else of the step)."""
+        if plan.landed:
+            return []
+        plan.landed = True
+        failed_ids = {id(t) for t in failed}
+        for t in plan.saves:
+            if id(t) in failed_ids:
+                self.host.save_failed(t)
+            else:
+                self.host.save_landed(t)
+        broken: list[SeqCache] = []
+        for t in plan.loads:
+            if id(t) in failed_ids and t.seq not in broken:
+                broken.append(t.seq)  # type: ignore[arg-type]
+        now = time.monotonic()
+        counters = self.counters
+        for t in plan.loads:
+            seq = t.seq
+            assert seq is not None
+            t.staged = False
+            if seq in broken:
+                counters["host.failed_loads"] += id(t) in failed_ids
+                continue
+            seq.loads.remove(t)
+            counters["host.bytes_loaded"] += self.host.nbytes(t.kind)
+            if t.kind is TransferKind.KV_LOAD:
+                self.host.release_block(t.node)
+                self.tree.set_moving(t.node, False)
+                counters["host.kv_promoted_blocks"] += 1
+            else:
+                self.ckpts.unpin_source(t.node)
+                seq.restored_from = t.node
+                counters["host.checkpoints_restored"] += 1
+            if not seq.loads:
+                counters["host.loads_completed"] += 1
+                counters["host.load_wait_ms"] += round(1000 * (now - seq.load_since))
+        return broken
+
+    def cancel(self, seq: SeqCache) -> None:
+        """``seq`` ends before its loads landed: its promoted nodes go back to the host
+        (deepest first; the request has unpinned them), its host restore is unpinned."""
+        if any(t.staged for t in seq.loads):
+            self.staged = [t for t in self.staged if t.seq is not seq]
+            self.staged_bytes = sum(self.host.nbytes(t.kind) for t in self.staged)
+        for t in reversed(seq.loads):
+            if t.kind is TransferKind.KV_LOAD:
+                self.blocks.free(self.tree.demote(t.node, t.node.host_block))
+                self.tree.set_moving(t.node, False)
+            else:
+                self.ckpts.unpin_source(t.node)
+        seq.loads = []
