@@ -234,7 +234,7 @@ class ReuseLearner:
         self.explore = explore
         self.backoff = backoff
         self.prior_hits, self.prior_misses, self.prior_bucket = prior_hits, prior_misses, _bucket(prior_age)
-        self._tables: list[tuple[list[tuple[float, float]], int] | None] = [None] * n
+        self._tables: list[tuple[list[tuple[float, float, float]], int] | None] = [None] * n
         self._pending: list[deque[tuple[_Shadow, int, int]]] = [deque() for _ in range(n)]
         self.proposed = _Shadow(self, follow_hits=False, n=n)
         self.kept = _Shadow(self, follow_hits=True, n=n)
@@ -294,17 +294,15 @@ class ReuseLearner:
         hits[self.prior_bucket] += self.prior_hits
         return hits, misses + self.prior_misses
 
-    def _history_factor(self, c: int) -> float:
-        """How much likelier a hit is for history class ``c`` than for its kind: its own
-        share of hits, shrunk toward the kind's by ``backoff`` pseudo-entries, over the
-        kind's. 1 for a history not seen yet; below 1 for one whose paths end there."""
+    def _history_reuse(self, c: int) -> float:
+        """P(an entry of history class ``c`` is ever hit): its own share of hits, shrunk
+        toward its kind's by ``backoff`` pseudo-entries (the kind's for a history not seen
+        yet; lower for one whose paths end there)."""
         kind_hits, kind_misses = self._counts(self._kind_of[c])
         p_kind = sum(kind_hits) / max(sum(kind_hits) + kind_misses, 1e-9)
-        if p_kind <= 0.0:
-            return 1.0
         hits, misses = self._raw(c)
         h = sum(hits)
-        return (h + self.backoff * p_kind) / (h + misses + self.backoff) / p_kind
+        return (h + self.backoff * p_kind) / (h + misses + self.backoff)
 
     def _raw(self, *classes: int) -> tuple[list[float], float]:
         """Hits per age bucket and misses of ``classes`` together: what the kept captures
@@ -341,33 +339,40 @@ class ReuseLearner:
         gone ``age`` admissions without a hit: P(a hit is still to come | none by ``age``)
         over the expected wait for it — plus ``delay`` admissions the slot is held before
         the entry can serve at all (a decoding request's output, tracked until it finishes)."""
-        table = self._stats(self._index[label])[0]
-        still, wait = table[_bucket(age)]
+        still, wait, _ = self._stats(self._index[label])[0][_bucket(age)]
         return still / (wait + delay) if still else 0.0
 
-    def _stats(self, c: int) -> tuple[list[tuple[float, float]], int]:
+    def _stats(self, c: int) -> tuple[list[tuple[float, float, float]], int]:
         """Class ``c``'s table and window, recomputed when its counts changed. Table, per age
-        bucket ``a``: (P(hit still to come | none by a), E[x - a | x >= a] >= 1) over the hit
-        ages ``x`` seen. Window: twice the age by which 95 % of the hits came (at least 16)."""
+        bucket ``a``: (P(hit still to come | none by a), E[x - a | x >= a] >= 1, P(x >= a |
+        hit)) over the hit ages ``x`` seen. Window: twice the age by which 95 % of the hits
+        came (at least 16).
+
+        A history class has its kind's hit ages (so residents and newcomers of one kind
+        rank on one age curve) and its own reuse ``p``: P(still to come | none by a) =
+        p S(a) / (p S(a) + 1 - p), S(a) = P(x >= a | hit) — the kind's own formula with
+        ``p`` in place of the kind's, so a history whose paths often end decays sooner."""
         cached = self._tables[c]
         if cached is not None:
             return cached
         kind = self._kind_of.get(c)
-        if kind is not None:  # the kind's ages, its reuse scaled by the history's
-            table, window = self._stats(kind)
-            f = self._history_factor(c)
-            self._tables[c] = ([(min(p * f, 1.0), w) for p, w in table], window)
-            return self._tables[c]
+        if kind is not None:
+            kind_table, window = self._stats(kind)
+            p = self._history_reuse(c)
+            table = [(p * s / (p * s + 1 - p) if p * s > 0 else 0.0, w, s) for _, w, s in kind_table]
+            self._tables[c] = (table, window)
+            return table, window
         hits, never = self._counts(c)
-        table = [(0.0, 1.0)] * NUM_BUCKETS
+        table = [(0.0, 1.0, 0.0)] * NUM_BUCKETS
+        total = sum(hits)
         s0 = s1 = 0.0  # suffix sums of hits and hits x age
         for b in range(NUM_BUCKETS - 1, -1, -1):
             s0 += hits[b]
             s1 += hits[b] * _MIDDLE[b]
             if s0 > 0:
                 a = _LOWER[b]
-                table[b] = (s0 / (s0 + never), max((s1 - a * s0) / s0, 1.0))
-        total, acc, last = sum(hits), 0.0, 0
+                table[b] = (s0 / (s0 + never), max((s1 - a * s0) / s0, 1.0), s0 / total)
+        acc, last = 0.0, 0
         while last < NUM_BUCKETS - 1 and acc + hits[last] < 0.95 * total:
             acc += hits[last]
             last += 1
@@ -381,13 +386,13 @@ class ReuseLearner:
 
     def reuse_probability(self, label: str) -> float:
         """Share of the class's entries credited with a hit (decayed counts, with the prior;
-        a capture kind's covers all its history classes; a history class's is the kind's
-        times its factor). For reports and tests."""
+        a capture kind's covers all its history classes; a history class's is its own,
+        shrunk toward its kind's). For reports and tests."""
         c = self._index[label]
-        kind = self._kind_of.get(c)
-        hits, misses = self._counts(c if kind is None else kind)
-        p = sum(hits) / (sum(hits) + misses)
-        return p if kind is None else min(p * self._history_factor(c), 1.0)
+        if c in self._kind_of:
+            return self._history_reuse(c)
+        hits, misses = self._counts(c)
+        return sum(hits) / (sum(hits) + misses)
 
 
 # ============================================================================ strategies
