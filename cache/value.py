@@ -20,7 +20,10 @@ policy names one (``AdmissionPolicy.eviction``). The full story, with measuremen
       Learned from two shadows: every *proposed* capture, stored or not (would this kind
       serve, were it kept? — a workload whose clients re-send rewritten replies teaches
       ``output`` it is worthless, one whose replies come back keeps it), and every *kept*
-      capture (will it serve, given what else is kept? — the fallbacks).
+      capture (will it serve, given what else is kept? — the fallbacks). A capture kind's
+      reuse probability is also learned per *path history* (how many boundaries were
+      proposed on the path before: a conversation's turns so far), on the kind's hit ages,
+      so the last tails of conversations that usually end there decay sooner.
     * A capture takes a free slot, or replaces the weakest evictable resident — a published
       checkpoint, or a decoding request's tracking slot valued as its output after the
       remaining decode — if it is worth more; else it is skipped
@@ -204,6 +207,10 @@ class ReuseLearner:
     ``half_life`` admissions (the model follows a workload that changes); a shadow boundary
     is forgotten ``horizon`` admissions after its last event, or when ``capacity`` are newer.
     Time is counted in admitted prompts.
+
+    A capture kind's entries are counted per history bucket (class ``"tail@3"``: a tail on a
+    path with 3 earlier proposals); a kind's own table pools all its buckets, and a history
+    class uses the kind's hit ages with its own reuse probability (``_stats``).
     """
 
     def __init__(
