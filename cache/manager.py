@@ -118,6 +118,7 @@ class CacheManager:
             self.value = ValueEviction(
                 self.tree, block_size=bs, checkpoint_bytes=config.checkpoint_bytes, cost=cost,
                 learner=ReuseLearner(capacity=max(1 << 16, 64 * config.num_checkpoint_slots)),
+                unit_blocks=self.unit // bs,
             )  # fmt: skip
         eviction = self.value or V1Eviction(self.tree)
         num_ckpt = config.num_checkpoint_slots if (self.has_gdn and self.enabled) else 0

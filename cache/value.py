@@ -555,9 +555,11 @@ class ValueEviction(CheckpointEviction):
         checkpoint_bytes: int,
         cost: CostModel,
         learner: ReuseLearner | None = None,
+        unit_blocks: int = 1,
     ) -> None:
         super().__init__(tree)
         self.block_size = block_size
+        self.unit_blocks = unit_blocks  # blocks per checkpoint unit
         self.bytes = max(checkpoint_bytes, 1)
         self.cost = cost
         self.learner = learner or ReuseLearner()
@@ -587,8 +589,29 @@ class ValueEviction(CheckpointEviction):
         return base.depth * self.block_size if base is not None else 0
 
     def value(self, node: Node) -> float:
-        density = self.learner.density(self._class(node), self.learner.now - node.ckpt_since)
+        # A checkpoint where running requests fork does not age: it is their shared fallback
+        # — were the state the one continued goes on to produce not kept (a tree search's
+        # expanded child, whichever it is), its continuation resumes here. Once fewer than
+        # two run below it, its age counts from its last hit again. Forks of running
+        # requests only: a conversation's older tail forks from its own finished output
+        # (rewritten replies) and is dominated by the tail its running turn captures
+        # (counting it too churned a lock-step round-robin).
+        age = 0 if self._shared_by_running(node) else self.learner.now - node.ckpt_since
+        density = self.learner.density(self._class(node), age)
         return density * self.saved(node.depth * self.block_size, self._base(node)) / self.bytes
+
+    def _shared_by_running(self, node: Node) -> bool:
+        """At least two running requests fork within one unit below ``node``: its checkpoint
+        is the deepest one they share (a branch capture sits at the unit boundary below a
+        divergence)."""
+        if node.ref_count < 2:
+            return False
+        for _ in range(self.unit_blocks):
+            children = node.children
+            if len(children) != 1:
+                return sum(1 for c in children.values() if c.ref_count) >= 2
+            node = next(iter(children.values()))
+        return False
 
     def want_value(self, want: Want) -> float:
         # an output is tracked until its request finishes: the slot is held that long first

@@ -309,3 +309,33 @@ def test_history_changes_nothing_where_every_history_is_reused_alike(user: int) 
 
     with_history, without = run(True), run(False)
     assert with_history >= without - 0.02 and with_history > 0.2, (with_history, without)
+
+
+def test_a_branching_checkpoint_does_not_age_while_requests_run_below_it() -> None:
+    """A tree search's parent: continuations fork at 288 tokens (the branch checkpoint is at
+    256), two of them still decoding. While they run, the branch checkpoint keeps the value
+    of a fresh one (it is the fallback of whichever child is continued); with one left it
+    ages again and, past every reuse age seen, it is worth nothing."""
+    cm = make()
+    value = cm.value
+    assert isinstance(value, ValueEviction)
+    shared = list(range(300))
+    serve(cm, "a", shared + list(range(1000, 1100)), [7] * 3)
+    serve(cm, "b", shared + list(range(2000, 2100)), [7] * 3)
+    (branch,) = [n for n in cm.ckpts.residents if n.depth * 16 == 256]  # the fork is at 288
+    running = []
+    for rid, k in (("c", 3000), ("d", 4000)):  # prefilled: each publishes its blocks below the fork
+        toks = shared + list(range(k, k + 100))
+        seq = cm.admit(rid, toks, b"s")
+        assert seq is not None and cm.allocate(seq, len(toks))
+        cm.commit_step(cm.plan_step([StepItem(seq, toks, seq.num_cached_tokens, len(toks), False)]))
+        running.append(seq)
+    assert branch.ref_count == 2
+    fresh = value.value(branch)
+    for _ in range(200):
+        value.learner.tick()
+    assert value.value(branch) == fresh > 0
+    cm.free(running[0])
+    assert value.value(branch) == 0.0
+    cm.free(running[1])
+    cm.check_integrity()
