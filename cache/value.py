@@ -29,6 +29,8 @@ policy names one (``AdmissionPolicy.eviction``). The full story, with measuremen
       remaining decode — if it is worth more; else it is skipped
       (``checkpoints.skipped_value``). KV eviction drops checkpoint-less leaves first (LRU: no
       hit can end there), then the leaf whose checkpoint is worth least.
+    * A checkpoint where two or more running requests fork does not age while they run: it
+      is the fallback of whichever of them is continued (a tree search's parent).
     * Cyclic reuse larger than the pool (LRU's worst case) does not churn: a new capture has
       age 0, a resident near its usual reuse age has a higher density (its hit is close);
       a resident past every usual reuse age decays to zero and goes.
