@@ -328,7 +328,7 @@ class ReuseLearner:
 
     def _changed(self, c: int) -> None:
         """Class ``c``'s counts changed: its table is stale, and for a history class its
-        kind's and its siblings' (their factors divide by the kind's reuse)."""
+        kind's and its siblings' (they pool into the kind, and shrink toward its reuse)."""
         tables = self._tables
         for f in self._members.get(self._kind_of.get(c, c), (c,)):
             tables[f] = None
