@@ -272,12 +272,13 @@ class ReuseLearner:
         self.tick()
         top = min(limit_blocks, len(hashes))
         entries = self.proposed.entries
-        history = sum(1 for n in range(stride, top + 1, stride) if hashes[n - 1] in entries)
-        for shadow in (self.proposed, self.kept):
-            n = shadow.deepest(hashes, top, stride)
-            if n:
-                shadow.credit(hashes[n - 1])
-        return history
+        proposed = [n for n in range(stride, top + 1, stride) if hashes[n - 1] in entries]
+        if proposed:  # one pass over the path gives both the history and the deepest proposal
+            self.proposed.credit(hashes[proposed[-1] - 1])
+        n = self.kept.deepest(hashes, top, stride)
+        if n:
+            self.kept.credit(hashes[n - 1])
+        return len(proposed)
 
     def tick(self) -> None:
         self.now += 1
@@ -307,8 +308,7 @@ class ReuseLearner:
         """P(an entry of history class ``c`` is ever hit): its own share of hits, shrunk
         toward its kind's by ``backoff`` pseudo-entries (the kind's for a history not seen
         yet; lower for one whose paths end there)."""
-        kind_hits, kind_misses = self._counts(self._kind_of[c])
-        p_kind = sum(kind_hits) / max(sum(kind_hits) + kind_misses, 1e-9)
+        p_kind = self._stats(self._kind_of[c])[0][0][0]  # P(hit still to come | age 0)
         hits, misses = self._raw(c)
         h = sum(hits)
         return (h + self.backoff * p_kind) / (h + misses + self.backoff)

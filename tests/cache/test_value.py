@@ -221,6 +221,12 @@ def test_match_is_computed_once_per_index_version() -> None:
     assert calls == 3
 
 
+def forget_history(learner: ReuseLearner) -> None:
+    """The ablation: ``learner`` still learns, but every request's path history is unknown."""
+    observe = learner.observe
+    learner.observe = lambda *a: (observe(*a), None)[1]  # type: ignore[method-assign]
+
+
 def test_learner_separates_paths_by_history() -> None:
     """Conversations of exactly 3 turns: a tail proposed on a path with 0 or 1 earlier
     proposals is reused (the next turn comes), one with 2 never is (the conversation is
@@ -255,10 +261,8 @@ def test_a_finished_conversations_last_tail_goes_first(seed: int) -> None:
 
     def run(history: bool) -> float:
         cm = make(num_checkpoint_slots=3)
-        learner = cm.value.learner
         if not history:
-            observe = learner.observe
-            learner.observe = lambda *a: (observe(*a), None)[1]  # type: ignore[method-assign]
+            forget_history(cm.value.learner)
         rng = random.Random(seed)
         hit = total = 0
         live: list[tuple[int, list[int], int]] = []  # (conversation, prompt, turns done)
@@ -289,8 +293,7 @@ def test_history_changes_nothing_where_every_history_is_reused_alike(user: int) 
     def run(history: bool) -> float:
         cm = make(num_checkpoint_slots=3, num_kv_blocks=352)
         if not history:
-            observe = cm.value.learner.observe
-            cm.value.learner.observe = lambda *a: (observe(*a), None)[1]  # type: ignore[method-assign]
+            forget_history(cm.value.learner)
         rng = random.Random(0)
         system = list(range(1, 151))
         prompts = [system + [1000 * (c + 1) + i for i in range(user)] for c in range(8)]
