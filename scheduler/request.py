@@ -16,6 +16,23 @@ from typing import Any
 from deltaserve.cache.manager import SeqCache
 
 
+def placeholder(row: int) -> int:
+    """The token id that stands, in ``token_ids``, for the token that row ``row`` of the step in
+    flight samples (the engine's async scheduling). Real token ids are >= 0, so a placeholder
+    never collides with one; it is replaced by the real token once that step's tokens arrive."""
+    return -(row + 1)
+
+
+def is_placeholder(token_id: int) -> bool:
+    """True for a ``placeholder``: a sampled token still on its way, not yet a token to hash."""
+    return token_id < 0
+
+
+def placeholder_row(token_id: int) -> int:
+    """The sampled-token row a ``placeholder`` stands for."""
+    return -token_id - 1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -53,7 +53,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.types import PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
-from deltaserve.scheduler.request import Request, RequestStatus
+from deltaserve.scheduler.request import Request, RequestStatus, is_placeholder
 
 log = get_logger("deltaserve.scheduler")
 
@@ -247,9 +247,9 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         assert victim.cache is not None
-        if victim.token_ids and victim.token_ids[-1] < 0:
-            # the engine's async scheduling: a sampled token still on its way (a negative
-            # placeholder) is no token to recompute or hash; the engine appends it on arrival
+        if victim.token_ids and is_placeholder(victim.token_ids[-1]):
+            # a sampled token still on its way is no token to recompute or hash; the engine
+            # appends the real one on arrival
             victim.token_ids.pop()
         self.cache.free(victim.cache, publish_output=True)
         victim.cache = None
