@@ -94,7 +94,7 @@ class ValueEviction(CheckpointEviction):
         # two run below it, its age counts from its last hit again. Forks of running
         # requests only: a conversation's older tail forks from its own finished output
         # (rewritten replies) and is dominated by the tail its running turn captures
-        # (counting it too churned a lock-step round-robin).
+        # (counting it too churns a lock-step round-robin: docs/cache.md).
         state: ValueState = node.policy_state
         age = 0 if self._shared_by_running(node) else self.learner.now - state.since
         density = self.learner.density(self._class(state), age)
