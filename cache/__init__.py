@@ -1,4 +1,4 @@
-"""Torch-free cache bookkeeping: KV prefix index, checkpoint store, value model, manager."""
+"""Torch-free cache bookkeeping: KV prefix index, checkpoint store, eviction strategies, manager."""
 
 from deltaserve.cache.admission import (
     ADMISSION_POLICIES,
@@ -7,9 +7,12 @@ from deltaserve.cache.admission import (
     get_admission_policy,
 )
 from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.eviction import CheckpointEviction, CostModel, EvictionParams
+from deltaserve.cache.eviction_policies import EVICTION_POLICIES, make_eviction, register_eviction_policy
 from deltaserve.cache.hashing import block_hashes, hash_block, make_salt
 from deltaserve.cache.manager import CacheManager, CacheManagerConfig
 from deltaserve.cache.radix_tree import Node, RadixTree
+from deltaserve.cache.reuse import ReuseLearner
 from deltaserve.cache.state_pool import SlotState, StatePool
 from deltaserve.cache.types import (
     Capture,
@@ -20,10 +23,12 @@ from deltaserve.cache.types import (
     StepItem,
     StepPlan,
 )
-from deltaserve.cache.value import CostModel, ReuseLearner
+from deltaserve.cache.v1_eviction import V1Eviction
+from deltaserve.cache.value_eviction import ValueEviction
 
 __all__ = [
     "ADMISSION_POLICIES",
+    "EVICTION_POLICIES",
     "AdmissionPolicy",
     "BlockPool",
     "CacheManager",
@@ -32,7 +37,9 @@ __all__ = [
     "CaptureContext",
     "CaptureKind",
     "CheckpointClass",
+    "CheckpointEviction",
     "CostModel",
+    "EvictionParams",
     "Node",
     "PrefixMatch",
     "RadixTree",
@@ -42,8 +49,12 @@ __all__ = [
     "StatePool",
     "StepItem",
     "StepPlan",
+    "V1Eviction",
+    "ValueEviction",
     "block_hashes",
     "get_admission_policy",
     "hash_block",
+    "make_eviction",
     "make_salt",
+    "register_eviction_policy",
 ]

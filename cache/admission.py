@@ -6,10 +6,11 @@ valuable first (the staging budget may cut the list short). Policies are tiny an
 torch-free; they live in a registry chosen by ``cache.checkpoint_policy`` so that the
 simulator (``tools/simulate_cache.py``) can compare them on the same workload.
 
-Each policy also names the eviction strategy its checkpoints live under (``eviction``:
-``value`` or ``v1``, ``cache/value.py``). ``default`` is tail + branch + output + interval
-under the value model; ``v1`` is the same boundaries under the class + LRU rules it had
-before issue 11 (kept for comparison), as are the simulator's reference policies below.
+Each policy also names the eviction strategy its checkpoints live under (``eviction``: a
+name in ``cache/eviction_policies.py``, ``value`` or ``v1``). ``default`` is tail + branch +
+output + interval under the value model; ``v1`` is the same boundaries under the class +
+LRU rules (kept for comparison, ``docs/cache.md``), as are the simulator's reference
+policies below.
 
 Kinds of boundary (``CaptureKind``; DESIGN.md, "Where checkpoints are taken"):
 
@@ -55,7 +56,7 @@ class AdmissionPolicy(ABC):
     name: str = ""
     #: publish the last unit boundary of prompt + output when a request finishes
     track_output: bool = False
-    #: the eviction strategy of ``cache/value.py``: ``value`` or ``v1``
+    #: the eviction strategy, by name (``cache/eviction_policies.py``): ``value`` or ``v1``
     eviction: str = "value"
 
     @abstractmethod
@@ -102,7 +103,7 @@ class DefaultPolicy(AdmissionPolicy):
 
 
 class V1Policy(DefaultPolicy):
-    """The default's boundaries under the ``v1`` eviction classes (before issue 11)."""
+    """The default's boundaries under the ``v1`` eviction classes (for comparison)."""
 
     name = "v1"
     eviction = "v1"

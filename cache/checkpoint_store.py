@@ -3,24 +3,20 @@
 Every checkpoint slot is exactly one of FREE, RESERVED (staged for the in-flight step),
 ATTACHED (one tree node's checkpoint) or TRACKING (a decoding request's output slot);
 live slots belong one-to-one to active requests. Which checkpoint makes room for a new one
-is the eviction strategy's choice (``cache/value.py``). ``check_integrity`` proves the
-accounting. Torch-free.
+is the eviction strategy's choice (``cache/eviction.py``); what it gives up moves to the
+host tier when that takes it. ``check_integrity`` proves the accounting. Torch-free.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
+from deltaserve.cache.eviction import CheckpointEviction, Want
+from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node
 from deltaserve.cache.state_pool import SlotState, StatePool
 from deltaserve.cache.types import Capture, CaptureCandidate, CaptureKind, CheckpointClass, SeqCache, StepPlan
-from deltaserve.cache.value import CheckpointEviction, V1Eviction, ValueEviction, Want
-
-if TYPE_CHECKING:
-    from deltaserve.cache.host_tier import HostTier
 
 
 class CheckpointStore:
@@ -30,18 +26,20 @@ class CheckpointStore:
         num_checkpoint: int,
         kv: PrefixIndex,
         eviction: CheckpointEviction,
-        counters: dict[str, int],
+        host: HostTier,
         checkpoint_bytes: int,
     ) -> None:
         self.slots = StatePool(num_live, num_checkpoint)
         self.kv = kv
         self.tree = kv.tree
         self.eviction = eviction
-        self.counters = counters
+        self.host = host  # where evicted checkpoints go (when it takes them)
         self.checkpoint_bytes = checkpoint_bytes
         self.attached: dict[int, Node] = {}  # slot -> node holding it
         self.trackers: dict[int, SeqCache] = {}  # tracking slot -> its decoding request
-        self.host: HostTier | None = None  # set by the manager: where evicted checkpoints go
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("checkpoints.stored", "checkpoints.skipped_budget", "checkpoints.skipped_pool",
+             "checkpoints.skipped_value", "checkpoints.evicted"), 0)  # fmt: skip
 
     @property
     def residents(self) -> Iterable[Node]:
@@ -71,8 +69,7 @@ class CheckpointStore:
         """Evict ``node``'s checkpoint from the device: demoted to the host tier when it
         takes it (the save runs before this step reuses the slot), else dropped."""
         slot = self.detach(node)
-        if self.host is not None:
-            self.host.demote_checkpoint(node, slot)
+        self.host.demote_checkpoint(node, slot)
         self.slots.free_checkpoint(slot)
 
     # ------------------------------------------------------------------ slots
@@ -84,8 +81,7 @@ class CheckpointStore:
         is none (reason ``pool`` or ``value``; the caller counts the skip)."""
         if self.slots.num_free_checkpoint > 0:
             return self.slots.allocate_checkpoint(state), ""
-        floor = self.host.floor() if self.host is not None else math.inf
-        node, reason = self.eviction.victim(want, self.residents, self.trackers.values(), floor)
+        node, reason = self.eviction.victim(want, self.residents, self.trackers.values(), self.host.floor())
         if node is None:
             return -1, reason
         if isinstance(node, SeqCache):  # a decoding request's tracked output gives way
@@ -106,26 +102,18 @@ class CheckpointStore:
     def track(self, seq: SeqCache, slot: int) -> None:
         seq.tracking_slot = slot
         self.trackers[slot] = seq
-        learner = getattr(self.eviction, "learner", None)
-        seq.tracking_since = learner.now if learner is not None else 0
+        self.eviction.on_track(seq)
 
     def untrack(self, seq: SeqCache, *, finished: bool = True) -> None:
-        """``seq`` stops tracking; ``finished``: because its output is done (the value model
-        learns how long a tracking slot is held before its output can serve)."""
+        """``seq`` stops tracking; ``finished``: because its output is done."""
         del self.trackers[seq.tracking_slot]
         seq.tracking_slot = -1
-        learner = getattr(self.eviction, "learner", None)
-        if learner is not None and finished:
-            learner.tracked(learner.now - seq.tracking_since)
+        self.eviction.on_untrack(seq, finished)
 
     def take_over(self, node: Node | None, state: SlotState) -> int:
-        """``v1``: the slot of the checkpoint a request resumed from, if nobody else can need
-        it (no pending restore, at most one child); else -1.
-
-        A conversation's previous checkpoint sits on its own single-child chain: the output
-        the request is about to track will dominate it, so it is the one checkpoint it may
-        displace even when every other checkpoint is protected."""
-        if node is None or node.checkpoint_slot is None or node.ckpt_pins or len(node.children) > 1:
+        """The slot of the checkpoint a request resumed from, when the eviction strategy
+        lets its output take it (``CheckpointEviction.may_take_over``); else -1."""
+        if node is None or not self.eviction.may_take_over(node):
             return -1
         slot = self.detach(node)
         self.slots.set_state(slot, state)
@@ -200,25 +188,24 @@ class CheckpointStore:
     ) -> None:
         """Stage a step's proposed captures, most valuable first, while the per-step budget
         (``remaining`` captures; None: unbounded) lasts; what finds no slot is skipped.
-        The value model learns of every proposal, stored or not."""
+        The eviction strategy hears of every proposal, stored or not."""
         items = plan.items
-        value = self.eviction if isinstance(self.eviction, ValueEviction) else None
+        eviction = self.eviction
         bs = self.kv.block_size
         with_output = {c.item_index for c in candidates if c.kind is CaptureKind.OUTPUT}
         wants: list[tuple[Want, CaptureCandidate]] = []
         for c in candidates:
             seq = items[c.item_index].seq
-            if value is not None and c.kind is not CaptureKind.OUTPUT:
-                value.learner.register(seq.hashes[c.boundary // bs - 1], c.kind, seq.history)
+            if c.kind is not CaptureKind.OUTPUT:  # (an output is proposed when its request ends)
+                eviction.on_propose(seq.hashes[c.boundary // bs - 1], c.kind, seq.history)
             # v1: a tail whose request also tracks an output may only take a free or dominated
             # slot (its own output will usually dominate it; LRU would evict the waiting
             # conversation most likely to come back next)
             shielded = c.kind is CaptureKind.TAIL and shield_tails and c.item_index not in with_output
             max_class = CheckpointClass.DOMINATED if shielded else c.kind.may_evict
-            own, base = None, 0
-            if value is not None:  # a capture may take the slot of its pending restore source
-                own = seq.restore_node
-                base = self.kv.checkpoint_depth_above(seq, c.boundary, skip=own)
+            # a capture may take the slot of its pending restore source
+            own = seq.restore_node
+            base = self.kv.checkpoint_depth_above(seq, c.boundary, skip=own)
             wants.append((Want(c.kind, c.boundary, max_class, own, base, seq.history), c))
         for want, c in self.eviction.order(wants):
             if remaining is not None and remaining <= 0:
@@ -231,7 +218,7 @@ class CheckpointStore:
         slot, why = self.reserve(state, want)
         if why == "own":  # the restore copy runs first in this step; nothing else reads it
             seq.restore_node = seq.restored_from = None
-        elif slot < 0 and want.kind is CaptureKind.OUTPUT and isinstance(self.eviction, V1Eviction):
+        elif slot < 0 and want.kind is CaptureKind.OUTPUT:  # the last resort (v1 only)
             slot = self.take_over(seq.restored_from, state)
             seq.restored_from = None
         if slot < 0:
@@ -251,8 +238,7 @@ class CheckpointStore:
             self.slots.free_checkpoint(slot)
 
     def compact(self) -> None:
-        if isinstance(self.eviction, V1Eviction):
-            self.eviction.compact(self.tree.num_nodes)
+        self.eviction.compact(self.tree.num_nodes)
 
     def usage(self) -> dict[str, int | float]:
         slots = self.slots
@@ -272,13 +258,27 @@ class CheckpointStore:
     ) -> None:
         """Every checkpoint slot in exactly one state; live slots = the active requests'."""
         active = list(active)
-        slots = self.slots
-        with_ckpt = [n for n in nodes if n.checkpoint_slot is not None]
-        attached = {n.checkpoint_slot: n for n in with_ckpt}
-        assert len(attached) == len(with_ckpt), "slot on two nodes"
+        attached = self._check_attached(nodes, unit_blocks)
+        self._check_pins(nodes, active)
+        self._check_live(active)
+        tracking = self._check_trackers(active)
+        self._check_slot_states(attached, tracking, reserved)
+
+    def _check_attached(self, nodes: list[Node], unit_blocks: int) -> dict[int, Node]:
+        """One node per attached slot, on a unit boundary; the attached map agrees."""
+        attached: dict[int, Node] = {}
+        for n in nodes:
+            if n.checkpoint_slot is not None:
+                assert n.checkpoint_slot not in attached, "slot on two nodes"
+                attached[n.checkpoint_slot] = n
         assert attached == self.attached, "attached-slot map drift"
-        for n in with_ckpt:
+        for n in attached.values():
             assert n.depth % unit_blocks == 0, f"{n} checkpoint off a unit boundary"
+        return attached
+
+    @staticmethod
+    def _check_pins(nodes: list[Node], active: list[SeqCache]) -> None:
+        """A checkpoint's pins = the pending restores from it (device or host tier)."""
         pins: dict[int, int] = {}
         for seq in active:
             if seq.restore_node is not None:
@@ -290,13 +290,24 @@ class CheckpointStore:
                     assert t.node.host_slot == t.src, "host restore source lost its checkpoint"
         for n in nodes:
             assert n.ckpt_pins == pins.get(id(n), 0), f"{n}: ckpt_pins drift"
+
+    def _check_live(self, active: list[SeqCache]) -> None:
         live = sorted(s.state_slot for s in active if s.state_slot >= 0)
-        assert live == sorted(slots.live_in_use()), f"live slots {live} != in use {slots.live_in_use()}"
+        in_use = self.slots.live_in_use()
+        assert live == sorted(in_use), f"live slots {live} != in use {in_use}"
+
+    def _check_trackers(self, active: list[SeqCache]) -> list[int]:
+        """Tracking slots are the active requests', one each; the tracker map agrees."""
         tracking = [s.tracking_slot for s in active if s.tracking_slot >= 0]
         assert len(set(tracking)) == len(tracking), "tracking slot shared"
         assert {s.tracking_slot: s for s in active if s.tracking_slot >= 0} == self.trackers, (
             "tracker map drift"
         )
+        return tracking
+
+    def _check_slot_states(self, attached: dict[int, Node], tracking: list[int], reserved: set[int]) -> None:
+        """Each checkpoint slot's state is the one its holder implies; the free list agrees."""
+        slots = self.slots
         for slot, state in slots.ckpt_state.items():
             expected = (
                 SlotState.ATTACHED

@@ -16,7 +16,7 @@ what the device does not (an exclusive cache: host bytes add to device bytes).
   checkpoint (either tier) or has host nodes below it (without it they are unreachable);
   a checkpoint-less leaf with nothing below can never end a hit and is dropped.
 * A device checkpoint being evicted is demoted when a host slot is free or the weakest
-  host checkpoint is worth less (the device tier's value model: ``value``); else dropped.
+  host checkpoint is worth less (the device tier's eviction strategy: ``worth``); else dropped.
 * The host evicts its own: checkpoint-less leaves first, then LRU; checkpoints by value.
   A full host tier means *drop*, never an error.
 
@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import SeqCache, Transfer, TransferKind
 
@@ -39,15 +40,15 @@ class HostTier:
     def __init__(
         self,
         tree: RadixTree,
+        eviction: CheckpointEviction,
         *,
         num_blocks: int,
         num_slots: int,
         kv_block_bytes: int,
         checkpoint_bytes: int,
-        counters: dict[str, int],
-        worth: Callable[[Node], float],
     ) -> None:
         self.tree = tree
+        self.eviction = eviction  # its ``worth`` ranks host checkpoints; lower goes first
         self.blocks = BlockPool(num_blocks) if num_blocks > 0 else None
         self.num_slots = num_slots
         self._free_slots: deque[int] = deque(range(num_slots))
@@ -55,14 +56,9 @@ class HostTier:
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         self.kv_block_bytes = kv_block_bytes
         self.checkpoint_bytes = checkpoint_bytes
-        self.counters = counters
-        self.worth = worth  # a checkpoint's value (the device tier's model); lower goes first
-        for key in (
-            "host.kv_demoted_blocks", "host.kv_promoted_blocks", "host.kv_evicted_blocks",
-            "host.checkpoints_demoted", "host.checkpoints_restored", "host.checkpoints_evicted",
-            "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
-        ):  # fmt: skip
-            counters.setdefault(key, 0)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("host.kv_demoted_blocks", "host.kv_evicted_blocks", "host.checkpoints_demoted",
+             "host.checkpoints_evicted", "host.bytes_saved", "host.failed_saves"), 0)  # fmt: skip
 
     @property
     def kv_enabled(self) -> bool:
@@ -84,7 +80,7 @@ class HostTier:
             return True
         if self.num_slots == 0:
             return False
-        slot = self._take_slot(self.worth(node))
+        slot = self._take_slot(self.eviction.worth(node))
         if slot < 0:
             return False
         node.host_slot = slot
@@ -102,7 +98,7 @@ class HostTier:
         if self._free_slots:
             return 0.0
         return min(
-            (self.worth(n) for n in self.attached.values() if not n.ckpt_pins and not n.ckpt_moving),
+            (self.eviction.worth(n) for n in self.attached.values() if not n.ckpt_pins and not n.ckpt_moving),
             default=math.inf,
         )
 
@@ -110,10 +106,10 @@ class HostTier:
         if not self._free_slots:
             victim = min(
                 (n for n in self.attached.values() if not n.ckpt_pins and not n.ckpt_moving),
-                key=self.worth,
+                key=self.eviction.worth,
                 default=None,
             )
-            if victim is None or self.worth(victim) >= worth:
+            if victim is None or self.eviction.worth(victim) >= worth:
                 return -1
             self.drop_checkpoint(victim)
         return self._free_slots.popleft()
@@ -229,18 +225,20 @@ class HostTier:
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(
-        self, nodes: Iterable[Node], active: Iterable[SeqCache], inflight_saves: list[Transfer]
+        self, nodes: list[Node], active: Iterable[SeqCache], inflight_saves: list[Transfer]
     ) -> None:
         """Both tiers: every host block / slot free or held by one node; device nodes form
         the top of the tree; pinned nodes are on the device; every moving item has exactly
         one pending copy."""
+        self._check_tiers(nodes)
+        self._check_moving(nodes, self.saves + inflight_saves + [t for seq in active for t in seq.loads])
+        self._check_host_blocks(nodes)
+        self._check_host_slots(nodes)
+
+    def _check_tiers(self, nodes: list[Node]) -> None:
+        """Device nodes form the top of the tree; a host node holds a host block, no pin
+        and no device checkpoint."""
         root = self.tree.root
-        owner: dict[int, Node] = {}
-        slots: dict[int, Node] = {}
-        pending = self.saves + inflight_saves + [t for seq in active for t in seq.loads]
-        moving = {id(t.node) for t in pending if t.kind.is_kv}
-        ckpt_moving = {id(t.node) for t in pending if t.kind is TransferKind.CKPT_SAVE}
-        assert len(moving) == sum(1 for t in pending if t.kind.is_kv), "two copies of one KV block pending"
         for n in nodes:
             parent = n.parent
             assert parent is not None
@@ -249,27 +247,46 @@ class HostTier:
             )
             if n.block_id >= 0:
                 assert parent is root or parent.block_id >= 0, f"{n} on the device below a host node"
+                assert n.host_block < 0 or n.moving, f"{n} in both tiers but not being loaded"
             else:
                 assert n.host_block >= 0, f"{n} holds KV in no tier"
                 assert not n.ref_count, f"{n} pinned on the host"
                 assert n.checkpoint_slot is None, f"{n}: device checkpoint on a host node"
-            if n.host_block >= 0:
-                assert self.blocks is not None and 0 <= n.host_block < self.blocks.num_blocks
-                assert n.host_block not in owner, f"host block {n.host_block} on two nodes"
-                owner[n.host_block] = n
-                if n.block_id >= 0:
-                    assert n.moving, f"{n} in both tiers but not being loaded"
+
+    @staticmethod
+    def _check_moving(nodes: list[Node], pending: list[Transfer]) -> None:
+        """A node's ``moving`` / ``ckpt_moving`` flag is set exactly when a copy of its KV /
+        host checkpoint is pending, and a KV block has at most one."""
+        moving = {id(t.node) for t in pending if t.kind.is_kv}
+        ckpt_moving = {id(t.node) for t in pending if t.kind is TransferKind.CKPT_SAVE}
+        assert len(moving) == sum(1 for t in pending if t.kind.is_kv), "two copies of one KV block pending"
+        for n in nodes:
+            assert n.moving == (id(n) in moving), f"{n}: moving flag != pending copies"
+            assert n.ckpt_moving == (id(n) in ckpt_moving), f"{n}: ckpt_moving flag != pending copies"
+
+    def _check_host_blocks(self, nodes: list[Node]) -> None:
+        """Every host KV block is free or held by exactly one node."""
+        owner: dict[int, Node] = {}
+        for n in nodes:
+            if n.host_block < 0:
+                continue
+            assert self.blocks is not None and 0 <= n.host_block < self.blocks.num_blocks
+            assert n.host_block not in owner, f"host block {n.host_block} on two nodes"
+            owner[n.host_block] = n
+        if self.blocks is None:
+            assert not owner, "host blocks without a host KV pool"
+            return
+        free = self.blocks.free_ids()
+        assert len(set(free)) == len(free) and not set(free) & set(owner), "host block both free and held"
+        assert len(free) + len(owner) == self.blocks.num_blocks, "host KV blocks leaked"
+
+    def _check_host_slots(self, nodes: list[Node]) -> None:
+        """Every host checkpoint slot is free or held by exactly one node."""
+        slots: dict[int, Node] = {}
+        for n in nodes:
             if n.host_slot is not None:
                 assert n.host_slot not in slots, f"host slot {n.host_slot} on two nodes"
                 slots[n.host_slot] = n
-            assert n.moving == (id(n) in moving), f"{n}: moving flag != pending copies"
-            assert n.ckpt_moving == (id(n) in ckpt_moving), f"{n}: ckpt_moving flag != pending copies"
-        if self.blocks is not None:
-            free = self.blocks.free_ids()
-            assert len(set(free)) == len(free) and not set(free) & set(owner), "host block both free and held"
-            assert len(free) + len(owner) == self.blocks.num_blocks, "host KV blocks leaked"
-        else:
-            assert not owner, "host blocks without a host KV pool"
         assert slots == self.attached, "host slot map drift"
         assert len(self._free_slots) + len(slots) == self.num_slots, "host checkpoint slots leaked"
         assert not set(self._free_slots) & set(slots), "host slot both free and held"

@@ -37,11 +37,12 @@ class LoadQueue:
         blocks: BlockPool,
         host: HostTier,
         ckpts: CheckpointStore,
-        counters: dict[str, int],
         budget: int | None,
     ) -> None:
         self.tree, self.blocks, self.host, self.ckpts = tree, blocks, host, ckpts
-        self.counters = counters
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("host.loads_completed", "host.load_wait_ms", "host.kv_promoted_blocks",
+             "host.checkpoints_restored", "host.bytes_loaded", "host.failed_loads"), 0)  # fmt: skip
         self.budget = budget  # bytes of loads per step; None = unbounded
         self.staged: list[Transfer] = []  # loads staged for the next step's plan
         self.staged_bytes = 0

@@ -7,11 +7,11 @@ model, with the request- and step-level contract the scheduler uses (DESIGN.md, 
   the index changes (``PrefixMatch.version``), so the policy's ordering, the scheduler's
   chunking and ``admit`` share one match.
 * ``admit`` pins the matched path, takes a live state slot and pins the checkpoint to
-  restore from; ``record_query`` counts the request once (and lets the value model learn).
+  restore from; ``record_query`` counts the request once (and lets the eviction strategy learn).
 * ``allocate`` grows a request's block table, evicting unpinned leaves when needed.
 * ``plan_step`` stages this step's captures (``planning.plan_captures``) under the per-step
   byte budget and the checkpoint slots: free ones, or the slot of a checkpoint worth less
-  (``value.py``); what does not fit is *skipped* (counted by reason), never failed.
+  (``eviction.py``); what does not fit is *skipped* (counted by reason), never failed.
   ``commit_step`` publishes computed blocks and captured checkpoints after the step
   succeeded; ``abort_step`` releases the reservations of a failed step.
 * ``free`` ends a request (finish, abort, preemption, error): unpins, returns private
@@ -41,11 +41,13 @@ from dataclasses import dataclass
 
 from deltaserve.cache.admission import get_admission_policy
 from deltaserve.cache.checkpoint_store import CheckpointStore
+from deltaserve.cache.eviction import CostModel, EvictionParams
+from deltaserve.cache.eviction_policies import make_eviction
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.load_queue import LoadQueue
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
-from deltaserve.cache.radix_tree import Node
+from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import (
     Capture,
     CaptureKind,
@@ -56,7 +58,6 @@ from deltaserve.cache.types import (
     Transfer,
     TransferKind,
 )
-from deltaserve.cache.value import CostModel, ReuseLearner, V1Eviction, ValueEviction
 
 GDN_CHUNK_SIZE = 64
 
@@ -84,7 +85,7 @@ class CacheManagerConfig:
     checkpoint_policy: str = "default"
     enable_prefix_caching: bool = True
     gdn_chunk_size: int = GDN_CHUNK_SIZE
-    # value model (cache/value.py): prefill cost of d tokens = a*d + b*d^2/2, any unit
+    # value model (cache/value_eviction.py): prefill cost of d tokens = a*d + b*d^2/2, any unit
     prefill_cost_per_token: float = 1.0  # a: GDN, MLP and projections (linear in tokens)
     prefill_cost_per_token_pair: float = 1.0 / 65536  # b: full attention (per token pair)
     # host tier (cache/host_tier.py): 0 = off
@@ -92,6 +93,19 @@ class CacheManagerConfig:
     num_host_checkpoint_slots: int = 0
     kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
     host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
+
+
+# ``stats()`` reports every part's counters in this order
+COUNTER_KEYS = (
+    "prefix_cache.queries", "prefix_cache.query_tokens", "prefix_cache.hit_tokens",
+    "checkpoints.stored", "checkpoints.restored", "checkpoints.skipped_budget",
+    "checkpoints.skipped_pool", "checkpoints.skipped_value", "checkpoints.duplicate",
+    "checkpoints.evicted", "kv.evicted_blocks", "prefix_cache.hit_tokens_device",
+    "prefix_cache.hit_tokens_host", "host.loads_completed", "host.load_wait_ms",
+    "host.kv_demoted_blocks", "host.kv_promoted_blocks", "host.kv_evicted_blocks",
+    "host.checkpoints_demoted", "host.checkpoints_restored", "host.checkpoints_evicted",
+    "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
+)  # fmt: skip
 
 
 class CacheManager:
@@ -104,42 +118,41 @@ class CacheManager:
         self.interval = -(-interval // self.unit) * self.unit if interval > 0 else 0
         self.enabled = config.enable_prefix_caching
         self.policy = get_admission_policy(config.checkpoint_policy)
-        self.kv = PrefixIndex(bs, config.num_kv_blocks, has_gdn=config.has_gdn)
-        self.tree, self.blocks = self.kv.tree, self.kv.blocks
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("prefix_cache.queries", "prefix_cache.query_tokens", "prefix_cache.hit_tokens",
-             "checkpoints.stored", "checkpoints.restored", "checkpoints.skipped_budget",
-             "checkpoints.skipped_pool", "checkpoints.skipped_value", "checkpoints.duplicate",
-             "checkpoints.evicted", "kv.evicted_blocks", "prefix_cache.hit_tokens_device",
-             "prefix_cache.hit_tokens_host", "host.loads_completed", "host.load_wait_ms"), 0)  # fmt: skip
-        self.value: ValueEviction | None = None
-        if self.policy.eviction == "value":
-            cost = CostModel(config.prefill_cost_per_token, config.prefill_cost_per_token_pair)
-            self.value = ValueEviction(
-                self.tree, block_size=bs, checkpoint_bytes=config.checkpoint_bytes, cost=cost,
-                learner=ReuseLearner(capacity=max(1 << 16, 64 * config.num_checkpoint_slots)),
-                unit_blocks=self.unit // bs,
-            )  # fmt: skip
-        eviction = self.value or V1Eviction(self.tree)
         num_ckpt = config.num_checkpoint_slots if (self.has_gdn and self.enabled) else 0
         num_live = config.num_live_slots if self.has_gdn else 0
-        self.ckpts = CheckpointStore(
-            num_live, num_ckpt, self.kv, eviction, self.counters, config.checkpoint_bytes
+        self.tree = RadixTree()
+        self.eviction = make_eviction(
+            self.policy.eviction,
+            self.tree,
+            EvictionParams(
+                block_size=bs,
+                unit_blocks=self.unit // bs,
+                checkpoint_bytes=config.checkpoint_bytes,
+                num_checkpoint_slots=config.num_checkpoint_slots,
+                cost=CostModel(config.prefill_cost_per_token, config.prefill_cost_per_token_pair),
+            ),
         )
-        self.slots = self.ckpts.slots
         self.host = HostTier(
             self.tree,
+            self.eviction,
             num_blocks=config.num_host_kv_blocks if self.enabled else 0,
             num_slots=config.num_host_checkpoint_slots if num_ckpt else 0,
             kv_block_bytes=config.kv_block_bytes,
             checkpoint_bytes=config.checkpoint_bytes,
-            counters=self.counters,
-            worth=self.value.value if self.value is not None else V1Eviction.worth,
         )
-        self.kv.host = self.ckpts.host = self.host
+        self.kv = PrefixIndex(self.tree, self.host, bs, config.num_kv_blocks, has_gdn=config.has_gdn)
+        self.blocks = self.kv.blocks
+        self.ckpts = CheckpointStore(
+            num_live, num_ckpt, self.kv, self.eviction, self.host, config.checkpoint_bytes
+        )
+        self.slots = self.ckpts.slots
         self.load_queue = LoadQueue(
-            self.tree, self.blocks, self.host, self.ckpts, self.counters, config.host_load_bytes_per_step
+            self.tree, self.blocks, self.host, self.ckpts, config.host_load_bytes_per_step
         )
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("prefix_cache.queries", "prefix_cache.query_tokens", "prefix_cache.hit_tokens",
+             "prefix_cache.hit_tokens_device", "prefix_cache.hit_tokens_host", "checkpoints.restored",
+             "checkpoints.duplicate", "kv.evicted_blocks"), 0)  # fmt: skip
         self.active: dict[str, SeqCache] = {}
         self._inflight: StepPlan | None = None
         self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
@@ -149,8 +162,16 @@ class CacheManager:
         model's shape."""
         self.config.prefill_cost_per_token = per_token
         self.config.prefill_cost_per_token_pair = per_token_pair
-        if self.value is not None:
-            self.value.cost = CostModel(per_token, per_token_pair)
+        self.eviction.set_cost(CostModel(per_token, per_token_pair))
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Every part's event counters, summed (a fresh dict, in ``COUNTER_KEYS`` order)."""
+        total = dict.fromkeys(COUNTER_KEYS, 0)
+        for part in (self._counters, self.ckpts.counters, self.load_queue.counters, self.host.counters):
+            for key, n in part.items():
+                total[key] += n
+        return total
 
     # ------------------------------------------------------------------ matching
     def extend_hashes(self, token_ids: Sequence[int], salt: bytes, hashes: list[int]) -> list[int]:
@@ -178,17 +199,6 @@ class CacheManager:
         if key is not None:
             self._matches[key] = m
         return m
-
-    def lookup(
-        self,
-        token_ids: Sequence[int],
-        salt: bytes,
-        hashes: list[int] | None = None,
-        *,
-        key: str | None = None,
-    ) -> int:
-        """Joint-hit length in tokens, without side effects (for cache-aware policies)."""
-        return self.match(token_ids, salt, hashes, key=key).hit_tokens
 
     # ------------------------------------------------------------------ admission
     @property
@@ -229,29 +239,38 @@ class CacheManager:
             return None  # no device blocks to promote the hit into now: retry later
         self._matches.pop(request_id, None)
         seq = SeqCache(request_id, salt, prompt_len or len(token_ids), hashes=match.hashes)
-        for node in on_host:  # top-down: each one's parent is on the device already
-            self.tree.promote(node, self.blocks.allocate())
-            self.tree.set_moving(node, True)
-            seq.loads.append(Transfer(TransferKind.KV_LOAD, node, node.host_block, node.block_id, seq))
+        self._promote(seq, on_host)
         self.kv.pin_path(seq, path[:hit])
         seq.num_cached_tokens = hit * self.block_size
         seq.host_hit_tokens = len(on_host) * self.block_size
         if self.has_gdn:
             seq.state_slot = self.slots.allocate_live()
         if self.has_gdn and self.enabled:
-            if hit > 0 and path[hit - 1].checkpoint_slot is None:  # restore from the host
-                node = path[hit - 1]
-                self.ckpts.pin_source(node)
-                assert node.host_slot is not None
-                seq.loads.append(Transfer(TransferKind.STATE_LOAD, node, node.host_slot, seq.state_slot, seq))
-            elif hit > 0:
-                self.ckpts.pin_restore(seq, path[hit - 1])
+            if hit > 0:
+                self._pin_restore_source(seq, path[hit - 1])
             seq.branch_boundary = self.kv.branch_boundary(match, token_ids, self.unit)
             self.kv.hold_inflight(seq, len(token_ids) // self.block_size)
         if seq.loads:
             seq.load_since = time.monotonic()
         self.active[request_id] = seq
         return seq
+
+    def _promote(self, seq: SeqCache, on_host: list[Node]) -> None:
+        """Give each host node of ``seq``'s hit a device block and queue its load."""
+        for node in on_host:  # top-down: each one's parent is on the device already
+            self.tree.promote(node, self.blocks.allocate())
+            self.tree.set_moving(node, True)
+            seq.loads.append(Transfer(TransferKind.KV_LOAD, node, node.host_block, node.block_id, seq))
+
+    def _pin_restore_source(self, seq: SeqCache, node: Node) -> None:
+        """``seq`` resumes from ``node``'s checkpoint: a device one is copied in the first
+        step, a host one is loaded straight into the live slot."""
+        if node.checkpoint_slot is not None:
+            self.ckpts.pin_restore(seq, node)
+            return
+        self.ckpts.pin_source(node)
+        assert node.host_slot is not None
+        seq.loads.append(Transfer(TransferKind.STATE_LOAD, node, node.host_slot, seq.state_slot, seq))
 
     def _make_room(self, path: Sequence[Node], need: int) -> bool:
         """``need`` free device blocks, evicting leaves off ``path`` (pinned meanwhile, with
@@ -284,26 +303,27 @@ class CacheManager:
 
     def record_query(self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None) -> None:
         """Count one prompt lookup in the hit-rate stats (once per request, by the caller);
-        with ``seq``, the value model also learns which earlier capture it would reuse."""
-        self.counters["prefix_cache.queries"] += 1
-        self.counters["prefix_cache.query_tokens"] += query_tokens
-        self.counters["prefix_cache.hit_tokens"] += hit_tokens
+        with ``seq``, the eviction strategy also learns which earlier capture it would reuse."""
+        counters = self._counters
+        counters["prefix_cache.queries"] += 1
+        counters["prefix_cache.query_tokens"] += query_tokens
+        counters["prefix_cache.hit_tokens"] += hit_tokens
         host = seq.host_hit_tokens if seq is not None else 0
-        self.counters["prefix_cache.hit_tokens_host"] += host
-        self.counters["prefix_cache.hit_tokens_device"] += hit_tokens - host
-        if seq is not None and self.value is not None and self.has_gdn and self.enabled:
+        counters["prefix_cache.hit_tokens_host"] += host
+        counters["prefix_cache.hit_tokens_device"] += hit_tokens - host
+        if seq is not None and self.has_gdn and self.enabled:
             bs = self.block_size
-            seq.history = self.value.learner.observe(seq.hashes, (query_tokens - 1) // bs, self.unit // bs)
+            seq.history = self.eviction.observe(seq.hashes, (query_tokens - 1) // bs, self.unit // bs)
 
     # ------------------------------------------------------------------ KV blocks
     def _evict_one_leaf(self) -> bool:
         """Free one device block: the victim leaf is demoted to the host when it is worth
         keeping (a checkpoint, or host nodes below it) and the host has room, else dropped
         with everything below it."""
-        node = self.ckpts.eviction.kv_victim(self.ckpts.residents)
+        node = self.eviction.kv_victim(self.ckpts.residents)
         if node is None:
             return False
-        self.counters["kv.evicted_blocks"] += 1
+        self._counters["kv.evicted_blocks"] += 1
         # without GDN layers every block ends a hit; with them only a checkpoint does
         keeps = (
             not self.has_gdn
@@ -380,7 +400,7 @@ class CacheManager:
         self._inflight = None
         for seq in plan.restored:
             self.ckpts.release_restore(seq)
-            self.counters["checkpoints.restored"] += 1
+            self._counters["checkpoints.restored"] += 1
         enabled, kv = self.enabled, self.kv
         for item in plan.items:
             seq = item.seq
@@ -394,7 +414,7 @@ class CacheManager:
                 continue
             node = self.kv.node_at(plan.items[cap.item_index].seq, cap.boundary)
             if node is None or node.checkpoint_slot is not None or not self.enabled:
-                self.counters["checkpoints.duplicate"] += 1
+                self._counters["checkpoints.duplicate"] += 1
                 self.slots.free_checkpoint(cap.slot)
                 continue
             self.ckpts.attach(node, cap.slot, cap.kind, plan.items[cap.item_index].seq.history)
@@ -457,11 +477,11 @@ class CacheManager:
         del self.active[seq.request_id]
         self.ckpts.release_restore(seq)
         self.kv.release_inflight(seq)
-        if publish_output and self.value is not None and self.policy.track_output and self.enabled:
-            # the output boundary, stored or not, is a capture the value model learns from
+        if publish_output and self.policy.track_output and self.enabled:
+            # the output boundary, stored or not, is a proposed capture
             b = len(seq.nodes) * self.block_size // self.unit * self.unit
             if b > (seq.prompt_len - 1) // self.unit * self.unit:
-                self.value.learner.register(
+                self.eviction.on_propose(
                     seq.hashes[b // self.block_size - 1], CaptureKind.OUTPUT, seq.history
                 )
         self.ckpts.end_tracking(seq, publish_output)
@@ -479,10 +499,10 @@ class CacheManager:
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.counters)
-        q = self.counters["prefix_cache.query_tokens"]
-        out["prefix_cache.hit_rate"] = self.counters["prefix_cache.hit_tokens"] / q if q else 0.0
+        q = out["prefix_cache.query_tokens"]
+        out["prefix_cache.hit_rate"] = out["prefix_cache.hit_tokens"] / q if q else 0.0
         out.update(self.usage())
-        out.update(self.ckpts.eviction.stats())
+        out.update(self.eviction.stats())
         return out
 
     # ------------------------------------------------------------------ invariants

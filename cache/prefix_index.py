@@ -12,26 +12,25 @@ removes one when told. Torch-free.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.hashing import block_hashes
+from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import PrefixMatch, SeqCache
 
-if TYPE_CHECKING:
-    from deltaserve.cache.host_tier import HostTier
-
 
 class PrefixIndex:
-    def __init__(self, block_size: int, num_blocks: int, *, has_gdn: bool) -> None:
+    def __init__(
+        self, tree: RadixTree, host: HostTier, block_size: int, num_blocks: int, *, has_gdn: bool
+    ) -> None:
         self.block_size = block_size
         self.has_gdn = has_gdn
         self.blocks = BlockPool(num_blocks)
-        self.tree = RadixTree()
+        self.tree = tree
+        self.host = host  # a published block that is cached on the host releases its host copy
         # full-block hashes of active requests' prompts -> number of such requests
         self.inflight: dict[int, int] = {}
-        self.host: HostTier | None = None  # set by the manager
 
     @property
     def version(self) -> int:
@@ -146,7 +145,6 @@ class PrefixIndex:
                 break  # being copied between tiers: keep ours private, publish after it lands
             if node is not None and node.block_id < 0:
                 # Cached on the host tier: our computed block brings it back to the device.
-                assert self.host is not None
                 tree.promote(node, seq.block_table[i])
                 self.host.release_block(node)
                 tree.touch(node)

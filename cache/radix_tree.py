@@ -18,8 +18,8 @@ can never end a hybrid hit, so it goes first. Device candidates are unpinned dev
 with no device child (their host children, if any, are demoted along); host candidates
 are unpinned host nodes with no child at all. A heap entry is valid only if its recorded
 priority still equals the node's current one; anything else is skipped when popped.
-Checkpoint eviction order is the checkpoint store's (``cache/value.py``); the per-node
-checkpoint fields below are its bookkeeping.
+Checkpoint eviction order is the eviction strategy's (``cache/eviction.py``); it keeps its
+per-node bookkeeping in ``Node.policy_state``, of a type it defines.
 
 ``version`` moves on every change that can change a match (insert, removal, attach and
 detach of a checkpoint), so a match result can be cached until it does. Torch-free.
@@ -44,13 +44,7 @@ class Node:
         "ref_count",
         "ckpt_pins",
         "last_access",
-        "ckpt_last_access",
-        "ckpt_protected",
-        "ckpt_kind",
-        "ckpt_history",
-        "ckpt_hits",
-        "ckpt_since",
-        "ckpt_base",
+        "policy_state",
         "host_block",
         "host_slot",
         "moving",
@@ -68,15 +62,9 @@ class Node:
         self.ref_count = 0  # running requests pinning this node's KV
         self.ckpt_pins = 0  # pending restores reading this node's checkpoint
         self.last_access = 0
-        self.ckpt_last_access = 0
-        # v1: proven shared (restored from by a request, or taken at a divergence point)
-        self.ckpt_protected = False
-        # value model: the capture kind, hits served, and when its current reuse class began
-        self.ckpt_kind: Any = None
-        self.ckpt_history: int | None = None
-        self.ckpt_hits = 0
-        self.ckpt_since = 0
-        self.ckpt_base: Node | None = None  # the nearest checkpoint above it (when it was valued)
+        # the eviction strategy's bookkeeping of this node's checkpoint (its type, its
+        # business); set when a checkpoint is attached, kept while it lives on the host
+        self.policy_state: Any = None
         self.host_block = -1  # host-tier KV block (-1: none)
         self.host_slot: int | None = None  # host-tier checkpoint slot
         self.moving = False  # its KV block is being copied between tiers (not matchable)

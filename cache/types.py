@@ -1,7 +1,7 @@
 """Types shared by the cache's parts: capture kinds, a request's cache view, step plans.
 
-Torch-free. The parts (``prefix_index``, ``checkpoint_store``, ``planning``, ``value``) and
-the façade (``manager``) speak in these.
+Torch-free. The parts (``prefix_index``, ``checkpoint_store``, ``planning``, the eviction
+strategies) and the façade (``manager``) speak in these.
 """
 
 from __future__ import annotations

@@ -91,6 +91,18 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.seqs)
 
 
+@dataclass(slots=True)
+class _StepBuild:
+    """What one ``schedule`` call builds up, phase by phase."""
+
+    ctx: PolicyContext
+    budget: int  # tokens left in the step
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    scheduled: set[int] = field(default_factory=set)  # id() of the requests scheduled so far
+    preempted: list[Request] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -275,20 +287,27 @@ class Scheduler:
         return True
 
     def schedule(self) -> SchedulerOutput | None:
+        """The next step: decodes, then running prefills, then admissions (module docstring);
+        None when there is nothing to run (no sequence and no copy between tiers)."""
         if self._inflight is not None:
             raise RuntimeError("schedule() while a step is in flight")
-        ctx = self._ctx()
-        budget = self.max_num_batched_tokens
-        decodes: list[ScheduledSeq] = []
-        prefills: list[ScheduledSeq] = []
-        scheduled: set[int] = set()
-        preempted: list[Request] = []
+        step = _StepBuild(self._ctx(), self.max_num_batched_tokens)
+        rest = self._schedule_decodes(step)
+        self._schedule_prefills(rest, step)
+        if self.waiting and step.budget > 0:
+            self._admit_waiting(step)
+        return self._emit(step)
 
-        # 1. decodes of running requests, oldest admission first. The hot loop of a decode-heavy
-        # step: the request's fields are read directly, and the cache is asked for blocks only
-        # when the block table does not already cover the new token.
-        # Requests this loop passes over (prefilling, loading, or past the budget) are
-        # collected in ``rest`` for step 2, which so never walks the decodes again.
+    def _schedule_decodes(self, step: _StepBuild) -> list[Request]:
+        """Phase 1: decodes of running requests, oldest admission first. Returns the running
+        requests it passes over (prefilling, loading, or past the budget) for phase 2, which
+        so never walks the decodes again.
+
+        The hot loop of a decode-heavy step: the request's fields are read directly, and the
+        cache is asked for blocks only when the block table does not already cover the new
+        token."""
+        budget, ctx = step.budget, step.ctx
+        decodes, scheduled, preempted = step.decodes, step.scheduled, step.preempted
         bs = self.cache.block_size
         running = RequestStatus.RUNNING
         order = list(self.running)
@@ -305,7 +324,7 @@ class Scheduler:
                 continue  # not decoding (Request.is_decoding)
             if req.cache.loads:  # type: ignore[union-attr]
                 rest.append(req)
-                continue  # still loading from the host tier (staged below)
+                continue  # still loading from the host tier (staged in phase 2)
             scheduled.add(id(req))
             if len(req.cache.block_table) * bs < num_tokens and not self._allocate_or_preempt(  # type: ignore[union-attr]
                 req, num_tokens, scheduled, ctx, preempted
@@ -314,74 +333,92 @@ class Scheduler:
                 continue
             decodes.append(ScheduledSeq(req, computed, num_tokens, True, True))
             budget -= 1
+        step.budget = budget
+        return rest
 
-        # 2. running requests still in prefill (or loading)
+    def _schedule_prefills(self, rest: list[Request], step: _StepBuild) -> None:
+        """Phase 2: running requests still in prefill get their next chunk; those loading
+        from the host tier stage their copies."""
+        scheduled = step.scheduled
         for req in rest:
-            if req.status is not RequestStatus.RUNNING:  # preempted in step 1
+            if req.status is not RequestStatus.RUNNING:  # preempted in phase 1
                 continue
             if req.cache is not None and req.cache.loads:
                 self.cache.stage_loads(req.cache)
                 continue
             if req.is_decoding:
                 continue
-            end = self._chunk_end(req.num_computed_tokens, req.num_tokens, budget)
-            if end == req.num_computed_tokens:
+            start = req.num_computed_tokens
+            end = self._chunk_end(start, req.num_tokens, step.budget)
+            if end == start:
                 continue
             scheduled.add(id(req))
-            if not self._allocate_or_preempt(req, end, scheduled, ctx, preempted):
+            if not self._allocate_or_preempt(req, end, scheduled, step.ctx, step.preempted):
                 scheduled.discard(id(req))
                 continue
-            prefills.append(ScheduledSeq(req, req.num_computed_tokens, end, False, end == req.num_tokens))
-            budget -= end - req.num_computed_tokens
+            step.prefills.append(ScheduledSeq(req, start, end, False, end == req.num_tokens))
+            step.budget -= end - start
 
-        # 3. admit waiting requests in policy order. ``max_num_partial_prefills`` bounds the
-        # prompts that will still be partially prefilled after this step (a short prompt
-        # prefilled whole in this step does not count).
-        if self.waiting and budget > 0:
-            completing = {id(p.request) for p in prefills if p.end == p.request.num_tokens}
-            num_partial = sum(1 for r in self.running if not r.is_decoding and id(r) not in completing)
-            for req in self._order_waiting(ctx):
-                if len(self.running) >= self.max_num_seqs or budget <= 0:
-                    break
-                if self.cache.num_free_live_slots == 0:
-                    break
-                if req in preempted:
-                    continue  # not again in the step that preempted it
-                match = self._match(req)
-                hit = match.hit_tokens
-                first_end = self._chunk_end(hit, req.num_tokens, budget)
-                if first_end == hit:
-                    break  # not even one chunk fits this step: keep the order, wait
-                if first_end < req.num_tokens and num_partial >= self.max_num_partial_prefills:
-                    break
-                seq = self.cache.admit(
-                    req.request_id,
-                    req.token_ids,
-                    req.cache_salt,
-                    prompt_len=req.num_prompt_tokens,
-                    hashes=req.block_hashes,
-                    match=match,
-                )
-                if seq is None:
-                    break
-                # nothing changed since the match: admission found the same hit
-                assert seq.num_cached_tokens == hit
-                if seq.loads:  # host-tier hit: it computes once its copies have landed
-                    self._start(req, seq)
-                    self.cache.stage_loads(seq)
-                    continue
-                end = first_end
-                if not self.cache.allocate(seq, end):
-                    self.cache.free(seq, publish_output=False)
-                    break  # new requests never preempt running ones
-                self._start(req, seq)
-                scheduled.add(id(req))
-                prefills.append(ScheduledSeq(req, seq.num_cached_tokens, end, False, end == req.num_tokens))
-                budget -= end - seq.num_cached_tokens
-                num_partial += end < req.num_tokens
+    def _admit_waiting(self, step: _StepBuild) -> None:
+        """Phase 3: admit waiting requests in policy order, stopping at the first that does
+        not fit (the order is a promise). ``max_num_partial_prefills`` bounds the prompts that
+        will still be partially prefilled after this step (a short prompt prefilled whole in
+        this step does not count)."""
+        completing = {id(p.request) for p in step.prefills if p.end == p.request.num_tokens}
+        num_partial = sum(1 for r in self.running if not r.is_decoding and id(r) not in completing)
+        for req in self._order_waiting(step.ctx):
+            if len(self.running) >= self.max_num_seqs or step.budget <= 0:
+                break
+            if self.cache.num_free_live_slots == 0:
+                break
+            if req in step.preempted:
+                continue  # not again in the step that preempted it
+            partial = self._admit(req, step, num_partial)
+            if partial is None:
+                break
+            num_partial += partial
 
+    def _admit(self, req: Request, step: _StepBuild, num_partial: int) -> int | None:
+        """Admit ``req`` with its first prefill chunk, or with its host-tier loads staged.
+        None when it does not fit now; else 1 if it stays partially prefilled after this
+        step, 0 if not."""
+        match = self._match(req)
+        hit = match.hit_tokens
+        end = self._chunk_end(hit, req.num_tokens, step.budget)
+        if end == hit:
+            return None  # not even one chunk fits this step: keep the order, wait
+        if end < req.num_tokens and num_partial >= self.max_num_partial_prefills:
+            return None
+        seq = self.cache.admit(
+            req.request_id,
+            req.token_ids,
+            req.cache_salt,
+            prompt_len=req.num_prompt_tokens,
+            hashes=req.block_hashes,
+            match=match,
+        )
+        if seq is None:
+            return None
+        # nothing changed since the match: admission found the same hit
+        assert seq.num_cached_tokens == hit
+        if seq.loads:  # host-tier hit: it computes once its copies have landed
+            self._start(req, seq)
+            self.cache.stage_loads(seq)
+            return 0
+        if not self.cache.allocate(seq, end):
+            self.cache.free(seq, publish_output=False)
+            return None  # new requests never preempt running ones
+        self._start(req, seq)
+        step.scheduled.add(id(req))
+        step.prefills.append(ScheduledSeq(req, hit, end, False, end == req.num_tokens))
+        step.budget -= end - hit
+        return int(end < req.num_tokens)
+
+    def _emit(self, step: _StepBuild) -> SchedulerOutput | None:
+        """The step's output and cache plan (None: nothing to run)."""
         # a preempted request scheduled earlier in this step cannot be (victims exclude them)
-        seqs = decodes + prefills
+        decodes = step.decodes
+        seqs = decodes + step.prefills
         if not seqs and not self.cache.has_transfers():
             return None
         # (positional: StepItem(seq, token_ids, start, end, is_decode); keywords cost a third more
@@ -391,10 +428,10 @@ class Scheduler:
             for s in seqs
         ]
         plan = self.cache.plan_step(items)
-        out = SchedulerOutput(seqs=seqs, plan=plan, preempted=preempted, step=self.step_count)
+        out = SchedulerOutput(seqs=seqs, plan=plan, preempted=step.preempted, step=self.step_count)
         # (cached properties: known here without counting)
         out.num_decodes = len(decodes)
-        out.num_tokens = self.max_num_batched_tokens - budget
+        out.num_tokens = self.max_num_batched_tokens - step.budget
         self._inflight = out
         self.step_count += 1
         return out

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.cache import CacheManager, CacheManagerConfig, CaptureKind, SlotState, StepItem
-from deltaserve.cache.value import V1Eviction
+from deltaserve.cache.v1_eviction import V1Eviction
+
+from .helpers import lookup
 
 
 def make(**kw: object) -> CacheManager:
@@ -46,7 +48,7 @@ def test_tail_checkpoint_gives_next_turn_a_hit() -> None:
     run_prefill(cm, "t1", turn1)
     # tail = deepest unit boundary <= 299 -> 256
     turn2 = turn1 + list(range(1000, 1100))
-    assert cm.lookup(turn2, b"s") == 256
+    assert lookup(cm, turn2, b"s") == 256
     assert cm.stats()["checkpoints.stored"] == 1
 
 
@@ -55,23 +57,23 @@ def test_hit_never_covers_the_last_prompt_token() -> None:
     toks = list(range(256))
     run_prefill(cm, "a", toks)
     # 256 tokens: tail = 192 (boundary <= 255); the hit for the same prompt is at most 255
-    assert cm.lookup(toks, b"s") == 192
+    assert lookup(cm, toks, b"s") == 192
 
 
 def test_kv_without_checkpoint_is_no_hybrid_hit_but_is_a_plain_hit() -> None:
     toks = list(range(200))
     hybrid = make(checkpoint_policy="none")
     run_prefill(hybrid, "a", toks)
-    assert hybrid.lookup(toks + [1], b"s") == 0
+    assert lookup(hybrid, toks + [1], b"s") == 0
     plain = make(has_gdn=False)
     run_prefill(plain, "a", toks)
-    assert plain.lookup(toks + [1], b"s") == 192  # 12 full blocks
+    assert lookup(plain, toks + [1], b"s") == 192  # 12 full blocks
 
 
 def test_salt_separates_caches() -> None:
     cm = make()
     run_prefill(cm, "a", list(range(300)))
-    assert cm.lookup(list(range(300)) + [7], b"other") == 0
+    assert lookup(cm, list(range(300)) + [7], b"other") == 0
 
 
 def test_branch_capture_at_divergence() -> None:
@@ -90,7 +92,7 @@ def test_branch_capture_at_divergence() -> None:
     cm.commit_step(plan)
     cm.free(b)
     cm.check_integrity()
-    assert cm.lookup(shared + [4242] * 50, b"s") == 128
+    assert lookup(cm, shared + [4242] * 50, b"s") == 128
 
 
 def test_staging_budget_and_pool_skips_are_counted() -> None:
@@ -111,8 +113,8 @@ def test_checkpoint_lru_eviction_when_pool_is_short() -> None:
     run_prefill(cm, "b", list(range(1000, 1300)))
     s = cm.stats()
     assert s["checkpoints.stored"] == 2 and s["checkpoints.evicted"] == 1
-    assert cm.lookup(list(range(300)) + [1], b"s") == 0
-    assert cm.lookup(list(range(1000, 1300)) + [1], b"s") == 256
+    assert lookup(cm, list(range(300)) + [1], b"s") == 0
+    assert lookup(cm, list(range(1000, 1300)) + [1], b"s") == 256
 
 
 def test_pinned_restore_source_survives_pool_pressure() -> None:
@@ -140,8 +142,8 @@ def test_kv_eviction_prefers_leaves_without_checkpoints() -> None:
     seq = cm.admit("c", list(range(5000, 5300)), b"s")
     assert seq is not None
     assert cm.allocate(seq, 300)  # needs 19, 16 free -> evicts 3 checkpoint-less leaves
-    assert cm.lookup(list(range(300)) + [1], b"s") == 256
-    assert cm.lookup(list(range(1000, 1100)) + [1], b"s") == 64
+    assert lookup(cm, list(range(300)) + [1], b"s") == 256
+    assert lookup(cm, list(range(1000, 1100)) + [1], b"s") == 64
     assert cm.stats()["kv.evicted_blocks"] == 3
     cm.check_integrity()
 
@@ -176,7 +178,7 @@ def test_output_tracking_checkpoint_published_on_finish() -> None:
         cm.check_integrity()
     cm.free(seq)
     cm.check_integrity()
-    assert cm.lookup(toks + [1, 2, 3], b"s") == 128
+    assert lookup(cm, toks + [1, 2, 3], b"s") == 128
 
 
 def test_failed_step_releases_reservations() -> None:
@@ -212,7 +214,7 @@ def test_duplicate_blocks_are_shared() -> None:
 def test_disabled_cache_never_hits() -> None:
     cm = make(enable_prefix_caching=False)
     run_prefill(cm, "a", list(range(300)))
-    assert cm.lookup(list(range(300)), b"s") == 0
+    assert lookup(cm, list(range(300)), b"s") == 0
     assert cm.blocks.num_free == cm.blocks.num_blocks
 
 
@@ -230,7 +232,7 @@ def test_v1_tail_never_evicts_a_live_checkpoint_but_output_may() -> None:
     plan = cm.plan_step([StepItem(seq, toks, 0, 300, False)])
     assert plan.captures == [] and cm.stats()["checkpoints.skipped_pool"] == 1
     cm.commit_step(plan)
-    assert cm.lookup(list(range(300)) + [1], b"s") == 256  # still there
+    assert lookup(cm, list(range(300)) + [1], b"s") == 256  # still there
     cm.free(seq)
     cm.check_integrity()
 
@@ -283,7 +285,7 @@ def test_v1_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
     cm.commit_step(cm.plan_step([StepItem(b, b_toks, 0, len(b_toks), False)]))
     cm.free(b)
     branch_node = next(n for n in cm.tree.nodes() if n.checkpoint_slot is not None)
-    assert branch_node.depth * 16 == 128 and branch_node.ckpt_protected  # the branch evicted a's tail
+    assert branch_node.depth * 16 == 128 and branch_node.policy_state.protected  # the branch evicted a's tail
     # an unrelated request's output tracking (speculative) may not displace it
     c_toks = list(range(3000, 3100))
     c = cm.admit("c", c_toks, b"s")
@@ -295,5 +297,5 @@ def test_v1_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
         cm.commit_step(cm.plan_step([StepItem(c, c_toks, n, n + 1, True)]))
     assert c.tracking_slot == -1 and cm.stats()["checkpoints.skipped_pool"] >= 1
     cm.free(c)
-    assert cm.lookup(shared + [1] * 30, b"s") == 128
+    assert lookup(cm, shared + [1] * 30, b"s") == 128
     cm.check_integrity()

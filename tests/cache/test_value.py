@@ -8,7 +8,11 @@ import random
 import pytest
 
 from deltaserve.cache import CacheManager, CacheManagerConfig, CaptureKind, PrefixMatch, StepItem
-from deltaserve.cache.value import CostModel, ReuseLearner, ValueEviction, _bounds, _bucket
+from deltaserve.cache.eviction import CostModel
+from deltaserve.cache.reuse import ReuseLearner, _bounds, _bucket
+from deltaserve.cache.value_eviction import ValueEviction
+
+from .helpers import lookup
 
 
 def make(**kw: object) -> CacheManager:
@@ -70,7 +74,7 @@ def test_output_checkpoints_are_kept_only_where_replies_come_back(model_replies:
     s = cm.stats()
     assert rate > 0.9
     assert s["checkpoints.skipped_value"] > 0
-    kinds = [n.ckpt_kind for n in cm.ckpts.residents if not n.ckpt_hits]
+    kinds = [n.policy_state.kind for n in cm.ckpts.residents if not n.policy_state.hits]
     if model_replies:
         assert s["checkpoints.reuse.output"] > 0.9
     else:
@@ -129,8 +133,8 @@ def test_kv_eviction_drops_dead_kv_first_then_the_least_valuable_checkpoint() ->
 
 def test_a_tracking_slot_gives_way_to_a_more_valuable_capture() -> None:
     cm = make(num_checkpoint_slots=1, num_live_slots=4)
-    assert cm.value is not None
-    cm.value.learner.track_time = 50.0  # outputs take long to be published here
+    assert isinstance(cm.eviction, ValueEviction)
+    cm.eviction.learner.track_time = 50.0  # outputs take long to be published here
     toks = list(range(60))  # no tail: the one slot goes to a's output
     a = cm.admit("a", toks, b"s")
     assert a is not None and cm.allocate(a, 60)
@@ -157,7 +161,7 @@ def test_marginal_saving_counts_from_the_checkpoint_above() -> None:
     shared = list(range(1000))
     serve(cm, "a", shared + [1] * 30, [0])
     serve(cm, "b", shared + [2] * 30, [0])  # branch at 960 (shared), tail at 1024
-    value = cm.value
+    value = cm.eviction
     assert isinstance(value, ValueEviction)
     nodes = {n.depth * 16: n for n in cm.ckpts.residents}
     assert 960 in nodes and 1024 in nodes
@@ -211,7 +215,7 @@ def test_match_is_computed_once_per_index_version() -> None:
     cm.kv.match = counting  # type: ignore[method-assign]
     prompt, hashes = list(range(300)) + [9] * 10, []
     first = cm.match(prompt, b"s", hashes, key="r")
-    assert cm.lookup(prompt, b"s", hashes, key="r") == first.hit_tokens == 256
+    assert lookup(cm, prompt, b"s", hashes, key="r") == first.hit_tokens == 256
     seq = cm.admit("r", prompt, b"s", hashes=hashes, match=first)
     assert calls == 1 and seq is not None and seq.num_cached_tokens == 256
     cm.free(seq)
@@ -262,7 +266,7 @@ def test_a_finished_conversations_last_tail_goes_first(seed: int) -> None:
     def run(history: bool) -> float:
         cm = make(num_checkpoint_slots=3)
         if not history:
-            forget_history(cm.value.learner)
+            forget_history(cm.eviction.learner)  # type: ignore[attr-defined]
         rng = random.Random(seed)
         hit = total = 0
         live: list[tuple[int, list[int], int]] = []  # (conversation, prompt, turns done)
@@ -293,7 +297,7 @@ def test_history_changes_nothing_where_every_history_is_reused_alike(user: int) 
     def run(history: bool) -> float:
         cm = make(num_checkpoint_slots=3, num_kv_blocks=352)
         if not history:
-            forget_history(cm.value.learner)
+            forget_history(cm.eviction.learner)  # type: ignore[attr-defined]
         rng = random.Random(0)
         system = list(range(1, 151))
         prompts = [system + [1000 * (c + 1) + i for i in range(user)] for c in range(8)]
@@ -320,7 +324,7 @@ def test_a_branching_checkpoint_does_not_age_while_requests_run_below_it() -> No
     of a fresh one (it is the fallback of whichever child is continued); with one left it
     ages again and, past every reuse age seen, it is worth nothing."""
     cm = make()
-    value = cm.value
+    value = cm.eviction
     assert isinstance(value, ValueEviction)
     shared = list(range(300))
     serve(cm, "a", shared + list(range(1000, 1100)), [7] * 3)
