@@ -38,26 +38,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import time
-import uuid
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from deltaserve.cache.hashing import make_salt
+from deltaserve.engine.client import ModelInfo, RequestInput
 from deltaserve.engine.config import DType, EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import (
     ConfigError,
     EngineOverloadedError,
     InvalidRequestError,
-    PromptTooLongError,
 )
 from deltaserve.engine.host_pool import Failure
+from deltaserve.engine.input_processor import InputProcessor, Prompt
 from deltaserve.engine.model_runner import (
     ModelRunner,
     PreparedStep,
@@ -77,56 +74,7 @@ from deltaserve.scheduler.scheduler import SchedulerOutput
 
 log = get_logger("deltaserve.engine")
 
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
-
-#: longest request_id / cache_salt accepted
-MAX_NAME_CHARS = 1024
-
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
-
-
-#: apply_chat_template arguments a request may not set through chat_template_kwargs
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict",
-     "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
-     "tokenizer_kwargs", "continue_final_message"}
-)  # fmt: skip
-
-
-def _template_kwargs(
-    tools: Sequence[dict[str, Any]] | None, chat_template_kwargs: dict[str, Any] | None
-) -> dict[str, Any]:
-    """Checked keyword arguments for ``apply_chat_template`` (``add_generation_prompt`` defaults on)."""
-    kwargs: dict[str, Any] = {"add_generation_prompt": True}
-    if tools is not None:
-        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
-            raise InvalidRequestError(
-                f"tools must be a list of objects (function schemas), got {_short(tools)}"
-            )
-        if tools:
-            kwargs["tools"] = list(tools)
-    if chat_template_kwargs is not None:
-        if not isinstance(chat_template_kwargs, dict) or not all(
-            isinstance(k, str) for k in chat_template_kwargs
-        ):
-            raise InvalidRequestError(
-                f"chat_template_kwargs must be an object with string keys, got {_short(chat_template_kwargs)}"
-            )
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs))
-        if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
-        kwargs.update(chat_template_kwargs)
-    return kwargs
-
-
-def _short(value: object, limit: int = 60) -> str:
-    """repr() of a value cut to ``limit`` characters (a 5,000-digit int must not flood a message)."""
-    text = (
-        repr(value)
-        if not isinstance(value, int) or abs(value) < 10**30
-        else f"<int of {len(str(value))} digits>"
-    )
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
@@ -274,12 +222,15 @@ class EngineCore:
             self.device,
         )
         self.runner.default_generator.manual_seed(config.model.seed)
-        self._salt_parts = (str(self.loaded.path), config.model.dtype.value, config.cache.namespace)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
-        # no token covers more characters of text than its longest vocabulary entry
-        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
-        self._ids = itertools.count()
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            salt_parts=(str(self.loaded.path), config.model.dtype.value, config.cache.namespace),
+        )
+        self.max_token_chars = self.input_processor.max_token_chars
         # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
         self.states: dict[str, RequestState] = {}
         # async scheduling (module docstring): the step on the forward worker, requests to end
@@ -309,179 +260,34 @@ class EngineCore:
             checkpoint_unit=self.cache.unit,
             **self.capacity.describe(),
         )
+        self.model_info = ModelInfo(
+            name=str(config.model.path),
+            model_type=self.loaded.model_type,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=config.cache.block_size,
+            checkpoint_unit=self.cache.unit,
+            capacity=self.capacity.describe(),
+        )
 
     # ------------------------------------------------------------------ requests
-    def tokenize(
-        self,
-        prompt: Prompt,
-        *,
-        tools: Sequence[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """Token ids of a str, a list of token ids, or chat messages; typed errors.
-
-        Chat messages are dicts with a string ``role`` and a ``content`` that is a string, a
-        list of text parts (``{"type": "text", "text": ...}``, joined with newlines), or None
-        when the message carries ``tool_calls``; other keys (``tool_calls``, ``tool_call_id``,
-        ``name``, ...) reach the chat template as they are. ``tools`` (function schemas) and
-        ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``) are passed to the
-        template; they apply to chat messages only.
-
-        A text prompt that cannot fit in ``max_model_len`` tokens whatever the tokenizer does
-        (longer than ``max_model_len`` x the longest vocabulary entry) is refused before it is
-        tokenized, so an oversized input never blocks the caller.
-        """
-        is_chat = (
-            isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
-        )
-        if (tools is not None or chat_template_kwargs is not None) and not is_chat:
-            raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages only")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            self._check_text("prompt", prompt)
-            return self._encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(
-                f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
-            )
-        if len(prompt) == 0:
-            raise InvalidRequestError("prompt is empty")
-        if is_chat:
-            messages = [self._chat_message(i, m) for i, m in enumerate(prompt)]
-            kwargs = _template_kwargs(tools, chat_template_kwargs)
-            extra_chars = len(repr(tools)) if tools else 0
-            self._check_length(sum(len(m["content"]) for m in messages) + extra_chars, "messages")
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-            except Exception as e:  # no template, or the template rejects these messages
-                raise InvalidRequestError(f"chat template could not render the messages: {e}") from e
-            if not isinstance(text, str):
-                raise InvalidRequestError(f"chat template rendered {type(text).__name__}, not text")
-            return self._encode(text)
-        if len(prompt) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
-            )
-        ids = list(prompt)
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise InvalidRequestError(f"prompt token {i} is {t!r}, not an int")
-            if not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token {i} = {t} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        return ids
-
-    def _chat_message(self, i: int, m: dict[str, Any]) -> dict[str, Any]:
-        """Message ``i`` as the template gets it: string role and content (text parts joined)."""
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {_short(m)}")
-        if content is None and m.get("tool_calls"):
-            content = ""
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise InvalidRequestError(
-                        f"message {i} content part {j} is {_short(kind)}: only text parts are supported"
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        if not isinstance(content, str):
-            raise InvalidRequestError(f"message {i} must have string 'role' and 'content', got {_short(m)}")
-        self._check_text(f"message {i} role", role)
-        self._check_text(f"message {i} content", content)
-        return {**m, "content": content}
-
-    def _check_text(self, what: str, text: str) -> None:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(
-                f"{what} is not valid Unicode text ({e.reason} at index {e.start})"
-            ) from None
-        self._check_length(len(text), what)
-
-    def _check_length(self, num_chars: int, what: str) -> None:
-        if num_chars > self.max_model_len * self.max_token_chars:
-            raise PromptTooLongError(
-                f"{what} has {num_chars} characters: more than max_model_len = {self.max_model_len} tokens "
-                f"can hold (at most {self.max_token_chars} characters per token)"
-            )
-
-    def _encode(self, text: str) -> list[int]:
-        try:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        except Exception as e:  # the tokenizer rejects this text
-            raise InvalidRequestError(f"prompt could not be tokenized: {type(e).__name__}: {e}") from None
+    def tokenize(self, prompt: Prompt, **template: Any) -> list[int]:
+        """``InputProcessor.tokenize`` (``tools``, ``chat_template_kwargs``): token ids, typed errors."""
+        return self.input_processor.tokenize(prompt, **template)
 
     def make_request(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, **fields: Any
     ) -> Request:
-        """Validate and build a request (raises InvalidRequestError / PromptTooLongError).
+        """``process`` of a ``RequestInput`` with these fields (``AsyncEngine.generate``'s)."""
+        return self.process(RequestInput(prompt=prompt, sampling_params=sampling_params, **fields))
 
-        Every value the request carries is range-checked here, so nothing accepted can fail
-        a step later: ``priority`` in [-2**31, 2**31), ``cache_salt`` a str of at most
-        ``MAX_NAME_CHARS`` characters (or None), ``request_id`` likewise (or None: generated).
-        """
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
-            raise InvalidRequestError(f"priority must be an int in [-2**31, 2**31), got {_short(priority)}")
-        if cache_salt is not None:
-            self._check_name("cache_salt", cache_salt)
-        if request_id is not None:
-            self._check_name("request_id", request_id)
-            if request_id in self.scheduler.requests:
-                raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        ids = self.tokenize(prompt, tools=tools, chat_template_kwargs=chat_template_kwargs)
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (room for at least one "
-                f"generated token is needed)"
-            )
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        return Request(
-            request_id=rid,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            priority=priority,
-            cache_salt=make_salt(*self._salt_parts, cache_salt),
-        )
-
-    @staticmethod
-    def _check_name(field: str, value: object) -> None:
-        if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
-            raise InvalidRequestError(
-                f"{field} must be a non-empty str of at most {MAX_NAME_CHARS} characters, got {_short(value)}"
-            )
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(
-                f"{field} is not valid Unicode text ({e.reason} at index {e.start})"
-            ) from None
+    def process(self, inp: RequestInput) -> Request:
+        """Validate and build a request (raises InvalidRequestError / PromptTooLongError): the
+        input processor's checks, and a ``request_id`` not held by a request of this engine."""
+        req = self.input_processor.process(inp)
+        if req.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
+        return req
 
     def _new_state(self, req: Request) -> RequestState:
         params: SamplingParams = req.sampling_params
