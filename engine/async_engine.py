@@ -1,4 +1,5 @@
-"""AsyncEngine: the public asyncio API.
+"""AsyncEngine: the public asyncio API, an ``EngineClient`` (``engine/client.py``) over one
+``EngineCore`` in this process.
 
 ::
 
