@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from deltaserve.cluster.affinity import RouteHint, route_keys
-from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput
+from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import DeltaServeError, EngineDeadError
 from deltaserve.engine.input_processor import InputProcessor
@@ -312,12 +312,14 @@ class RemoteEngine(ClientBase[RemoteStream]):
 
     @property
     def input_processor(self) -> InputProcessor:
-        assert self._input is not None, "engine not started"
+        if self._input is None:
+            raise not_started("input_processor")
         return self._input
 
     @property
     def model_info(self) -> ModelInfo:
-        assert self._model is not None, "engine not started"
+        if self._model is None:
+            raise not_started("model_info")
         return self._model
 
     @property

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput
+from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
@@ -241,12 +241,14 @@ class AsyncEngine(ClientBase[RequestStream]):
 
     @property
     def input_processor(self) -> InputProcessor:
-        assert self.core is not None, "engine not started"
+        if self.core is None:
+            raise not_started("input_processor")
         return self.core.input_processor
 
     @property
     def model_info(self) -> ModelInfo:
-        assert self.core is not None, "engine not started"
+        if self.core is None:
+            raise not_started("model_info")
         return self.core.model_info
 
     @property

@@ -111,10 +111,17 @@ class EngineClient(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-class ClientBase(Generic[_S]):
+def not_started(name: str) -> AttributeError:
+    """What ``input_processor`` / ``model_info`` raise before ``start()``: an AttributeError, so
+    that ``isinstance(client, EngineClient)``, which probes the members, answers instead of raising."""
+    return AttributeError(f"{name} is not known until the engine has started (await engine.start())")
+
+
+class ClientBase(EngineClient, Generic[_S]):
     """What ``AsyncEngine`` and ``RemoteEngine`` share: ``generate`` packs a ``RequestInput`` for
     the subclass's ``submit``; ``async with`` is ``start()`` ... ``shutdown()``. ``_S`` is the
-    subclass's stream type."""
+    subclass's stream type. Subclassing ``EngineClient`` by name keeps ``isinstance`` true
+    before ``start()`` too."""
 
     def generate(
         self,

@@ -191,6 +191,7 @@ async def test_leaving_early_cancels_the_remote_call(tokenizer: Any) -> None:
 async def test_abort_ends_the_stream_with_abort_and_cancels_the_call(tokenizer: Any) -> None:
     from deltaserve.engine.client import EngineClient
 
+    assert isinstance(RemoteEngine(FakeHandle(), EngineConfig()), EngineClient)  # (not started)
     eng, handle = engine(tokenizer, [{"accepted": "r1", "request_id": "q"}, [out([1])], [out([2])]])
     assert isinstance(eng, EngineClient) and eng.started and eng.model_info.checkpoint_unit == 64
     s = eng.generate(PROMPT, SamplingParams(max_tokens=4, n=2), request_id="q")
