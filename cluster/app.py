@@ -78,8 +78,8 @@ def build_ingress_asgi(remote: Any, served_model_names: list[str] | None = None)
     async def status(request: Request) -> Response:
         rs = routers(remote.app_name, remote.deployment_name)
         body = {
-            "model": remote.info.get("model"),
-            "unit": remote.info.get("unit"),
+            "model": remote.model_info.name if remote.started else None,
+            "unit": remote.model_info.checkpoint_unit if remote.started else None,
             "ingress": dict(remote.counters),
             "routers": [r.status() for r in rs],
         }

@@ -1,22 +1,23 @@
-"""The ingress side: an engine-shaped object over the engine deployment's ``DeploymentHandle``.
+"""The ingress side: an ``EngineClient`` over the engine deployment's ``DeploymentHandle``.
 
-``RemoteEngine`` has the part of ``AsyncEngine``'s surface the OpenAI server uses
-(``generate``, ``stats``, ``is_healthy``, ``config``, ``core``, ``start``/``shutdown``), so
+``RemoteEngine`` implements ``deltaserve.engine.client.EngineClient``, so
 ``deltaserve.server.app.create_app(RemoteEngine(...))`` serves every endpoint of the
 single-engine server (chat, completions, streaming, ``n``, logprobs, tools, tokenize, errors)
 unchanged, with each request's work done on a replica chosen by the router.
 
 * ``start()`` asks a replica to ``describe()`` itself, loads the tokenizer locally and builds
-  an ``IngressCore``: the engine's own validation and tokenization (``EngineCore.make_request``
-  / ``tokenize``, chat templates included) without a model. So bad input is refused at the
-  ingress with the same typed errors (400 before any stream starts), the prompt is tokenized
-  once, and its route keys are hashed once, with the exact salt the engine uses.
+  an ``InputProcessor`` from them: the engine's own validation and tokenization (chat
+  templates included) without a model. So bad input is refused at the ingress with the same
+  typed errors (400 before any stream starts), the prompt is tokenized once, and its route
+  keys are hashed once (``route_hint``), with the exact salt the engine uses. Request ids are
+  not checked for uniqueness here: the replica does.
 * ``generate()`` returns a ``RemoteStream``: the replica's ``RequestOutput`` deltas.
   Replica faults: a replica that dies (or is unreachable) before the request produced any
   output is retried on another one (``max_retries``; the router has forgotten the dead one);
   after output was produced the stream ends at once with ``finish_reason="error"`` and an
   ``error`` naming the replica (the server turns that into an in-band error frame or a 500).
-  Closing the stream cancels the remote call, which aborts the request on the replica.
+  Closing the stream, or ``abort(request_id)``, cancels the remote call, which aborts the
+  request on the replica.
 * ``stats()`` sums the numeric engine stats the replicas sent with their last routing-stats
   reports (``/metrics`` of the ingress: the cluster's counters, at most one report period old).
 """
@@ -25,17 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
-from types import SimpleNamespace
+from collections.abc import AsyncIterator
 from typing import Any
 
 from deltaserve.cluster.affinity import RouteHint, route_keys
-from deltaserve.engine.core import EngineCore, Prompt
+from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput, not_started
+from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import DeltaServeError, EngineDeadError
+from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.engine.outputs import RequestOutput
-from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request
 
@@ -45,32 +45,11 @@ log = get_logger("deltaserve.cluster")
 MAX_ROUTES = 4096
 
 
-class IngressCore(EngineCore):
-    """``EngineCore``'s validation and tokenization, without a model or a cache.
-
-    Built from a replica's ``describe()`` and a local tokenizer; ``make_request`` /
-    ``tokenize`` are the engine's own methods. Request ids are not checked for uniqueness here
-    (the replica does)."""
-
-    def __init__(self, config: Any, info: dict[str, Any], tokenizer: Any) -> None:  # no super(): no model
-        self.config = config
-        self.info = dict(info)
-        self.tokenizer = tokenizer
-        self.max_model_len = int(info["max_model_len"])
-        self.vocab_size = int(info["vocab_size"])
-        self.max_token_chars = int(info["max_token_chars"])
-        self.block_size = int(info["block_size"])
-        self.unit = int(info["unit"])
-        self._salt_parts = tuple(info["salt_parts"])
-        self._ids = itertools.count()
-        self.scheduler = SimpleNamespace(requests={})
-        self.capacity = SimpleNamespace(describe=lambda: dict(info.get("capacity") or {}))
-
-    def route_hint(self, req: Request) -> RouteHint:
-        keys = route_keys(
-            req.prompt_token_ids, block_size=self.block_size, unit=self.unit, salt=req.cache_salt
-        )
-        return RouteHint(tuple(keys), self.unit, req.num_prompt_tokens)
+def route_hint(req: Request, *, block_size: int, unit: int) -> RouteHint:
+    """The router's hint for ``req``: its joint-prefix keys at unit boundaries (the engine's
+    chained block hashes, with the request's salt)."""
+    keys = route_keys(req.prompt_token_ids, block_size=block_size, unit=unit, salt=req.cache_salt)
+    return RouteHint(tuple(keys), unit, req.num_prompt_tokens)
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -126,6 +105,7 @@ class RemoteStream:
         self._pending: deque[RequestOutput] = deque()
         self._open = set(range(req.sampling_params.n))
         self._received = False  # the replica sent output: a failure is no longer retried
+        self._aborted = False  # RemoteEngine.abort: the abort outputs are queued, the call is cancelled
 
     # ------------------------------------------------------------------ iteration
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -185,6 +165,18 @@ class RemoteStream:
                 gen.cancel()
         self._engine._closed_stream(self)
 
+    def abort(self) -> None:
+        """End every open completion with ``abort`` (after the deltas already received) and
+        cancel the remote call, which aborts the request on its replica."""
+        if self.finished or self._aborted:
+            return
+        self._aborted = True
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            with contextlib.suppress(Exception):  # already finished or gone
+                gen.cancel()
+        self._end_open("abort", None)
+
     async def _fill(self) -> None:
         if self._gen is None:
             self._start()
@@ -192,13 +184,17 @@ class RemoteStream:
             item = await self._gen.__anext__()
         except StopAsyncIteration:
             self._gen = None
-            self._fail(f"replica {self.replica} ended the stream before the request finished")
+            if not self._aborted:
+                self._fail(f"replica {self.replica} ended the stream before the request finished")
             return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - sorted below
-            self._on_error(e)
+            if not self._aborted:  # (an aborted call may fail for being cancelled)
+                self._on_error(e)
             return
+        if self._aborted:
+            return  # arrived after the abort outputs: dropped
         if isinstance(item, dict) and "accepted" in item:
             self.replica = str(item["accepted"])
             self._engine._record_route(self.request_id, self.replica, self.attempts)
@@ -236,28 +232,33 @@ class RemoteStream:
         """End every open completion with an error (nothing is lost silently)."""
         log.error("cluster.request_failed", request_id=self.request_id, error=message)
         self._engine.counters["failed"] += 1
-        for i in sorted(self._open):
+        self._end_open("error", message)
+
+    def _end_open(self, reason: str, error: str | None) -> None:
+        """Queue a last output for every completion that has not had one queued."""
+        ended = {out.index for out in self._pending if out.finished}
+        for i in sorted(self._open - ended):
             self._pending.append(
                 RequestOutput(
                     request_id=self.request_id,
                     token_ids=[],
                     text="",
                     finished=True,
-                    finish_reason="error",
-                    error=message,
+                    finish_reason=reason,
+                    error=error,
                     index=i,
                     num_prompt_tokens=self._req.num_prompt_tokens,
                 )
             )
 
 
-class RemoteEngine:
-    """``AsyncEngine``'s serving surface over the engine deployment (module docstring)."""
+class RemoteEngine(ClientBase[RemoteStream]):
+    """``EngineClient`` over the engine deployment (module docstring)."""
 
     def __init__(
         self,
         handle: Any,
-        config: Any,
+        config: EngineConfig,
         *,
         app_name: str | None = None,
         deployment_name: str | None = None,
@@ -268,9 +269,9 @@ class RemoteEngine:
         self.app_name = app_name
         self.deployment_name = deployment_name or getattr(handle, "deployment_name", None)
         self.max_retries = max_retries
-        self.core: IngressCore | None = None
-        self.info: dict[str, Any] = {}
-        self._task: Any = None  # create_app: an engine without a task is started by the app's lifespan
+        self.info: dict[str, Any] = {}  # a replica's describe()
+        self._input: InputProcessor | None = None
+        self._model: ModelInfo | None = None
         self._closed = False
         self._streams: set[RemoteStream] = set()
         self.routes: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -278,35 +279,62 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> RemoteEngine:
-        if self.core is not None:
+        """Ask a replica to describe itself and load the tokenizer here (idempotent)."""
+        if self._input is not None:
             return self
-        self.info = dict(await self.handle.describe.remote())
+        info = dict(await self.handle.describe.remote())
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, load_tokenizer, str(self.config.model.path))
-        self.core = IngressCore(self.config, self.info, tokenizer)
-        self._task = True
-        log.info("cluster.ingress_ready", model=self.info.get("model"), unit=self.core.unit)
+        self.prepare(info, tokenizer)
+        log.info("cluster.ingress_ready", model=self.model_info.name, unit=self.model_info.checkpoint_unit)
         return self
+
+    def prepare(self, info: dict[str, Any], tokenizer: Any) -> None:
+        """The input processor and model info from a replica's ``describe()`` and the tokenizer."""
+        self.info = dict(info)
+        self._model = ModelInfo(**{f: info[f] for f in ModelInfo.__struct_fields__ if f in info})
+        self._input = InputProcessor(
+            tokenizer,
+            max_model_len=self._model.max_model_len,
+            vocab_size=self._model.vocab_size,
+            salt_parts=info["salt_parts"],
+            max_token_chars=info["max_token_chars"],
+        )
 
     async def shutdown(self) -> None:
         self._closed = True
         for s in list(self._streams):
             await s.aclose()
 
-    async def __aenter__(self) -> RemoteEngine:
-        return await self.start()
+    @property
+    def started(self) -> bool:
+        return self._input is not None and not self._closed
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
+    @property
+    def input_processor(self) -> InputProcessor:
+        if self._input is None:
+            raise not_started("input_processor")
+        return self._input
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._model is None:
+            raise not_started("model_info")
+        return self._model
+
+    @property
+    def core(self) -> InputProcessor | None:
+        """Transitional: the server reads ``engine.core.{tokenize, tokenizer, max_model_len,
+        vocab_size}``; to be removed once it reads ``input_processor``."""
+        return self._input
 
     @property
     def tokenizer(self) -> Any:
-        assert self.core is not None, "engine not started"
-        return self.core.tokenizer
+        return self.input_processor.tokenizer
 
     def is_healthy(self) -> bool:
         """Started, not shut down, and (once a router exists) at least one live replica."""
-        if self.core is None or self._closed:
+        if not self.started:
             return False
         from deltaserve.cluster.registry import routers
 
@@ -314,35 +342,26 @@ class RemoteEngine:
         return not rs or any(r.num_live_replicas() for r in rs)
 
     # ------------------------------------------------------------------ API
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> RemoteStream:
+    def submit(self, inp: RequestInput) -> RemoteStream:
         """Validate and tokenize here (typed errors, as ``AsyncEngine.generate``); the work runs
         on the replica the router picks."""
         if not self.is_healthy():
             raise EngineDeadError("the cluster ingress is not running")
-        assert self.core is not None
-        req = self.core.make_request(
-            prompt,
-            sampling_params,
-            request_id=request_id,
-            priority=priority,
-            cache_salt=cache_salt,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        stream = RemoteStream(self, req, self.core.route_hint(req), cache_salt)
+        req = self.input_processor.process(inp)
+        hint = route_hint(req, block_size=self.model_info.block_size, unit=self.model_info.checkpoint_unit)
+        stream = RemoteStream(self, req, hint, inp.cache_salt)
         self._streams.add(stream)
         self.counters["requests"] += 1
         return stream
+
+    def abort(self, request_id: str) -> asyncio.Future[bool]:
+        """Abort the open request ``request_id`` (its stream ends with ``abort``); True if there was one."""
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        streams = [s for s in self._streams if s.request_id == request_id and not s.finished]
+        for s in streams:
+            s.abort()
+        fut.set_result(bool(streams))
+        return fut
 
     def stats(self) -> dict[str, Any]:
         """The replicas' engine stats, summed (ratios recomputed from the sums)."""

@@ -8,8 +8,9 @@ Methods (called through a ``DeploymentHandle``; ``deltaserve.cluster.remote`` is
   ``RequestOutput`` deltas (whatever accumulated since the last item: fewer, larger Ray
   objects under load). Cancelling the call (the client went away) aborts the engine request.
   ``route`` (a ``RouteHint``) is only for the router; the replica ignores it.
-* ``describe()`` — model, tokenizer-relevant numbers, cache geometry and the salt parts the
-  engine hashes with, so the ingress computes exactly the engine's keys.
+* ``describe()`` — the engine's ``ModelInfo`` fields (model, limits, cache geometry, capacity),
+  the longest token's characters and the salt parts the engine hashes with, so the ingress's
+  ``InputProcessor`` checks and keys requests exactly as the engine does.
 * ``record_routing_stats()`` — Ray calls it every ``request_routing_stats_period_s``: load
   (running, waiting), numeric engine stats (for the ingress's aggregated ``/metrics``), and the
   cache contents the router corrects its index with: the 64-bit keys of the radix-tree nodes
@@ -31,6 +32,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+
+import msgspec
 
 from deltaserve.cluster.affinity import pack_keys, short_key
 from deltaserve.logs import get_logger
@@ -113,7 +116,7 @@ class EngineReplica:
         self.seq = 0
         self.max_report_keys = max_report_keys
         self.report_wait_s = report_wait_s
-        log.info("cluster.replica_ready", replica=self.name, **self.engine.core.capacity.describe())
+        log.info("cluster.replica_ready", replica=self.name, **self.engine.model_info.capacity)
 
     # ------------------------------------------------------------------ requests
     async def generate(
@@ -166,22 +169,18 @@ class EngineReplica:
 
     # ------------------------------------------------------------------ introspection
     async def describe(self) -> dict[str, Any]:
+        """The engine's ``ModelInfo`` fields, plus what an ingress's ``InputProcessor`` needs
+        (``salt_parts``, ``max_token_chars``) and who answers."""
         core = self.engine.core
-        cfg = self.config
-        spec = getattr(core, "spec", None)
+        processor = self.engine.input_processor
         return {
+            **msgspec.structs.asdict(self.engine.model_info),
             "replica": self.name,
             "actor_name": self.actor_name,
-            "model": cfg.model.path,
             "model_folder": str(core.loaded.path),
-            "salt_parts": [str(core.loaded.path), cfg.model.dtype.value, cfg.cache.namespace],
-            "block_size": int(core.cache.block_size),
-            "unit": int(core.cache.unit),
-            "has_gdn": bool(getattr(spec, "num_gdn_layers", 1)),
-            "max_model_len": int(core.max_model_len),
-            "vocab_size": int(core.vocab_size),
-            "max_token_chars": int(core.max_token_chars),
-            "capacity": core.capacity.describe(),
+            "salt_parts": list(processor.salt_parts),
+            "max_token_chars": processor.max_token_chars,
+            "has_gdn": bool(core.spec.num_gdn_layers),
         }
 
     async def stats(self) -> dict[str, Any]:

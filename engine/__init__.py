@@ -1,7 +1,10 @@
 """deltaserve public API: ``AsyncEngine``, ``EngineConfig``, ``SamplingParams``, ``RequestOutput``.
 
-Torch-heavy names (``AsyncEngine``, ``EngineCore``) load on first use, so torch-free tools
-(the cache simulator) can import ``engine.config``, ``engine.cli`` and friends cheaply.
+The front-end seam (``engine/client.py``): ``EngineClient`` (what ``AsyncEngine`` and the
+cluster's ``RemoteEngine`` implement), ``RequestInput``, ``ModelInfo``; ``InputProcessor``
+validates and tokenizes. Torch-heavy names (``AsyncEngine``, ``EngineCore``) load on first
+use, so torch-free tools (the cache simulator) can import ``engine.config``, ``engine.cli``
+and friends cheaply.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import (
     ConfigError,
@@ -24,11 +28,13 @@ from deltaserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from deltaserve.engine.async_engine import AsyncEngine, install_uvloop
     from deltaserve.engine.core import EngineCore
+    from deltaserve.engine.input_processor import InputProcessor
 
 _LAZY = {
     "AsyncEngine": "deltaserve.engine.async_engine",
     "install_uvloop": "deltaserve.engine.async_engine",
     "EngineCore": "deltaserve.engine.core",
+    "InputProcessor": "deltaserve.engine.input_processor",
 }
 
 
@@ -43,11 +49,15 @@ __all__ = [
     "ConfigError",
     "DeltaServeError",
     "EngineConfig",
+    "EngineClient",
     "EngineCore",
     "EngineDeadError",
     "EngineOverloadedError",
+    "InputProcessor",
     "InvalidRequestError",
+    "ModelInfo",
     "PromptTooLongError",
+    "RequestInput",
     "RequestOutput",
     "SamplingParams",
     "install_uvloop",

@@ -1,4 +1,5 @@
-"""AsyncEngine: the public asyncio API.
+"""AsyncEngine: the public asyncio API, an ``EngineClient`` (``engine/client.py``) over one
+``EngineCore`` in this process.
 
 ::
 
@@ -29,15 +30,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
+from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.core import EngineCore, Prompt
+from deltaserve.engine.core import EngineCore
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
+from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
 from deltaserve.logs import get_logger
@@ -161,7 +164,7 @@ class ForkedStream(RequestStream):
         return [cid for cid in self.child_ids if cid in self._open]
 
 
-class AsyncEngine:
+class AsyncEngine(ClientBase[RequestStream]):
     """An asyncio engine: one model, continuous batching, a joint KV + GDN-state prefix cache.
 
     Use it as ``async with AsyncEngine(config) as engine`` (or ``await engine.start()`` and
@@ -231,87 +234,79 @@ class AsyncEngine:
                 self.core.close()
         self._executor.shutdown(wait=True)
 
-    async def __aenter__(self) -> AsyncEngine:
-        return await self.start()
+    @property
+    def started(self) -> bool:
+        """``start()`` has run and ``shutdown()`` has not been called."""
+        return self._task is not None and not self._closed
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
+    @property
+    def input_processor(self) -> InputProcessor:
+        if self.core is None:
+            raise not_started("input_processor")
+        return self.core.input_processor
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self.core is None:
+            raise not_started("model_info")
+        return self.core.model_info
 
     @property
     def tokenizer(self) -> Any:
-        assert self.core is not None, "engine not started"
-        return self.core.tokenizer
+        return self.input_processor.tokenizer
 
     def is_healthy(self) -> bool:
         """True while the engine loop runs and can serve requests."""
         return self._task is not None and not self._task.done() and self._dead is None and not self._closed
 
     # ------------------------------------------------------------------ API
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> RequestStream:
-        """Submit a request; iterate the returned stream for its ``RequestOutput`` deltas.
-
-        ``prompt`` is a str, a list of token ids, or chat messages (``[{"role", "content"}]``,
-        content a string or a list of text parts; rendered with the tokenizer's chat template,
-        which also gets ``tools`` and ``chat_template_kwargs``). ``priority`` matters to the
-        ``priority`` policy (lower first); ``cache_salt`` keeps tenants' cached prefixes apart.
-        With ``SamplingParams.n > 1`` the stream is a ``ForkedStream``: ``n`` completions told
-        apart by ``RequestOutput.index``, one prefill. Raises ``InvalidRequestError`` /
-        ``PromptTooLongError`` for bad input, ``EngineOverloadedError`` when the waiting queue
-        is full, ``EngineDeadError`` when the engine cannot serve.
-        """
+    def submit(self, inp: RequestInput) -> RequestStream:
+        """``generate``'s request (``ClientBase.generate`` documents the fields): validated here,
+        queued for the loop. With ``SamplingParams.n > 1`` the stream is a ``ForkedStream``."""
         self._check_alive()
         assert self.core is not None
-        req = self.core.make_request(
-            prompt,
-            sampling_params,
-            request_id=request_id,
-            priority=priority,
-            cache_salt=cache_salt,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        req = self.core.process(inp)
         n = req.sampling_params.n
         child_ids = [req.request_id] + [f"{req.request_id}.{i}" for i in range(1, n)]
-        for cid in child_ids:
-            if (
-                cid in self._streams
-                or cid in self._forks
-                or (cid != req.request_id and cid in self.core.scheduler.requests)
-            ):
-                raise InvalidRequestError(f"request_id {cid!r} is already in use")
+        self._check_ids_free(req.request_id, child_ids)
         # Admission control happens here, at once, not when the loop gets to it.
         self.core.check_capacity(pending=len(self._pending_add) + n - 1)
-        if n == 1:
-            stream = RequestStream(self, req.request_id)
-        else:
-            params: SamplingParams = req.sampling_params
-            req.sampling_params = _child_params(params, 0)
-            later = [
-                Request(
-                    request_id=cid,
-                    prompt_token_ids=list(req.prompt_token_ids),
-                    sampling_params=_child_params(params, i),
-                    priority=req.priority,
-                    cache_salt=req.cache_salt,
-                )
-                for i, cid in enumerate(child_ids[1:], 1)
-            ]
-            stream = ForkedStream(self, req.request_id, child_ids, later)
-            self._forks[req.request_id] = stream
+        stream = RequestStream(self, req.request_id) if n == 1 else self._forked_stream(req, child_ids)
         for cid in child_ids:
             self._streams[cid] = stream
         self._pending_add.append(req)
         self._wake()
+        return stream
+
+    def _check_ids_free(self, request_id: str, child_ids: list[str]) -> None:
+        """Every engine request id of a new request is free (``process`` checked the first
+        against the scheduler's requests already)."""
+        assert self.core is not None
+        for cid in child_ids:
+            if (
+                cid in self._streams
+                or cid in self._forks
+                or (cid != request_id and cid in self.core.scheduler.requests)
+            ):
+                raise InvalidRequestError(f"request_id {cid!r} is already in use")
+
+    def _forked_stream(self, req: Request, child_ids: list[str]) -> ForkedStream:
+        """The stream of an ``n > 1`` request: ``req`` becomes completion 0; the others wait in
+        the stream until completion 0 has its first token."""
+        params: SamplingParams = req.sampling_params
+        req.sampling_params = _child_params(params, 0)
+        later = [
+            Request(
+                request_id=cid,
+                prompt_token_ids=list(req.prompt_token_ids),
+                sampling_params=_child_params(params, i),
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+            )
+            for i, cid in enumerate(child_ids[1:], 1)
+        ]
+        stream = ForkedStream(self, req.request_id, child_ids, later)
+        self._forks[req.request_id] = stream
         return stream
 
     def abort(self, request_id: str) -> asyncio.Future[bool]:

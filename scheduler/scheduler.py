@@ -457,7 +457,11 @@ class Scheduler:
         return [self.requests[seq.request_id] for seq in broken]
 
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
-        """Apply a successful step: computed counts, published cache, sampled tokens."""
+        """Apply a successful step: computed counts, published cache, sampled tokens.
+
+        ``sampled[i]`` is the token ``out.seqs[i]`` sampled (None: it sampled none), or, for a
+        step committed while its forward runs, that row's ``placeholder``: the request then
+        counts as decoding, and its owner puts the real token in its place when it arrives."""
         if out is not self._inflight:
             raise RuntimeError("update() of a step that is not in flight")
         self._inflight = None

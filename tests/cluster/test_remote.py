@@ -14,14 +14,15 @@ ray = pytest.importorskip("ray")
 from ray import exceptions as rx  # noqa: E402
 
 from deltaserve.cluster.affinity import route_keys  # noqa: E402
-from deltaserve.cluster.remote import IngressCore, RemoteEngine, is_replica_failure, load_tokenizer  # noqa: E402
+from deltaserve.cluster.remote import RemoteEngine, is_replica_failure, load_tokenizer  # noqa: E402
 from deltaserve.engine import EngineConfig, SamplingParams  # noqa: E402
+from deltaserve.engine.client import RequestInput  # noqa: E402
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError  # noqa: E402
 from deltaserve.engine.outputs import RequestOutput  # noqa: E402
 
 INFO = {
-    "replica": "r0", "model": "builtin:tiny-qwen3.5", "salt_parts": ["/m", "auto", "default"],
-    "block_size": 16, "unit": 64, "has_gdn": True, "max_model_len": 2048, "vocab_size": 1024,
+    "replica": "r0", "name": "builtin:tiny-qwen3.5", "model_type": "qwen3_5_text", "salt_parts": ["/m", "auto", "default"],
+    "block_size": 16, "checkpoint_unit": 64, "has_gdn": True, "max_model_len": 2048, "vocab_size": 1024,
     "max_token_chars": 32, "capacity": {"num_kv_blocks": 100},
 }  # fmt: skip
 
@@ -73,7 +74,7 @@ def tokenizer() -> Any:
 def engine(tokenizer: Any, *scripts: list[Any]) -> tuple[RemoteEngine, FakeHandle]:
     handle = FakeHandle(*scripts)
     eng = RemoteEngine(handle, EngineConfig(), max_retries=2)
-    eng.core = IngressCore(eng.config, INFO, tokenizer)
+    eng.prepare(INFO, tokenizer)
     return eng, handle
 
 
@@ -99,7 +100,7 @@ async def test_stream_hint_and_route(tokenizer: Any) -> None:
     args, kwargs, _ = handle.calls[0]
     assert args[0] == PROMPT and kwargs["request_id"] == "q1" and kwargs["cache_salt"] == "t"
     hint = kwargs["route"]
-    salt = eng.core.make_request(PROMPT, cache_salt="t").cache_salt  # type: ignore[union-attr]
+    salt = eng.input_processor.process(RequestInput(prompt=PROMPT, cache_salt="t")).cache_salt
     assert list(hint.keys) == route_keys(PROMPT, block_size=16, unit=64, salt=salt) and hint.num_tokens == 200
     assert eng.routes["q1"] == {"replica": "r1", "attempt": 1} and not eng._streams
 
@@ -185,3 +186,18 @@ async def test_leaving_early_cancels_the_remote_call(tokenizer: Any) -> None:
     assert handle.calls[0][2].cancelled and s.finished and not eng._streams
     await eng.shutdown()
     assert not eng.is_healthy()
+
+
+async def test_abort_ends_the_stream_with_abort_and_cancels_the_call(tokenizer: Any) -> None:
+    from deltaserve.engine.client import EngineClient
+
+    assert isinstance(RemoteEngine(FakeHandle(), EngineConfig()), EngineClient)  # (not started)
+    eng, handle = engine(tokenizer, [{"accepted": "r1", "request_id": "q"}, [out([1])], [out([2])]])
+    assert isinstance(eng, EngineClient) and eng.started and eng.model_info.checkpoint_unit == 64
+    s = eng.generate(PROMPT, SamplingParams(max_tokens=4, n=2), request_id="q")
+    first = await s.__anext__()
+    assert await eng.abort("q") and not await eng.abort("other")
+    outs = [first] + await collect(s)
+    ends = [o for o in outs if o.finished]
+    assert sorted(o.index for o in ends) == [0, 1] and all(o.finish_reason == "abort" for o in ends)
+    assert handle.calls[0][2].cancelled and s.finished and not eng._streams

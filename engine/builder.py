@@ -1,0 +1,155 @@
+"""What ``EngineCore`` is built from: the device, dtype and kernels of ``[model]`` /
+``[kernels]``, the loaded model's shape and prefill cost, the cache capacity on the device, and
+the model runner sized to it. Called once per engine; torch (the torch-free half of capacity
+planning is ``engine/sizing.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.client import ModelInfo
+from deltaserve.engine.config import DType, EngineConfig
+from deltaserve.engine.errors import ConfigError
+from deltaserve.engine.model_runner import ModelRunner, RunnerSizes
+from deltaserve.engine.sizing import Capacity, ModelShape, plan_capacity
+from deltaserve.kernels import Ops, get_ops
+from deltaserve.models import CacheSpec, LoadedModel
+
+TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+
+
+def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
+    """The torch dtype of ``model.dtype`` (``auto``: bfloat16 on CUDA, float32 elsewhere)."""
+    dtype = DType(name)
+    if dtype is DType.AUTO:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[dtype]
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """``model.device`` as a torch device; ``ConfigError`` if it is not there."""
+    device = torch.device(config.model.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"model.device = {config.model.device!r}: CUDA is not available on this machine"
+            )
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"model.device = {config.model.device!r}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def model_shape(loaded: LoadedModel, spec: CacheSpec) -> ModelShape:
+    """The torch-free numbers capacity planning and the cache's value model need."""
+    per_token, per_pair = prefill_flops(loaded, spec)
+    return ModelShape(
+        kv_bytes_per_token=spec.kv_block_bytes(1) if spec.num_attn_layers else 0,
+        state_bytes=spec.state_slot_bytes() if spec.num_gdn_layers else 0,
+        max_position_embeddings=loaded.max_position_embeddings,
+        gdn_chunk_size=spec.gdn_chunk_size,
+        prefill_flops_per_token=per_token,
+        prefill_flops_per_token_pair=per_pair,
+    )
+
+
+def prefill_flops(loaded: LoadedModel, spec: CacheSpec) -> tuple[float, float]:
+    """Prefill cost of the model: FLOPs per token (2 x the weights a token passes through:
+    projections, MLPs, the routed share of the experts; not the embedding lookup nor the
+    lm_head, which runs on sampled rows only) and per (token, earlier token) pair of the
+    full-attention layers (QK^T and PV: 4 x query heads x head_dim each)."""
+    cfg = loaded.hf_config
+    routed = getattr(cfg, "num_experts_per_tok", 0) / max(getattr(cfg, "num_experts", 0) or 1, 1)
+    weights = 0.0
+    for name, p in loaded.model.named_parameters():
+        if "embed_tokens" in name or name.startswith("lm_head"):
+            continue
+        weights += p.numel() * (routed if ".experts." in name else 1.0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(cfg, "head_dim", 0) or (cfg.hidden_size // heads if heads else 0))
+    return 2.0 * weights, 4.0 * heads * head_dim * spec.num_attn_layers
+
+
+def cuda_cache_budget(config: EngineConfig, runner_probe: Callable[[], Any], device: torch.device) -> int:
+    """CUDA: ``gpu_memory_utilization`` x device memory, minus what the process holds after
+    loading the weights and the activation peak of a profiling forward."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner_probe()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(config.cache.gpu_memory_utilization * total) - peak - max(used_by_others, 0)
+    if budget <= 0:
+        raise ConfigError(
+            f"cache.gpu_memory_utilization = {config.cache.gpu_memory_utilization}: {total / 2**30:.1f} GiB device, "
+            f"weights + activations take {peak / 2**30:.2f} GiB, nothing is left for the cache"
+        )
+    return budget
+
+
+def resolve_ops(config: EngineConfig, device: torch.device) -> Ops:
+    """The kernels of ``kernels.backend`` on ``device``; ``ConfigError`` if it has none there."""
+    try:
+        return get_ops(config.kernels.backend.value, device)
+    except NotImplementedError as e:
+        raise ConfigError(f"kernels.backend = {config.kernels.backend.value!r}: {e}") from None
+
+
+def plan_engine_capacity(
+    config: EngineConfig, loaded: LoadedModel, spec: CacheSpec, ops: Ops, device: torch.device
+) -> Capacity:
+    """The cache capacity of this model on this device: on CUDA from the memory left after the
+    weights and a profiling forward, elsewhere from the configured budget."""
+    budget = None
+    if device.type == "cuda":
+        tokens, bs = config.scheduler.max_num_batched_tokens, config.cache.block_size
+        budget = cuda_cache_budget(
+            config, lambda: ModelRunner.profile(loaded, ops, tokens, bs, device), device
+        )
+    return plan_capacity(config, model_shape(loaded, spec), budget_bytes=budget)
+
+
+def build_runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    spec: CacheSpec,
+    ops: Ops,
+    capacity: Capacity,
+    cache: CacheManager,
+    device: torch.device,
+) -> ModelRunner:
+    """The model runner with cache tensors for ``capacity`` and the cache manager's state
+    slots, its sampling generator seeded by ``model.seed``."""
+    sizes = RunnerSizes(
+        capacity.num_kv_blocks if spec.num_attn_layers else 1,
+        config.cache.block_size,
+        cache.slots.num_live,
+        cache.slots.num_checkpoint,
+        capacity.num_host_kv_blocks,
+        capacity.num_host_checkpoint_slots,
+    )
+    runner = ModelRunner(loaded, ops, sizes, device)
+    runner.default_generator.manual_seed(config.model.seed)
+    return runner
+
+
+def model_info(config: EngineConfig, loaded: LoadedModel, capacity: Capacity, unit: int) -> ModelInfo:
+    """The ``ModelInfo`` an engine serves (``unit``: the cache's checkpoint unit)."""
+    return ModelInfo(
+        name=str(config.model.path),
+        model_type=loaded.model_type,
+        max_model_len=capacity.max_model_len,
+        vocab_size=int(loaded.hf_config.vocab_size),
+        block_size=config.cache.block_size,
+        checkpoint_unit=unit,
+        capacity=capacity.describe(),
+    )

@@ -1,0 +1,174 @@
+"""The EngineClient seam: what a front end (the OpenAI server) needs of an engine. Torch-free.
+
+``AsyncEngine`` (one engine in this process) and the cluster's ``RemoteEngine`` (replicas
+behind a router) both implement ``EngineClient``; the server is typed against it only.
+
+* ``RequestInput`` holds one request's fields, written once; ``generate`` packs them and the
+  implementation's ``submit`` takes them from there. No validation in the struct: the
+  ``InputProcessor`` validates.
+* ``ModelInfo`` describes the served model once the client has started.
+* ``ClientBase`` holds what the implementations share: ``generate``'s public signature and
+  the ``async with`` lifecycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import msgspec
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deltaserve.engine.input_processor import InputProcessor, Prompt
+
+_C = TypeVar("_C")
+_S = TypeVar("_S", bound="OutputStream")
+
+
+class RequestInput(msgspec.Struct, kw_only=True):
+    """One request as ``generate`` receives it (``AsyncEngine.generate`` documents each field)."""
+
+    prompt: Any  # a str, a list of token ids, or chat messages
+    sampling_params: SamplingParams | None = None
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The served model: ``name`` is ``model.path`` as configured (e.g. ``builtin:tiny-qwen3.5``);
+    ``checkpoint_unit`` = lcm(block_size, GDN chunk size); ``capacity`` is what
+    ``Capacity.describe()`` gives (``{}`` when unknown)."""
+
+    name: str
+    model_type: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    checkpoint_unit: int
+    capacity: dict[str, Any] = {}
+
+
+@runtime_checkable
+class OutputStream(Protocol):
+    """One request's ``RequestOutput`` deltas; leaving the iteration early or ``aclose()``
+    aborts the request."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine as a front end sees it. ``input_processor`` and ``model_info`` are valid after
+    ``start()``; ``started`` is true from ``start()`` until ``shutdown()``. ``generate`` raises
+    the typed errors (``deltaserve.engine.errors``) at the call, before any iteration."""
+
+    config: EngineConfig
+
+    @property
+    def input_processor(self) -> InputProcessor: ...
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def started(self) -> bool: ...
+
+    async def start(self: _C) -> _C: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def __aenter__(self: _C) -> _C: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> OutputStream: ...
+
+    def abort(self, request_id: str) -> Awaitable[bool]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def not_started(name: str) -> AttributeError:
+    """What ``input_processor`` / ``model_info`` raise before ``start()``: an AttributeError, so
+    that ``isinstance(client, EngineClient)``, which probes the members, answers instead of raising."""
+    return AttributeError(f"{name} is not known until the engine has started (await engine.start())")
+
+
+class ClientBase(EngineClient, Generic[_S]):
+    """What ``AsyncEngine`` and ``RemoteEngine`` share: ``generate`` packs a ``RequestInput`` for
+    the subclass's ``submit``; ``async with`` is ``start()`` ... ``shutdown()``. ``_S`` is the
+    subclass's stream type. Subclassing ``EngineClient`` by name keeps ``isinstance`` true
+    before ``start()`` too."""
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> _S:
+        """Submit a request; iterate the returned stream for its ``RequestOutput`` deltas.
+
+        ``prompt`` is a str, a list of token ids, or chat messages (``[{"role", "content"}]``,
+        content a string or a list of text parts; rendered with the tokenizer's chat template,
+        which also gets ``tools`` and ``chat_template_kwargs``). ``priority`` matters to the
+        ``priority`` policy (lower first); ``cache_salt`` keeps tenants' cached prefixes apart.
+        With ``SamplingParams.n > 1`` the stream carries ``n`` completions told apart by
+        ``RequestOutput.index``. Raises ``InvalidRequestError`` / ``PromptTooLongError`` for bad
+        input, ``EngineOverloadedError`` when the waiting queue is full, ``EngineDeadError``
+        when the engine cannot serve.
+        """
+        return self.submit(
+            RequestInput(
+                prompt=prompt,
+                sampling_params=sampling_params,
+                request_id=request_id,
+                priority=priority,
+                cache_salt=cache_salt,
+                tools=tools,  # type: ignore[arg-type]
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        )
+
+    def submit(self, inp: RequestInput) -> _S:
+        """Validate ``inp`` and start its request; the stream of its outputs (typed errors)."""
+        raise NotImplementedError
+
+    async def start(self: _C) -> _C:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self: _C) -> _C:
+        return await self.start()  # type: ignore[attr-defined,no-any-return]
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()

@@ -1,0 +1,262 @@
+"""Overlap: the step loop of async scheduling (``engine.async_scheduling = true``).
+
+The forward runs on a worker thread (one step at a time, in order: on CUDA it only enqueues
+kernels), and each ``EngineCore.step()`` call does, on the caller's thread::
+
+    commit N ahead   scheduler.update(N, placeholders): N's plan is committed although N's
+                     forward may still run; each request that samples in N gets the
+                     placeholder of its row (``scheduler.request.placeholder``) as its next token
+    end deferred     requests that finished (stop, abort, error) while N was in flight
+    schedule N+1     as if every decode got its token: a placeholder is a token to compute
+    prepare N+1      host tensors; then hand N+1 to the worker, whose input ids for the
+                     placeholders are read from N's sampled-token tensor on the device
+    process N        wait for N's tokens (the only wait), fill the placeholders in, then
+                     detokenize, check stops and build outputs while N+1 runs
+
+so ``step()`` returns step N's outputs while N+1 is in flight. Committing ahead is safe
+because every later reader of what N publishes (a prefix hit, a restore) is a later step,
+which the worker (or the CUDA stream) runs after N. A request found finished in N is in N+1
+already: it ends once N+1 is committed (``defer``), and its token from N+1 is discarded (its
+blocks and slots are released then; the extra token's KV is real output and may stay cached).
+The failure rules stay local: a failed prepare ends that step's requests; a forward that fails
+on the worker ends its step's requests and those of the step after it (scheduled on its
+results, refused by the worker), and ``CacheManager.discard_written`` drops what its early
+commit published. A step's host-tier copies run on the worker before its forward; the early
+commit lands them (``Scheduler.land``) first. Design notes: docs/architecture.md, "The step loop".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from deltaserve.engine.host_pool import Failure
+from deltaserve.engine.model_runner import PreparedStep, StepResult
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.logs import get_logger
+from deltaserve.scheduler.request import Request, RequestStatus, placeholder
+from deltaserve.scheduler.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from deltaserve.engine.core import EngineCore
+
+log = get_logger("deltaserve.engine")
+
+
+class StepSkipped(RuntimeError):
+    """The forward worker refused a step: the step before it failed, and this one was scheduled
+    on that step's (never produced) results."""
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A step handed to the forward worker, its plan not yet committed."""
+
+    out: SchedulerOutput
+    prep: PreparedStep | None  # None: a step of host-tier copies only
+    future: Future[StepResult | None]
+    transfers: Future[list[Failure]]  # the step's host-tier copies that failed (set before the forward)
+    requests: set[Request]  # the step's requests, and those whose loads it carries (identity set)
+
+
+class Overlap:
+    """The overlapped step of one ``EngineCore`` (module docstring): the step in flight, the
+    requests whose end waits for it, and the worker thread that runs the forwards in order.
+
+    It works the core's scheduler, runner and output helpers (``_fail``, ``_process_token``,
+    ``_output_failed``, ``_land``, ``_step_failed``, ``_recover_failed_update``): the plain
+    step and this one end requests and build outputs the same way.
+    """
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.flight: InFlight | None = None
+        self.deferred: dict[Request, tuple[str, bool]] = {}  # request -> (reason, publish_output)
+        self._worker: ThreadPoolExecutor | None = None  # started on first use, stopped by close()
+        self._worker_broken = False  # a step failed on the worker: it refuses the next until reset
+
+    # ------------------------------------------------------------------ ending requests
+    def defer(self, req: Request, reason: str, publish_output: bool) -> bool:
+        """Hold the end of ``req`` while it is in the step in flight (whose plan the cache still
+        holds) until that step is committed; False if it is not in flight (end it now)."""
+        if self.flight is None or req not in self.flight.requests:
+            return False
+        self.deferred[req] = (reason, publish_output)
+        return True
+
+    def apply_deferred(self) -> None:
+        """End the requests that waited for their step to leave flight (it has)."""
+        deferred, self.deferred = self.deferred, {}
+        for req, (reason, publish_output) in deferred.items():
+            self.core.scheduler.finish(req, reason, publish_output=publish_output)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One turn: commit step N (on the worker) ahead of its result, schedule and launch
+        N+1, then process N's tokens while N+1 runs; N's outputs."""
+        outputs: list[RequestOutput] = []
+        prev, self.flight = self.flight, None
+        if prev is not None and not self._commit_ahead(prev, outputs):
+            prev = None  # its commit failed: that step's requests have ended
+        self.apply_deferred()
+        out = self.core.scheduler.schedule()
+        if out is not None:
+            self.flight = self._submit(out, prev, outputs)
+        if prev is not None:
+            self._process_result(prev, outputs)
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step in flight without starting another."""
+        outputs: list[RequestOutput] = []
+        while self.flight is not None:
+            prev, self.flight = self.flight, None
+            if self._commit_ahead(prev, outputs):
+                self.apply_deferred()
+                self._process_result(prev, outputs)
+        self.apply_deferred()
+        return outputs
+
+    def close(self) -> None:
+        """Drain (its outputs are dropped), then stop the worker; a later ``step`` restarts it."""
+        self.drain()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _commit_ahead(self, flight: InFlight, outputs: list[RequestOutput]) -> bool:
+        """Commit step N's plan before its result is known (the forward may still run): every
+        request that samples in N gets the placeholder of its row, so the scheduler sees it
+        decoding. False when the commit raised (handled like a failed commit, once the step
+        has finished on the worker)."""
+        core, out = self.core, flight.out
+        # the step's host-tier copies ran first on the worker (usually long done): land them,
+        # and end the requests whose loads failed (they compute nothing in this step)
+        outputs += core._land(out, flight.transfers.result())
+        placeholders: list[int | None] = [None] * len(out.seqs)
+        if flight.prep is not None:
+            for row, i in enumerate(flight.prep.sample_seq):
+                if out.seqs[i].request not in self.deferred:
+                    placeholders[i] = placeholder(row)
+        try:
+            core.scheduler.update(out, placeholders)
+        except Exception as e:
+            # the forward is running into slots this recovery may free: let it finish first
+            with contextlib.suppress(Exception):
+                flight.future.result()
+            outputs += core._recover_failed_update(out, e)
+            if flight.future.exception() is not None:
+                self._discard_written(flight)
+            self._worker_broken = False
+            return False
+        core.counters["tokens.computed"] += out.num_tokens
+        return True
+
+    def _submit(
+        self, out: SchedulerOutput, prev: InFlight | None, outputs: list[RequestOutput]
+    ) -> InFlight | None:
+        """Prepare step ``out`` on this thread and hand it to the forward worker (its host-tier
+        copies, then its forward); None (and its requests ended) if preparing it failed."""
+        core = self.core
+        prep = None
+        if out.seqs:  # (a step may carry host-tier copies only)
+            try:
+                prep = core.runner.prepare(out, core.states, placeholder_step=prev.out.step if prev else -1)
+            except Exception as e:
+                outputs += core._step_failed(out, e)  # (its copies, never run, are released)
+                return None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-forward")
+        transfers: Future[list[Failure]] = Future()
+        future = self._worker.submit(self._launch, out, prep, transfers)
+        requests = {s.request for s in out.seqs}
+        for t in out.plan.loads:  # a loading request must not be freed before its copies ran
+            req = core.scheduler.requests.get(t.seq.request_id) if t.seq is not None else None
+            if req is not None:
+                requests.add(req)
+        return InFlight(out, prep, future, transfers, requests)
+
+    def _launch(
+        self, out: SchedulerOutput, prep: PreparedStep | None, transfers: Future[list[Failure]]
+    ) -> StepResult | None:
+        """On the forward worker: the step's host-tier copies (their failures go to
+        ``transfers`` at once, for the early commit), then its forward — unless the step
+        before failed: then neither runs."""
+        if self._worker_broken:
+            transfers.cancel()
+            raise StepSkipped(f"step {out.step} follows a failed step")
+        try:
+            transfers.set_result(self.core.runner.transfer(out))  # (never raises)
+            return self.core.runner.launch(prep) if prep is not None else None
+        except BaseException as e:
+            if not transfers.done():
+                transfers.set_exception(e)
+            self._worker_broken = True
+            raise
+
+    def _process_result(self, flight: InFlight, outputs: list[RequestOutput]) -> None:
+        """Step N's tokens: fill the placeholders, then detokenize, check stops and build
+        outputs (the next step runs meanwhile). A request that ended while N was in flight has
+        its token discarded."""
+        try:
+            result = flight.future.result()
+            tokens = result.token_list() if result is not None else []
+        except Exception as e:
+            outputs += self._recover(flight, e)
+            return
+        if flight.prep is None or result is None:
+            return  # host-tier copies only
+        core, seqs, deferred = self.core, flight.out.seqs, self.deferred
+        finished = RequestStatus.FINISHED
+        logprobs = result.logprobs
+        for row, i in enumerate(flight.prep.sample_seq):
+            req = seqs[i].request
+            if req.status is finished or req in deferred:
+                continue
+            token = tokens[row]
+            ids = req.token_ids
+            if ids[-1] == placeholder(row):
+                ids[-1] = token
+            else:  # preempted while in flight: its placeholder was dropped, the token goes on
+                ids.append(token)
+            if logprobs is not None and logprobs[row] is not None:
+                core.states[req.request_id].logprobs.append(logprobs[row])  # type: ignore[arg-type]
+            try:
+                outputs.append(core._process_token(req, token))
+            except Exception as e:  # detokenizer / stop check of one request: that request ends
+                outputs.append(core._output_failed(req, e))
+
+    def _recover(self, flight: InFlight, error: Exception) -> list[RequestOutput]:
+        """Step N failed on the worker after its plan was committed. It ends N's requests and
+        those of step N+1 (scheduled on N's results, refused by the worker), and drops what N's
+        commit published: KV blocks and checkpoints its forward never wrote."""
+        core = self.core
+        core.counters["steps.failed"] += 1
+        log.error("step.failed", error=repr(error), requests=[s.request.request_id for s in flight.out.seqs])
+        outputs: list[RequestOutput] = []
+        nxt, self.flight = self.flight, None
+        if nxt is not None:
+            with contextlib.suppress(Exception):
+                nxt.future.result()  # refused, or ran: either way it is over before we free
+            core.counters["steps.failed"] += 1
+            for req in core.scheduler.fail_step(nxt.out):
+                if self.deferred.pop(req, None) is None:  # (a deferred one has had its output)
+                    outputs.append(core._fail(req, "model step failed", error, finish=False))
+        for s in flight.out.seqs:
+            if s.request.status is not RequestStatus.FINISHED:
+                outputs.append(core._fail(s.request, "model step failed", error))
+        self.apply_deferred()
+        self._discard_written(flight)
+        self._worker_broken = False
+        return outputs
+
+    def _discard_written(self, flight: InFlight) -> None:
+        """Drop the cache entries whose contents a failed step was to write (committed ahead)."""
+        if flight.prep is None:
+            return  # copies only: what they wrote landed (or was released) at the early commit
+        blocks, slots = self.core.runner.written(flight.prep, self.core.cache.block_size)
+        dropped = self.core.cache.discard_written(blocks, slots)
+        if dropped:
+            log.warning("step.cache_discarded", step=flight.out.step, entries=dropped)
