@@ -87,7 +87,7 @@ def cache_keys(core: Any, max_keys: int) -> tuple[list[int], list[int]] | None:
                 if (node.depth * bs) % unit:
                     continue
                 if not has_gdn or node.checkpoint_slot is not None:
-                    ckpt.append((getattr(node, "ckpt_last_access", 0) or node.last_access, node.key))
+                    ckpt.append((node.last_access, node.key))
                 else:
                     kv.append((node.last_access, node.key))
             break
@@ -207,7 +207,7 @@ class EngineReplica:
         }
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.report_wait_s
-        while getattr(self.engine, "_in_step", False) and loop.time() < deadline:
+        while self.engine.in_step and loop.time() < deadline:
             await asyncio.sleep(0.002)  # prefer a moment between two steps
         try:
             keys = cache_keys(self.engine.core, self.max_report_keys)

@@ -326,6 +326,11 @@ class AsyncEngine(ClientBase[RequestStream]):
         self._wake()
         return fut
 
+    @property
+    def in_step(self) -> bool:
+        """A step runs in the worker thread: the scheduler and cache may change under a reader."""
+        return self._in_step
+
     def stats(self) -> dict[str, Any]:
         """Engine counters; while a step runs, the snapshot taken after the previous one."""
         if self.core is None:
