@@ -2,36 +2,43 @@
 
 The model runner computes every index field of a batch on the host with numpy (1-D int64
 arrays) and packs them into one buffer, so the batch reaches the device in one copy (pinned
-memory, one asynchronous transfer) and the CPU path reads zero-copy views. ``slices`` records
-each field's name and its slice of the buffer: readers take fields by name, on the host
-(``field``) or from the buffer's device copy (``views``), never by position.
+memory, one asynchronous transfer) and the CPU path reads zero-copy views. The buffer records
+each field's name and bounds: readers take fields by name, on the host (``field``) or from
+the buffer's device copy (``views``), never by position.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True, slots=True)
 class BatchBuffer:
-    host: torch.Tensor  # [total] int64 on the CPU: the fields back to back
-    slices: dict[str, slice]  # field name -> its slice of ``host``, in packing order
+    """``host``: the fields back to back (int64, CPU); field ``names[i]`` is
+    ``host[bounds[i] : bounds[i + 1]]``."""
+
+    __slots__ = ("bounds", "host", "names")
+
+    def __init__(self, host: torch.Tensor, names: tuple[str, ...], bounds: list[int]) -> None:
+        self.host = host
+        self.names = names
+        self.bounds = bounds
 
     @classmethod
     def pack(cls, fields: dict[str, np.ndarray]) -> BatchBuffer:
         """One buffer of ``fields`` (1-D int64 arrays), in their order."""
         arrays = list(fields.values())
-        bounds = np.cumsum([0, *(len(a) for a in arrays)]).tolist()
-        slices = {name: slice(bounds[i], bounds[i + 1]) for i, name in enumerate(fields)}
-        return cls(torch.from_numpy(np.concatenate(arrays)), slices)
+        bounds = list(accumulate(map(len, arrays), initial=0))  # plain ints: cheaper than numpy here
+        return cls(torch.from_numpy(np.concatenate(arrays)), tuple(fields), bounds)
 
     def field(self, name: str) -> torch.Tensor:
         """One field of the host buffer (a view)."""
-        return self.host[self.slices[name]]
+        i = self.names.index(name)
+        return self.host[self.bounds[i] : self.bounds[i + 1]]
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every field as a view of ``buf``: the host buffer or a copy of it (on the device)."""
-        return {name: buf[s] for name, s in self.slices.items()}
+        b = self.bounds
+        return {name: buf[b[i] : b[i + 1]] for i, name in enumerate(self.names)}
