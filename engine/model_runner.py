@@ -216,14 +216,13 @@ class ModelRunner:
         without looking (the engine keeps count). ``placeholder_step``: the step whose sampled
         tokens the placeholders in this step's input ids stand for (async scheduling).
         """
-        seqs = out.seqs
+        seqs, bs = out.seqs, self.sizes.block_size
         n, nd = len(seqs), out.num_decodes
         input_ids, starts, ends = _token_ids(seqs, nd)
         positions, cu, seq_index = _token_layout(starts, ends, len(input_ids))
         caches = [s.request.cache for s in seqs]
         tables = [c.block_table for c in caches]  # type: ignore[union-attr]
-        block_tables = _block_tables(tables, ends, self.sizes.block_size)
-        bs = self.sizes.block_size
+        block_tables = _block_tables(tables, ends, bs)
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         # logits rows: every decode samples; a prefill segment samples when it reaches the end
         sample_seq = list(range(nd))
