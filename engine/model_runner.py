@@ -6,7 +6,7 @@ It owns the cache tensors (paged KV per attention layer, state slots per GDN lay
 ``prepare`` (host only; with async scheduling the engine thread runs it while the previous
 step's forward is still running): every field of the batch is computed with numpy from one
 pass over the scheduled sequences (no per-token Python) and packed into **one** int64 host
-buffer, so it reaches the device in one copy.
+buffer (``BatchBuffer``: fields by name), so it reaches the device in one copy.
 
 ``launch`` (the device half; with async scheduling it runs on the forward worker thread):
 
@@ -15,68 +15,53 @@ buffer, so it reaches the device in one copy.
 3. the model forward (decodes first, then prefill segments; prefill captures are written
    by the kernels straight into their reserved slots);
 4. decode-time output tracking copies (live slot -> tracking slot);
-5. sampling, only for sequences whose piece reaches the end of their known tokens. When
-   every such row is plain greedy (no penalties, min-p or log-probabilities) it is one
-   ``argmax`` — the sampler's greedy rows, without building per-row parameter tensors;
-   otherwise raw log-probabilities for requests that asked, then penalties and min-p on the
-   rows that use them (``kernels/sampler.py``), then the ``sample`` op.
+5. sampling (``engine/sampling.py``), only for sequences whose piece reaches the end of their
+   known tokens: one ``argmax`` when every such row is plain greedy, else the general sampler.
 
 **Placeholders.** With async scheduling the engine schedules step N+1 before it has step N's
-sampled tokens: a request that samples in step N gets the placeholder ``-(j + 1)`` appended
-(``j``: its row among step N's sampled rows), and step N+1's input id for it is read on the
-device from step N's token tensor (``StepResult.tokens``), never through Python. The runner
-keeps the last step it ran for that; ``launch`` checks the step ids match.
+sampled tokens: a request that samples in step N gets the placeholder of its row among step
+N's sampled rows appended (``scheduler.request.placeholder``), and step N+1's input id for it
+is read on the device from step N's token tensor (``StepResult.tokens``), never through
+Python. The runner keeps the last step it ran for that; ``launch`` checks the step ids match.
 
-Only this module (and the models it calls) touch torch on the engine side.
+The engine's tensor work lives here and in the runner's parts: ``sampling`` (the row
+sampler), ``batch_buffer`` (the packed host buffer), ``request_state``, ``host_pool``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.batch_buffer import BatchBuffer
 from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
-from deltaserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from deltaserve.engine.request_state import RequestState
+from deltaserve.engine.sampling import Sampler, greedy
+from deltaserve.engine.sampling import plain_greedy as plain_greedy  # the engine marks states with it
+from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.kernels import Ops
-from deltaserve.kernels.sampler import apply_min_p, apply_penalties, compute_logprobs
 from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
-from deltaserve.scheduler.request import Request
-from deltaserve.scheduler.scheduler import SchedulerOutput
-
-
-@dataclass(eq=False)
-class RequestState:
-    """Engine-side state of one request, kept by ``EngineCore.states`` beside the torch-free
-    scheduler ``Request`` (created at ``add_request``, dropped when the request ends)."""
-
-    detokenizer: IncrementalDetokenizer
-    stop_ids: frozenset[int]  # stop_token_ids, plus the model's EOS ids unless ignore_eos
-    generator: torch.Generator | None  # per-request RNG when SamplingParams.seed is set
-    # log-probabilities of the tokens sampled since the engine last took them (logprobs requests)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_ids: torch.Tensor | None = None  # the prompt as a tensor, built once (repetition penalty)
-    # greedy with nothing before the argmax (``plain_greedy(params)``): a batch of only such
-    # rows samples with one argmax
-    plain_greedy: bool = False
+from deltaserve.scheduler.request import Request, is_placeholder, placeholder_row
+from deltaserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
 
 @dataclass(eq=False)
 class PreparedStep:
     """One step's inputs, built on the host by ``ModelRunner.prepare`` and run by ``launch``.
 
-    ``host`` packs every index field of the batch (int64, CPU); ``offsets`` delimit them in
-    ``_device_batch``'s order. The sampling fields are None when every row is plain greedy.
+    ``buffer`` packs every index field of the batch (int64, CPU) by name: the ``BatchMetadata``
+    fields, ``block_tables`` flattened, and the placeholders' ``placeholder_dst`` (input-id
+    positions) and ``placeholder_src`` (rows of the previous step's tokens). The sampling
+    fields are None when every row is plain greedy.
     """
 
     out: SchedulerOutput
-    host: torch.Tensor
-    offsets: list[int]
+    buffer: BatchBuffer
     num_seqs: int
     num_decodes: int
     width: int  # block-table columns
@@ -161,7 +146,8 @@ class ModelRunner:
             sizes.num_state_slots if self.spec.num_gdn_layers else 0,
             device,
         )
-        self.default_generator = torch.Generator(device=device)
+        self.sampler = Sampler(ops, device)
+        self.default_generator = self.sampler.default_generator
         self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
         self.host: HostPool | None = None
         if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots:
@@ -213,9 +199,6 @@ class ModelRunner:
         loaded.model.forward(batch, caches)
         del caches
 
-    def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
-
     # ------------------------------------------------------------------ host side
     def prepare(
         self,
@@ -233,92 +216,55 @@ class ModelRunner:
         without looking (the engine keeps count). ``placeholder_step``: the step whose sampled
         tokens the placeholders in this step's input ids stand for (async scheduling).
         """
-        bs = self.sizes.block_size
-        seqs = out.seqs
-        n = len(seqs)
-        nd = out.num_decodes
-        # Per-sequence scalars: one list comprehension per field, then one array per field.
-        starts = np.array([s.start for s in seqs], dtype=np.int64)
-        ends = starts + 1  # a decode computes one token
-        if nd < n:
-            ends[nd:] = [s.end for s in seqs[nd:]]
+        seqs, bs = out.seqs, self.sizes.block_size
+        n, nd = len(seqs), out.num_decodes
+        input_ids, starts, ends = _token_ids(seqs, nd)
+        positions, cu, seq_index = _token_layout(starts, ends, len(input_ids))
         caches = [s.request.cache for s in seqs]
-        slots = np.array([c.state_slot for c in caches], dtype=np.int64)  # type: ignore[union-attr]
         tables = [c.block_table for c in caches]  # type: ignore[union-attr]
-        # input ids: a decode's one token, then every prefill segment's slice
-        ids_list = [s.request.token_ids[s.start] for s in seqs[:nd]]
-        for s in seqs[nd:]:
-            ids_list += s.request.token_ids[s.start : s.end]
-        input_ids = np.array(ids_list, dtype=np.int64)
-        num_tokens = len(input_ids)
-        if num_tokens == n:  # every segment is one token (all decodes): no per-token expansion
-            positions = starts
-            seq_index = np.arange(n)
-            cu = np.arange(n + 1, dtype=np.int64)
-        else:
-            lens = ends - starts
-            cu = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(lens, out=cu[1:])
-            seq_index = np.repeat(np.arange(n), lens)
-            positions = np.arange(num_tokens, dtype=np.int64) - (cu[:-1] - starts)[seq_index]
-        # Block tables, padded with 0 to the longest needed: the tables flattened in one pass
-        # (C-level iteration), then scattered into the padded rows. A table may hold blocks past
-        # the step's end (never read): only the needed ones are copied.
-        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
-        need = np.minimum((ends + bs - 1) // bs, table_lens)
-        width = max(int(need.max()), 1)
-        cols = np.arange(width, dtype=np.int64)
-        valid = cols < need[:, None]
-        block_tables = np.zeros((n, width), dtype=np.int64)
-        row_start = np.cumsum(table_lens) - table_lens
-        block_tables[valid] = flat[(row_start[:, None] + cols)[valid]]
+        block_tables = _block_tables(tables, ends, bs)
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         # logits rows: every decode samples; a prefill segment samples when it reaches the end
         sample_seq = list(range(nd))
         sample_seq += [i for i in range(nd, n) if seqs[i].samples]
         logits_rows = cu[1:][sample_seq] - 1 if sample_seq else np.zeros(0, dtype=np.int64)
-        captures = out.plan.captures
         cap = np.array(
-            [(c.item_index, c.boundary - seqs[c.item_index].start, c.slot) for c in captures],
+            [(c.item_index, c.boundary - seqs[c.item_index].start, c.slot) for c in out.plan.captures],
             dtype=np.int64,
         ).reshape(-1, 3)
-        # placeholders (async scheduling): negative ids name rows of the previous step's tokens
-        ph_dst = np.flatnonzero(input_ids < 0)
-        ph_src = -input_ids[ph_dst] - 1
-        if len(ph_dst):
-            input_ids[ph_dst] = 0
-        parts = (
-            input_ids, positions, slot_mapping, cu, ends, slots, (starts > 0).astype(np.int64),
-            logits_rows, cap[:, 0], cap[:, 1], cap[:, 2], ph_dst, ph_src, block_tables.reshape(-1),
-        )  # fmt: skip
-        offsets = np.cumsum([0, *(len(p) for p in parts)]).tolist()
-        host = torch.from_numpy(np.concatenate(parts))
-        reqs = [seqs[i].request for i in sample_seq]
+        ph_dst, ph_src = _take_placeholders(input_ids)
+        buffer = BatchBuffer.pack(
+            {
+                "input_ids": input_ids,
+                "positions": positions,
+                "slot_mapping": slot_mapping,
+                "cu_seqlens": cu,
+                "seq_lens": ends,
+                "state_slots": np.array([c.state_slot for c in caches], dtype=np.int64),  # type: ignore[union-attr]
+                "has_initial_state": (starts > 0).astype(np.int64),
+                "logits_indices": logits_rows,
+                "capture_seq": cap[:, 0],
+                "capture_pos": cap[:, 1],
+                "capture_slots": cap[:, 2],
+                "placeholder_dst": ph_dst,
+                "placeholder_src": ph_src,
+                "block_tables": block_tables.reshape(-1),
+            }
+        )
         prep = PreparedStep(
             out=out,
-            host=host,
-            offsets=offsets,
+            buffer=buffer,
             num_seqs=n,
             num_decodes=nd,
-            width=width,
+            width=block_tables.shape[1],
             sample_seq=sample_seq,
-            requests=reqs,
+            requests=[seqs[i].request for i in sample_seq],
             num_placeholders=len(ph_dst),
             placeholder_step=placeholder_step,
         )
-        if reqs and not all_greedy:
+        if prep.requests and not all_greedy:
             assert states is not None, "states are needed to sample rows that are not plain greedy"
-            row_states = [states[r.request_id] for r in reqs]
-            if not all(st.plain_greedy for st in row_states):
-                params = [r.sampling_params for r in reqs]
-                prep.row_states = row_states
-                prep.params = params
-                # the output ids penalties count, as they are now (the engine thread may
-                # append the next placeholder while this step runs)
-                prep.output_ids = [
-                    r.output_token_ids if p.has_penalties else [] for r, p in zip(reqs, params)
-                ]
+            _attach_sampling(prep, states)
         return prep
 
     def build_batch(self, out: SchedulerOutput) -> tuple[BatchMetadata, list[int]]:
@@ -328,30 +274,29 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device side
     def _device_batch(self, prep: PreparedStep) -> tuple[BatchMetadata, torch.Tensor, torch.Tensor]:
-        """The prepared buffer on the device (one copy), sliced into the batch's fields; and the
-        placeholder destinations / sources."""
-        buf = prep.host
+        """The prepared buffer on the device (one copy), taken apart into the batch's fields; and
+        the placeholder destinations / sources."""
+        buf = prep.buffer.host
         if self.device.type != "cpu":
             # one pinned host copy, one asynchronous transfer: nothing here waits for the device
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        o = prep.offsets
-        n, width = prep.num_seqs, prep.width
+        f = prep.buffer.views(buf)
         batch = BatchMetadata(
-            input_ids=buf[o[0] : o[1]],
-            positions=buf[o[1] : o[2]],
-            slot_mapping=buf[o[2] : o[3]],
-            cu_seqlens=buf[o[3] : o[4]],
-            seq_lens=buf[o[4] : o[5]],
-            state_slots=buf[o[5] : o[6]],
-            has_initial_state=buf[o[6] : o[7]] != 0,
-            logits_indices=buf[o[7] : o[8]],
-            capture_seq=buf[o[8] : o[9]],
-            capture_pos=buf[o[9] : o[10]],
-            capture_slots=buf[o[10] : o[11]],
-            block_tables=buf[o[13] : o[14]].view(n, width),
+            input_ids=f["input_ids"],
+            positions=f["positions"],
+            slot_mapping=f["slot_mapping"],
+            cu_seqlens=f["cu_seqlens"],
+            seq_lens=f["seq_lens"],
+            state_slots=f["state_slots"],
+            has_initial_state=f["has_initial_state"] != 0,
+            logits_indices=f["logits_indices"],
+            capture_seq=f["capture_seq"],
+            capture_pos=f["capture_pos"],
+            capture_slots=f["capture_slots"],
+            block_tables=f["block_tables"].view(prep.num_seqs, prep.width),
             num_decodes=prep.num_decodes,
         )
-        return batch, buf[o[11] : o[12]], buf[o[12] : o[13]]
+        return batch, f["placeholder_dst"], f["placeholder_src"]
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if pairs and self.spec.num_gdn_layers:
@@ -396,26 +341,20 @@ class ModelRunner:
         if not prep.requests:
             return torch.zeros(0, dtype=torch.int64, device=self.device), None
         if prep.params is None or prep.row_states is None or prep.output_ids is None:
-            # every row plain greedy (the common case): argmax, first index on ties (and the
-            # first NaN, like torch), as the sampler's greedy rows; no per-row parameter tensors
-            if logits.device.type == "cpu" and logits.dtype == torch.float32:
-                # numpy's row argmax is an order of magnitude faster than torch's on the CPU
-                return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1)), None
-            return logits.argmax(dim=-1), None
+            return greedy(logits), None  # every row plain greedy (the common case)
         outputs = prep.output_ids
-        if prep.num_placeholders and any(o and o[-1] < 0 for o in outputs):
+        if prep.num_placeholders and any(o and is_placeholder(o[-1]) for o in outputs):
             assert self._last is not None
             prev = self._last.token_list()  # the placeholders' tokens, for the penalties' counts
-            outputs = [[prev[-t - 1] if t < 0 else t for t in o] for o in outputs]
-        return self._sample_rows(logits, prep.requests, prep.params, prep.row_states, outputs)
+            outputs = [[prev[placeholder_row(t)] if is_placeholder(t) else t for t in o] for o in outputs]
+        return self.sampler.sample_rows(logits, prep.requests, prep.params, prep.row_states, outputs)
 
     @staticmethod
     def written(prep: PreparedStep, block_size: int) -> tuple[set[int], set[int]]:
         """The KV block ids and checkpoint slots a step writes (its tokens' blocks; its capture
         and tracking-copy destinations): what a failed step leaves unwritten."""
-        o = prep.offsets
-        blocks = set((prep.host[o[2] : o[3]] // block_size).tolist())
-        slots = set(prep.host[o[10] : o[11]].tolist())
+        blocks = set((prep.buffer.field("slot_mapping") // block_size).tolist())
+        slots = set(prep.buffer.field("capture_slots").tolist())
         slots.update(dst for _, dst in prep.out.plan.decode_copies)
         return blocks, slots
 
@@ -436,87 +375,83 @@ class ModelRunner:
         row_states = [states[r.request_id] for r in reqs]
         params = [r.sampling_params for r in reqs]
         outputs = [r.output_token_ids if p.has_penalties else [] for r, p in zip(reqs, params, strict=True)]
-        tokens, logprobs = self._sample_rows(logits, reqs, params, row_states, outputs)
+        tokens, logprobs = self.sampler.sample_rows(logits, reqs, params, row_states, outputs)
         if logprobs is not None:
             for st, lp in zip(row_states, logprobs, strict=True):
                 if lp is not None:
                     st.logprobs.append(lp)
         return tokens.tolist()
 
-    def _sample_rows(
-        self,
-        logits: torch.Tensor,
-        reqs: list[Request],
-        params: list[SamplingParams],
-        row_states: list[RequestState],
-        output_ids: list[list[int]],
-    ) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
-        """The general sampling path: penalties and min-p on the rows that use them, then the
-        ``sample`` op; the tokens (on the device) and, when a row asked, its log-probabilities.
-        ``output_ids[i]``: the output tokens row ``i``'s penalties count."""
-        dev = self.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        raw = logits
-        penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        if penalised:
-            index = self._tensor(penalised)
-            sub = [params[i] for i in penalised]
-            need_prompt = any(p.repetition_penalty != 1.0 for p in sub)
-            prompts = None
-            if need_prompt:
-                prompts = []
-                for i in penalised:
-                    st = row_states[i]
-                    if st.prompt_ids is None:
-                        st.prompt_ids = self._tensor(reqs[i].prompt_token_ids)
-                    prompts.append(st.prompt_ids)
-            logits = logits.float().clone()
-            logits[index] = apply_penalties(
-                logits[index],
-                [output_ids[i] for i in penalised],
-                [p.presence_penalty for p in sub],
-                [p.frequency_penalty for p in sub],
-                [p.repetition_penalty for p in sub],
-                prompts,
-            )
-        with_min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
-        if with_min_p:
-            index = self._tensor(with_min_p)
-            if logits is raw:
-                logits = logits.float().clone()
-            logits[index] = apply_min_p(
-                logits[index], [params[i].min_p for i in with_min_p], temperature[index]
-            )
-        gens = [st.generator or self.default_generator for st in row_states]
-        tokens = self.ops.sample(
-            logits,
-            temperature,
-            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            gens,
-        )
-        wants = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not wants:
-            return tokens, None
-        index = self._tensor(wants)
-        k = max(params[i].logprobs or 0 for i in wants)
-        chosen, rank, top_ids, top_lp = compute_logprobs(raw[index], tokens[index], k)
-        chosen_l, rank_l, ids_l, lp_l = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(params)
-        for j, i in enumerate(wants):
-            n_top = params[i].logprobs or 0
-            logprobs[i] = TokenLogprob(
-                token_id=token_list[i],
-                logprob=chosen_l[j],
-                rank=rank_l[j],
-                top=list(zip(ids_l[j][:n_top], lp_l[j][:n_top], strict=True)),
-            )
-        return tokens, logprobs
+
+# --------------------------------------------------------------------- batch building (numpy)
+def _token_ids(seqs: Sequence[ScheduledSeq], nd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's input ids (a decode's one token, then every prefill segment's slice) and each
+    sequence's start and end (its context length after the step)."""
+    starts = np.array([s.start for s in seqs], dtype=np.int64)
+    ends = starts + 1  # a decode computes one token
+    if nd < len(seqs):
+        ends[nd:] = [s.end for s in seqs[nd:]]
+    ids_list = [s.request.token_ids[s.start] for s in seqs[:nd]]
+    for s in seqs[nd:]:
+        ids_list += s.request.token_ids[s.start : s.end]
+    return np.array(ids_list, dtype=np.int64), starts, ends
 
 
-def plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with nothing before the argmax: no penalties, no min-p, no log-probabilities."""
-    return (
-        p.temperature < GREEDY_TEMPERATURE and p.logprobs is None and p.min_p <= 0.0 and not p.has_penalties
-    )
+def _token_layout(
+    starts: np.ndarray, ends: np.ndarray, num_tokens: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each token's position and sequence index, and the segments' ``cu_seqlens``."""
+    n = len(starts)
+    if num_tokens == n:  # every segment is one token (all decodes): no per-token expansion
+        return starts, np.arange(n + 1, dtype=np.int64), np.arange(n)
+    lens = ends - starts
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    seq_index = np.repeat(np.arange(n), lens)
+    positions = np.arange(num_tokens, dtype=np.int64) - (cu[:-1] - starts)[seq_index]
+    return positions, cu, seq_index
+
+
+def _block_tables(tables: list[list[int]], ends: np.ndarray, block_size: int) -> np.ndarray:
+    """The block tables padded with 0 to the longest needed: flattened in one pass (C-level
+    iteration), then scattered into the padded rows. A table may hold blocks past the step's
+    end (never read): only the needed ones are copied."""
+    n = len(tables)
+    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
+    need = np.minimum((ends + block_size - 1) // block_size, table_lens)
+    width = max(int(need.max()), 1)
+    cols = np.arange(width, dtype=np.int64)
+    valid = cols < need[:, None]
+    out = np.zeros((n, width), dtype=np.int64)
+    row_start = np.cumsum(table_lens) - table_lens
+    out[valid] = flat[(row_start[:, None] + cols)[valid]]
+    return out
+
+
+def _take_placeholders(input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of the placeholders in ``input_ids`` and the rows of the previous step's
+    tokens they stand for; their ids are zeroed (the device fills them in).
+
+    ``scheduler.request.is_placeholder`` / ``placeholder_row`` over a vector: placeholders are
+    exactly the negative ids, and ``-id - 1`` is the row.
+    """
+    dst = np.flatnonzero(input_ids < 0)
+    src = -input_ids[dst] - 1
+    if len(dst):
+        input_ids[dst] = 0
+    return dst, src
+
+
+def _attach_sampling(prep: PreparedStep, states: Mapping[str, RequestState]) -> None:
+    """The general sampler's per-row inputs, unless every row is plain greedy."""
+    reqs = prep.requests
+    row_states = [states[r.request_id] for r in reqs]
+    if all(st.plain_greedy for st in row_states):
+        return
+    params = [r.sampling_params for r in reqs]
+    prep.row_states = row_states
+    prep.params = params
+    # the output ids penalties count, as they are at prepare (the engine thread may append the
+    # next placeholder while this step runs)
+    prep.output_ids = [r.output_token_ids if p.has_penalties else [] for r, p in zip(reqs, params)]

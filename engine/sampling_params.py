@@ -8,6 +8,7 @@ with it the other requests in the batch) nor make the sampler produce NaN.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -108,55 +109,82 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"SamplingParams.{field}={_short_repr(getattr(self, field))}: {why}")
-
-        if not _int_in(self.max_tokens, 1, MAX_TOKENS_LIMIT):
-            raise bad("max_tokens", "must be an integer >= 1 and < 2**31")
-        if not (_finite(self.temperature) and self.temperature >= 0):
-            raise bad("temperature", "must be a finite number >= 0 (0: greedy)")
-        if not _int_in(self.top_k, -1, TOP_K_LIMIT):
-            raise bad("top_k", "must be an integer >= -1 and < 2**31 (-1 or 0: off)")
-        if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and not _int_in(self.seed, 0, SEED_LIMIT):
-            raise bad("seed", "must be a non-negative integer or None, below 2**64")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a list of non-empty strings")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise bad("stop", f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            _int_in(t, 0, TOKEN_ID_LIMIT) for t in self.stop_token_ids
-        ):
-            raise bad("stop_token_ids", "must be a list of non-negative token ids below 2**31")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad(
-                "stop_token_ids",
-                f"must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
-            )
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "must be a bool")
-        if not _int_in(self.min_tokens, 0, self.max_tokens):
-            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if not _int_in(self.n, 1, MAX_N):
-            raise bad("n", f"must be an integer in [1, {MAX_N}]")
-        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
-            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name, ok, why in _RULES:
             value = getattr(self, name)
-            if not (_finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT):
-                raise bad(name, "must be a number in [-2, 2] (0: off)")
-        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise bad("repetition_penalty", "must be a finite number > 0 (1: off)")
-        if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", "must be in [0, 1] (0: off)")
+            if not ok(value, self):
+                message = why if isinstance(why, str) else why(value)
+                raise InvalidRequestError(f"SamplingParams.{name}={_short_repr(value)}: {message}")
 
     @property
     def has_penalties(self) -> bool:
         """Whether the sampler must apply repetition / frequency / presence penalties."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _penalty_ok(value: Any, _: SamplingParams) -> bool:
+    return _finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT
+
+
+# The checks ``SamplingParams.__post_init__`` runs, in order: (field, test of the field's value
+# given the whole object, what the error says). The first failing rule raises; the rules of one
+# field run in order, so a later one may assume the earlier ones passed (``stop`` is a list).
+_Rule = tuple[str, Callable[[Any, "SamplingParams"], bool], "str | Callable[[Any], str]"]
+_RULES: tuple[_Rule, ...] = (
+    ("max_tokens", lambda v, _: _int_in(v, 1, MAX_TOKENS_LIMIT), "must be an integer >= 1 and < 2**31"),
+    ("temperature", lambda v, _: _finite(v) and v >= 0, "must be a finite number >= 0 (0: greedy)"),
+    (
+        "top_k",
+        lambda v, _: _int_in(v, -1, TOP_K_LIMIT),
+        "must be an integer >= -1 and < 2**31 (-1 or 0: off)",
+    ),
+    ("top_p", lambda v, _: _finite(v) and 0.0 < v <= 1.0, "must be in (0, 1]"),
+    (
+        "seed",
+        lambda v, _: v is None or _int_in(v, 0, SEED_LIMIT),
+        "must be a non-negative integer or None, below 2**64",
+    ),
+    (
+        "stop",
+        lambda v, _: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+        "must be a list of non-empty strings",
+    ),
+    (
+        "stop",
+        lambda v, _: len(v) <= MAX_STOP_STRINGS,
+        lambda v: f"must hold at most {MAX_STOP_STRINGS} strings, got {len(v)}",
+    ),
+    (
+        "stop",
+        lambda v, _: all(len(s) <= MAX_STOP_STRING_CHARS for s in v),
+        f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters",
+    ),
+    (
+        "stop_token_ids",
+        lambda v, _: isinstance(v, list) and all(_int_in(t, 0, TOKEN_ID_LIMIT) for t in v),
+        "must be a list of non-negative token ids below 2**31",
+    ),
+    (
+        "stop_token_ids",
+        lambda v, _: len(v) <= MAX_STOP_TOKEN_IDS,
+        lambda v: f"must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(v)}",
+    ),
+    ("ignore_eos", lambda v, _: isinstance(v, bool), "must be a bool"),
+    ("min_tokens", lambda v, p: _int_in(v, 0, p.max_tokens), "must be an integer in [0, max_tokens]"),
+    ("n", lambda v, _: _int_in(v, 1, MAX_N), f"must be an integer in [1, {MAX_N}]"),
+    (
+        "logprobs",
+        lambda v, _: v is None or _int_in(v, 0, MAX_LOGPROBS),
+        f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+    ),
+    ("presence_penalty", _penalty_ok, "must be a number in [-2, 2] (0: off)"),
+    ("frequency_penalty", _penalty_ok, "must be a number in [-2, 2] (0: off)"),
+    (
+        "repetition_penalty",
+        lambda v, _: _finite(v) and v > 0,
+        "must be a finite number > 0 (1: off)",
+    ),
+    ("min_p", lambda v, _: _finite(v) and 0.0 <= v <= 1.0, "must be in [0, 1] (0: off)"),
+)
 
 
 def _int_in(value: Any, lo: int, hi: int) -> bool:

@@ -143,69 +143,19 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
     warnings: list[str] = []
     bs = cc.block_size
     kv_block_bytes = shape.kv_bytes_per_token * bs
-
-    # 1. live slots: one per running request, at most LIVE_SLOT_SHARE of the budget
-    num_live = 0
-    if shape.has_gdn:
-        num_live = sc.max_num_seqs
-        cap = int(budget * LIVE_SLOT_SHARE) // shape.state_bytes
-        if num_live > cap:
-            num_live = max(cap, 1)
-            warnings.append(
-                f"scheduler.max_num_seqs = {sc.max_num_seqs} live GDN states of "
-                f"{shape.state_bytes / MiB:.1f} MiB would take more than half the cache budget "
-                f"({budget / MiB:.0f} MiB): at most {num_live} requests run at once; raise the budget "
-                f"or lower max_num_seqs"
-            )
+    # 1. live slots first; 2. checkpoints and KV share the rest
+    num_live = _live_slots(sc.max_num_seqs, shape, budget, warnings)
     rest = max(budget - num_live * shape.state_bytes, 0)
-
-    # 2. checkpoints: explicit, or their share of the rest; KV: explicit, or what remains
-    explicit_kv = cc.num_kv_blocks * kv_block_bytes if cc.num_kv_blocks else cc.kv_cache_bytes
-    if not (shape.has_gdn and cc.enable_prefix_caching):
-        ckpt_bytes = 0
-    elif cc.checkpoint_pool_bytes is not None:
-        ckpt_bytes = cc.checkpoint_pool_bytes
-    else:
-        ckpt_bytes = int(rest * cc.checkpoint_fraction)
-    num_ckpt = ckpt_bytes // shape.state_bytes if shape.has_gdn else 0
-
-    if not shape.has_attention:
-        num_blocks = cc.num_kv_blocks or BOOKKEEPING_BLOCKS
-    elif cc.num_kv_blocks:
-        num_blocks = cc.num_kv_blocks
-    else:
-        kv_bytes = explicit_kv if explicit_kv is not None else rest - num_ckpt * shape.state_bytes
-        num_blocks = kv_bytes // kv_block_bytes
-        if num_blocks < 1:
-            raise ConfigError(
-                f"cache budget {budget / MiB:.1f} MiB leaves no room for a KV block of {kv_block_bytes} bytes "
-                f"after {num_live} live slots and {num_ckpt} checkpoint slots of {shape.state_bytes} bytes"
-            )
+    num_ckpt = _checkpoint_slots(config, shape, rest)
+    num_blocks = _kv_blocks(config, shape, budget, rest, num_live, num_ckpt)
     used = num_live * shape.state_bytes + num_ckpt * shape.state_bytes
     used += num_blocks * kv_block_bytes if shape.has_attention else 0
     if used > budget * 1.001:
         warnings.append(
             f"explicit pool sizes take {used / MiB:.0f} MiB, more than the cache budget of {budget / MiB:.0f} MiB"
         )
-
     # 3. max_model_len: what the model allows and one request can hold
-    model_max = shape.max_position_embeddings
-    pool_tokens = num_blocks * bs if shape.has_attention else model_max
-    explicit = config.model.max_model_len
-    if explicit is not None:
-        if explicit > pool_tokens:
-            raise ConfigError(
-                f"model.max_model_len = {explicit}: the KV pool holds only {pool_tokens} tokens "
-                f"({num_blocks} blocks of {bs}); lower max_model_len or raise the cache budget"
-            )
-        max_len = explicit
-    else:
-        max_len = min(model_max, pool_tokens)
-        if max_len < model_max:
-            warnings.append(
-                f"max_model_len = {max_len}: the model allows {model_max} tokens but the KV pool holds "
-                f"{pool_tokens}; raise the cache budget for longer requests"
-            )
+    max_len = _max_model_len(config, shape, num_blocks, warnings)
     # 4. the host tier: its own budgets (host memory), off by default
     caching = cc.enable_prefix_caching
     num_host_kv = cc.host_kv_cache_bytes // kv_block_bytes if shape.has_attention and caching else 0
@@ -221,13 +171,84 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
         num_checkpoint_slots=num_ckpt,
         state_bytes=shape.state_bytes,
         max_model_len=max_len,
-        model_max_len=model_max,
+        model_max_len=shape.max_position_embeddings,
         max_num_seqs=min(sc.max_num_seqs, num_live) if shape.has_gdn else sc.max_num_seqs,
         gdn_chunk_size=shape.gdn_chunk_size,
         prefill_flops_per_token=shape.prefill_flops_per_token,
         prefill_flops_per_token_pair=shape.prefill_flops_per_token_pair,
         warnings=tuple(warnings),
     )
+
+
+def _live_slots(max_num_seqs: int, shape: ModelShape, budget: int, warnings: list[str]) -> int:
+    """One live slot per running request, at most ``LIVE_SLOT_SHARE`` of the budget."""
+    if not shape.has_gdn:
+        return 0
+    cap = int(budget * LIVE_SLOT_SHARE) // shape.state_bytes
+    if max_num_seqs <= cap:
+        return max_num_seqs
+    num_live = max(cap, 1)
+    warnings.append(
+        f"scheduler.max_num_seqs = {max_num_seqs} live GDN states of "
+        f"{shape.state_bytes / MiB:.1f} MiB would take more than half the cache budget "
+        f"({budget / MiB:.0f} MiB): at most {num_live} requests run at once; raise the budget "
+        f"or lower max_num_seqs"
+    )
+    return num_live
+
+
+def _checkpoint_slots(config: EngineConfig, shape: ModelShape, rest: int) -> int:
+    """Checkpoint slots: the explicit pool, or ``checkpoint_fraction`` of what the live slots left."""
+    cc = config.cache
+    if not (shape.has_gdn and cc.enable_prefix_caching):
+        return 0
+    if cc.checkpoint_pool_bytes is not None:
+        return cc.checkpoint_pool_bytes // shape.state_bytes
+    return int(rest * cc.checkpoint_fraction) // shape.state_bytes
+
+
+def _kv_blocks(
+    config: EngineConfig, shape: ModelShape, budget: int, rest: int, num_live: int, num_ckpt: int
+) -> int:
+    """KV blocks: explicit (``num_kv_blocks`` or ``kv_cache_bytes``), or what the checkpoints left.
+    A model without attention keeps bookkeeping blocks with no memory behind them."""
+    cc = config.cache
+    if not shape.has_attention:
+        return cc.num_kv_blocks or BOOKKEEPING_BLOCKS
+    if cc.num_kv_blocks:
+        return cc.num_kv_blocks
+    kv_block_bytes = shape.kv_bytes_per_token * cc.block_size
+    kv_bytes = cc.kv_cache_bytes if cc.kv_cache_bytes is not None else rest - num_ckpt * shape.state_bytes
+    num_blocks = kv_bytes // kv_block_bytes
+    if num_blocks < 1:
+        raise ConfigError(
+            f"cache budget {budget / MiB:.1f} MiB leaves no room for a KV block of {kv_block_bytes} bytes "
+            f"after {num_live} live slots and {num_ckpt} checkpoint slots of {shape.state_bytes} bytes"
+        )
+    return num_blocks
+
+
+def _max_model_len(config: EngineConfig, shape: ModelShape, num_blocks: int, warnings: list[str]) -> int:
+    """The explicit ``model.max_model_len`` (refused if the KV pool cannot hold it), else the
+    smaller of the model's maximum and the pool's tokens."""
+    bs = config.cache.block_size
+    model_max = shape.max_position_embeddings
+    pool_tokens = num_blocks * bs if shape.has_attention else model_max
+    explicit = config.model.max_model_len
+    if explicit is not None:
+        if explicit > pool_tokens:
+            raise ConfigError(
+                f"model.max_model_len = {explicit}: the KV pool holds only {pool_tokens} tokens "
+                f"({num_blocks} blocks of {bs}); lower max_model_len or raise the cache budget"
+            )
+        return explicit
+    max_len = min(model_max, pool_tokens)
+    if max_len < model_max:
+        warnings.append(
+            f"max_model_len = {max_len}: the model allows {model_max} tokens but the KV pool holds "
+            f"{pool_tokens}; raise the cache budget for longer requests"
+        )
+    return max_len
 
 
 def build_cache_manager(

@@ -60,8 +60,7 @@ def causal_conv1d_varlen(
     are computed and ignored, which is cheaper than one conv call per segment.
     """
     num_tokens, channels = x.shape
-    kernel = weight.shape[-1]
-    width = kernel - 1
+    width = weight.shape[-1] - 1
     device = x.device
     bounds = [int(b) for b in cu_seqlens.tolist()]
     num_seqs = len(bounds) - 1
@@ -74,16 +73,7 @@ def causal_conv1d_varlen(
     init = conv_state.index_select(0, slots).float().to(device)  # [B, C, K-1]
     keep = has_initial_state.to(device=device, dtype=torch.bool).view(-1, 1, 1)
     init = torch.where(keep, init, torch.zeros((), dtype=init.dtype, device=device))
-
-    xt = x.float().t()  # [C, T]
-    pieces: list[torch.Tensor] = []
-    starts: list[int] = []
-    offset = 0
-    for b in range(num_seqs):
-        starts.append(offset)
-        pieces += [init[b], xt[:, bounds[b] : bounds[b + 1]]]
-        offset += width + bounds[b + 1] - bounds[b]
-    extended = torch.cat(pieces, dim=1) if pieces else xt.new_zeros(channels, 0)  # [C, sum(K-1+L)]
+    extended, starts = _extend(x, init, bounds)
 
     y = torch.empty(num_tokens, channels, dtype=torch.float32, device=device)
     if num_tokens > 0:
@@ -103,27 +93,53 @@ def causal_conv1d_varlen(
         # The K-1 columns of x_ext_b ending right after input n_inputs - 1.
         return extended[:, starts[b] + n_inputs : starts[b] + n_inputs + width]
 
-    if capture_seq is not None or capture_pos is not None or capture_slots is not None:
-        if capture_seq is None or capture_pos is None or capture_slots is None:
-            raise ValueError("capture_seq, capture_pos and capture_slots must be given together")
-        seqs, positions, dst = capture_seq.tolist(), capture_pos.tolist(), capture_slots.tolist()
-        if not len(seqs) == len(positions) == len(dst):
-            raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
-        captured = []
-        for seq, pos in zip(seqs, positions):
-            if not 0 <= seq < num_seqs:
-                raise ValueError(f"capture_seq {seq} outside this call's batch of {num_seqs} segments")
-            if not 0 <= pos <= bounds[seq + 1] - bounds[seq]:
-                raise ValueError(f"capture_pos {pos} outside segment {seq}")
-            captured.append(state_after(seq, pos))
-        if captured:
-            index = torch.tensor(dst, dtype=torch.long, device=conv_state.device)
-            conv_state.index_copy_(0, index, torch.stack(captured).to(conv_state.device, conv_state.dtype))
-
+    captures = _checked_captures(bounds, capture_seq, capture_pos, capture_slots)
+    if captures:
+        captured = torch.stack([state_after(seq, pos) for seq, pos, _ in captures])
+        index = torch.tensor([dst for _, _, dst in captures], dtype=torch.long, device=conv_state.device)
+        conv_state.index_copy_(0, index, captured.to(conv_state.device, conv_state.dtype))
     if num_seqs > 0:
         final = torch.stack([state_after(b, bounds[b + 1] - bounds[b]) for b in range(num_seqs)])
         conv_state.index_copy_(0, slots, final.to(conv_state.device, conv_state.dtype))
     return y.to(x.dtype)
+
+
+def _extend(x: torch.Tensor, init: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """``[C, sum(K-1+L)]``: every segment's ``K-1`` initial state columns followed by its inputs
+    (fp32); and where each segment's block starts."""
+    width = init.shape[-1]
+    xt = x.float().t()  # [C, T]
+    pieces: list[torch.Tensor] = []
+    starts: list[int] = []
+    offset = 0
+    for b in range(len(bounds) - 1):
+        starts.append(offset)
+        pieces += [init[b], xt[:, bounds[b] : bounds[b + 1]]]
+        offset += width + bounds[b + 1] - bounds[b]
+    return (torch.cat(pieces, dim=1) if pieces else xt.new_zeros(x.shape[1], 0)), starts
+
+
+def _checked_captures(
+    bounds: list[int],
+    capture_seq: torch.Tensor | None,
+    capture_pos: torch.Tensor | None,
+    capture_slots: torch.Tensor | None,
+) -> list[tuple[int, int, int]]:
+    """(segment, inputs before the capture, slot) of every capture, checked against the batch."""
+    if capture_seq is None and capture_pos is None and capture_slots is None:
+        return []
+    if capture_seq is None or capture_pos is None or capture_slots is None:
+        raise ValueError("capture_seq, capture_pos and capture_slots must be given together")
+    seqs, positions, dst = capture_seq.tolist(), capture_pos.tolist(), capture_slots.tolist()
+    if not len(seqs) == len(positions) == len(dst):
+        raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
+    num_seqs = len(bounds) - 1
+    for seq, pos in zip(seqs, positions):
+        if not 0 <= seq < num_seqs:
+            raise ValueError(f"capture_seq {seq} outside this call's batch of {num_seqs} segments")
+        if not 0 <= pos <= bounds[seq + 1] - bounds[seq]:
+            raise ValueError(f"capture_pos {pos} outside segment {seq}")
+    return list(zip(seqs, positions, dst))
 
 
 def causal_conv1d_update(

@@ -33,6 +33,8 @@ from and written back to ``ssm_state[state_slots]`` in place.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = ["chunk_gated_delta_rule", "l2norm", "recurrent_gated_delta_rule"]
@@ -168,7 +170,6 @@ def chunk_gated_delta_rule(
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
     num_tokens, num_v_heads, head_v_dim = v.shape
-    head_k_dim = k.shape[-1]
     device = v.device
     bounds = [int(x) for x in cu_seqlens.tolist()]
     num_seqs = len(bounds) - 1
@@ -186,28 +187,13 @@ def chunk_gated_delta_rule(
     for seq, slot in capture_plan.get(0, []):
         _write_states(ssm_state, [slot], states[seq : seq + 1])
 
-    total_chunks = sum(num_chunks)
-    if total_chunks > 0:
+    if sum(num_chunks) > 0:
         # Padded chunk width. When every segment fits in one chunk (a batch of short prompt
         # tails), pad only to the longest one: the math is the same and a batch of 1-token
-        # segments no longer costs 64x the work. Longer segments keep the full chunk_size, so
+        # segments does not cost 64x the work. Longer segments keep the full chunk_size, so
         # chunk boundaries (and captures) stay at multiples of chunk_size.
         width = min(chunk_size, max(lengths))
-        # ---- gather tokens into [NC, width] chunks (index -> token; padding masked) ----
-        chunk_first = torch.tensor(
-            [bounds[b] + i * chunk_size for b in range(num_seqs) for i in range(num_chunks[b])],
-            dtype=torch.long,
-            device=device,
-        )
-        chunk_end = torch.tensor(
-            [bounds[b + 1] for b in range(num_seqs) for _ in range(num_chunks[b])],
-            dtype=torch.long,
-            device=device,
-        )
-        token_index = chunk_first[:, None] + torch.arange(width, device=device)[None, :]
-        valid = token_index < chunk_end[:, None]  # [NC, C]
-        token_index = torch.where(valid, token_index, torch.zeros_like(token_index))
-
+        token_index, valid = _chunk_tokens(bounds, num_chunks, chunk_size, width, device)
         qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
 
         def chunked(x: torch.Tensor) -> torch.Tensor:
@@ -217,61 +203,110 @@ def chunk_gated_delta_rule(
             xc = torch.where(mask, xc, torch.zeros((), dtype=xc.dtype, device=device))
             return xc.transpose(1, 2)
 
-        q_c, k_c, v_c = chunked(qf), chunked(kf), chunked(v)  # [NC, H, C, D]
-        g_c, beta_c = chunked(g), chunked(beta)  # [NC, H, C]
-
-        # ---- phase 1: intra-chunk quantities, independent of the incoming state ----
-        g_cum = g_c.cumsum(dim=-1)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        # Mask *before* exp: above the diagonal G_i - G_j >= 0 and could overflow.
-        decay = (g_cum[..., :, None] - g_cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-        system = ((k_c @ k_c.transpose(-1, -2)) * decay * beta_c[..., :, None]).tril(-1)
-        rhs = torch.cat(
-            [v_c * beta_c[..., None], k_c * (beta_c * g_cum.exp())[..., None]],
-            dim=-1,
-        )
-        # unitriangular=True: the solver reads only the strict lower part and assumes ones on the
-        # diagonal, i.e. it solves (I + system) X = rhs, one solve for both right-hand sides.
-        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        u_c, w_c = solved.split([head_v_dim, head_k_dim], dim=-1)
-        attn_c = (q_c @ k_c.transpose(-1, -2)) * decay  # causal, diagonal included
-        q_decayed = q_c * g_cum.exp()[..., None]
-        k_decayed = k_c * (g_cum[..., -1:] - g_cum).exp()[..., None]
-        chunk_decay = g_cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
-        del system, rhs, solved, decay
-
-        # ---- phase 2: scan over chunks, all segments at once ----
-        # Sort segments by chunk count (descending) so the segments still running at step i are a
-        # prefix of the order: each step is a slice, and the Python loop runs max(num_chunks)
-        # times instead of once per chunk of every segment.
-        order = sorted(range(num_seqs), key=lambda b: -num_chunks[b])
-        rank = {b: r for r, b in enumerate(order)}
-        first_chunk = [0] * num_seqs
-        for b in range(1, num_seqs):
-            first_chunk[b] = first_chunk[b - 1] + num_chunks[b - 1]
-        first_chunk_sorted = torch.tensor([first_chunk[b] for b in order], dtype=torch.long, device=device)
-        running = states[torch.tensor(order, dtype=torch.long, device=device)]
-        o_c = torch.empty_like(v_c)
-        active_per_step = [
-            sum(1 for b in order if num_chunks[b] > step) for step in range(num_chunks[order[0]])
-        ]
-        for step, active in enumerate(active_per_step):
-            idx = first_chunk_sorted[:active] + step
-            s = running[:active]
-            v_new = u_c[idx] - w_c[idx] @ s
-            o_c[idx] = q_decayed[idx] @ s + attn_c[idx] @ v_new
-            running[:active] = s * chunk_decay[idx] + k_decayed[idx].transpose(-1, -2) @ v_new
-            for seq, slot in capture_plan.get(step + 1, []):
-                r = rank[seq]
-                _write_states(ssm_state, [slot], running[r : r + 1])
-        states = running[torch.tensor([rank[b] for b in range(num_seqs)], dtype=torch.long, device=device)]
-
-        # ---- scatter chunk outputs back to the token axis ----
+        chunks = _intra_chunk(chunked(qf), chunked(kf), chunked(v), chunked(g), chunked(beta))
+        o_c, states = _scan_chunks(chunks, states, num_chunks, capture_plan, ssm_state)
+        # scatter chunk outputs back to the token axis
         out[token_index[valid]] = o_c.transpose(1, 2)[valid]
 
     if num_seqs > 0:
         _write_states(ssm_state, [int(s) for s in state_slots.tolist()], states)
     return out.to(v.dtype)
+
+
+def _chunk_tokens(
+    bounds: list[int], num_chunks: list[int], chunk_size: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[NC, width]`` token index of every chunk's rows (0 on padding) and which rows are real."""
+    num_seqs = len(num_chunks)
+    chunk_first = torch.tensor(
+        [bounds[b] + i * chunk_size for b in range(num_seqs) for i in range(num_chunks[b])],
+        dtype=torch.long,
+        device=device,
+    )
+    chunk_end = torch.tensor(
+        [bounds[b + 1] for b in range(num_seqs) for _ in range(num_chunks[b])],
+        dtype=torch.long,
+        device=device,
+    )
+    token_index = chunk_first[:, None] + torch.arange(width, device=device)[None, :]
+    valid = token_index < chunk_end[:, None]  # [NC, C]
+    return torch.where(valid, token_index, torch.zeros_like(token_index)), valid
+
+
+@dataclass
+class _Chunks:
+    """Phase 1's per-chunk quantities (``[NC, H, C, ...]``), independent of the incoming state."""
+
+    u: torch.Tensor  # A^-1 (beta V)
+    w: torch.Tensor  # A^-1 (beta exp(G) K)
+    attn: torch.Tensor  # (Q K^T) * D, causal with the diagonal
+    q_decayed: torch.Tensor  # Q exp(G)
+    k_decayed: torch.Tensor  # K exp(G_last - G)
+    decay: torch.Tensor  # exp(G_last), [NC, H, 1, 1]
+
+
+def _intra_chunk(
+    q_c: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, g_c: torch.Tensor, beta_c: torch.Tensor
+) -> _Chunks:
+    """Phase 1 (see ``chunk_gated_delta_rule``): the WY factors and decayed operands per chunk."""
+    width, head_v_dim, head_k_dim = q_c.shape[-2], v_c.shape[-1], k_c.shape[-1]
+    g_cum = g_c.cumsum(dim=-1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=q_c.device).tril()
+    # Mask *before* exp: above the diagonal G_i - G_j >= 0 and could overflow.
+    decay = (g_cum[..., :, None] - g_cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    system = ((k_c @ k_c.transpose(-1, -2)) * decay * beta_c[..., :, None]).tril(-1)
+    rhs = torch.cat(
+        [v_c * beta_c[..., None], k_c * (beta_c * g_cum.exp())[..., None]],
+        dim=-1,
+    )
+    # unitriangular=True: the solver reads only the strict lower part and assumes ones on the
+    # diagonal, i.e. it solves (I + system) X = rhs, one solve for both right-hand sides.
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_c, w_c = solved.split([head_v_dim, head_k_dim], dim=-1)
+    return _Chunks(
+        u=u_c,
+        w=w_c,
+        attn=(q_c @ k_c.transpose(-1, -2)) * decay,
+        q_decayed=q_c * g_cum.exp()[..., None],
+        k_decayed=k_c * (g_cum[..., -1:] - g_cum).exp()[..., None],
+        decay=g_cum[..., -1].exp()[..., None, None],
+    )
+
+
+def _scan_chunks(
+    chunks: _Chunks,
+    states: torch.Tensor,
+    num_chunks: list[int],
+    capture_plan: dict[int, list[tuple[int, int]]],
+    ssm_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2: the scan over chunks, all segments at once; the chunk outputs and final states.
+    Captures are written as their boundary is reached.
+
+    Segments are sorted by chunk count (descending) so the segments still running at step i are
+    a prefix of the order: each step is a slice, and the Python loop runs max(num_chunks) times
+    instead of once per chunk of every segment.
+    """
+    device, num_seqs = states.device, len(num_chunks)
+    order = sorted(range(num_seqs), key=lambda b: -num_chunks[b])
+    rank = {b: r for r, b in enumerate(order)}
+    first_chunk = [0] * num_seqs
+    for b in range(1, num_seqs):
+        first_chunk[b] = first_chunk[b - 1] + num_chunks[b - 1]
+    first_chunk_sorted = torch.tensor([first_chunk[b] for b in order], dtype=torch.long, device=device)
+    running = states[torch.tensor(order, dtype=torch.long, device=device)]
+    o_c = torch.empty_like(chunks.u)
+    active_per_step = [sum(1 for b in order if num_chunks[b] > step) for step in range(num_chunks[order[0]])]
+    for step, active in enumerate(active_per_step):
+        idx = first_chunk_sorted[:active] + step
+        s = running[:active]
+        v_new = chunks.u[idx] - chunks.w[idx] @ s
+        o_c[idx] = chunks.q_decayed[idx] @ s + chunks.attn[idx] @ v_new
+        running[:active] = s * chunks.decay[idx] + chunks.k_decayed[idx].transpose(-1, -2) @ v_new
+        for seq, slot in capture_plan.get(step + 1, []):
+            r = rank[seq]
+            _write_states(ssm_state, [slot], running[r : r + 1])
+    return o_c, running[torch.tensor([rank[b] for b in range(num_seqs)], dtype=torch.long, device=device)]
 
 
 def recurrent_gated_delta_rule(

@@ -124,17 +124,30 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: Tensor, seg: GdnSegments, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
         t = x.shape[0]
-        nd = seg.num_decodes
         mixed_qkv, z, b, a = self.project(x)
-        weight = self.conv1d.weight.squeeze(1)  # [C, K]
+        mixed_qkv = self._conv(mixed_qkv, seg, conv_state)
+        q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # fp32: in fp16/bf16 exp(A_log) can overflow, and g is accumulated over many tokens.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = self._delta_rule(q, k, v, g, beta, seg, ssm_state)
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(t, self.value_dim))
 
-        conv_out = []
+    def _conv(self, mixed_qkv: Tensor, seg: GdnSegments, conv_state: Tensor) -> Tensor:
+        """The short convolution: the decodes' one-token update, then the prefill segments."""
+        nd = seg.num_decodes
+        weight = self.conv1d.weight.squeeze(1)  # [C, K]
+        out = []
         if nd > 0:
-            conv_out.append(
+            out.append(
                 self.ops.causal_conv1d_update(mixed_qkv[:nd], weight, None, conv_state, seg.decode_slots)
             )
         if seg.prefill_cu_seqlens is not None:
-            conv_out.append(
+            out.append(
                 self.ops.causal_conv1d_varlen(
                     mixed_qkv[nd:],
                     weight,
@@ -148,25 +161,23 @@ class GatedDeltaNet(nn.Module):
                     capture_slots=seg.capture_slots,
                 )
             )
-        mixed_qkv = conv_out[0] if len(conv_out) == 1 else torch.cat(conv_out, dim=0)
+        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
-        q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        # fp32: in fp16/bf16 exp(A_log) can overflow, and g is accumulated over many tokens.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-        core = []
+    def _delta_rule(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: GdnSegments, ssm_state: Tensor
+    ) -> Tensor:
+        """The gated delta rule: the decodes' recurrent step, then the prefill segments' chunked
+        scan (which writes the captured states into their slots)."""
+        nd = seg.num_decodes
+        out = []
         if nd > 0:
-            core.append(
+            out.append(
                 self.ops.recurrent_gated_delta_rule(
                     q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state, seg.decode_slots, use_qk_l2norm=True
                 )
             )
         if seg.prefill_cu_seqlens is not None:
-            core.append(
+            out.append(
                 self.ops.chunk_gated_delta_rule(
                     q[nd:],
                     k[nd:],
@@ -183,10 +194,7 @@ class GatedDeltaNet(nn.Module):
                     use_qk_l2norm=True,
                 )
             )
-        o = core[0] if len(core) == 1 else torch.cat(core, dim=0)
-
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(t, self.value_dim))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):

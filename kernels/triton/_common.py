@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "INTERPRET",
+    "Segments",
     "block",
     "check_device",
     "dot_precision",
@@ -21,6 +23,7 @@ __all__ = [
     "last_dim_contiguous",
     "next_pow2",
     "num_sms",
+    "varlen_segments",
 ]
 
 # Read once, the way triton.jit reads it: the kernels in this package were decorated in
@@ -58,6 +61,48 @@ def host_lists(*tensors: torch.Tensor | None) -> list[list[int] | None]:
         else:
             out.append([int(v) for v in moved.get(id(t), t).reshape(-1).to(torch.int64).tolist()])
     return out
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A varlen batch's metadata as host lists, checked (``varlen_segments``)."""
+
+    bounds: list[int]  # cu_seqlens: segment b is tokens [bounds[b], bounds[b + 1])
+    lengths: list[int]
+    slots: list[int]  # state slot of each segment
+    has_init: list[int]  # 1: the segment starts from its slot's state, 0: from zeros
+    capture_seq: list[int] | None  # the captures, as given (each op checks their positions)
+    capture_pos: list[int] | None
+    capture_slots: list[int] | None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+
+def varlen_segments(
+    num_tokens: int,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    capture_seq: torch.Tensor | None = None,
+    capture_pos: torch.Tensor | None = None,
+    capture_slots: torch.Tensor | None = None,
+) -> Segments:
+    """The varlen ops' batch metadata on the host (one copy), with ``cu_seqlens`` running from 0
+    to ``num_tokens`` without decreasing and one slot and initial-state flag per segment."""
+    bounds, slots, has_init, cap_seq, cap_pos, cap_slots = host_lists(
+        cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
+    )
+    assert bounds is not None and slots is not None and has_init is not None
+    if not bounds or bounds[0] != 0 or bounds[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to T={num_tokens}, got {bounds}")
+    lengths = [bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    if len(slots) != len(lengths) or len(has_init) != len(lengths):
+        raise ValueError(f"state_slots / has_initial_state need {len(lengths)} entries")
+    return Segments(bounds, lengths, slots, [int(bool(v)) for v in has_init], cap_seq, cap_pos, cap_slots)
 
 
 def index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:

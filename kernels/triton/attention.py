@@ -23,6 +23,8 @@ caches, exact for fp32). Under ``TRITON_INTERPRET=1`` the operands are upcast to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -262,7 +264,6 @@ def paged_attention_impl(
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention needs caches with a contiguous last axis")
-    group = num_q_heads // num_kv_heads
     bounds, contexts = host_lists(cu_seqlens_q, seq_lens)
     assert bounds is not None and contexts is not None
     if len(bounds) != len(contexts) + 1:
@@ -271,22 +272,28 @@ def paged_attention_impl(
     if num_tokens == 0:
         return out
     q = _inner_contiguous(q)
-    device = q.device
-    tables = block_tables.to(device=device, dtype=torch.int64)
+    tables = block_tables.to(device=q.device, dtype=torch.int64)
     if tables.dim() != 2 or (tables.shape[1] > 0 and tables.stride(1) != 1):
         tables = tables.reshape(len(contexts), -1).contiguous()
-    group_pad = next_pow2(group)
-    bdk, bdv = block(head_k_dim), block(head_v_dim)
-    # input_precision only matters for fp32 operands; 16-bit ones always use the tensor cores.
-    precision = dot_precision() if q.dtype == torch.float32 else "tf32"
-    wide = max(bdk, bdv) > 128
-    if block_n is None:  # sized so the sm_90 builds do not spill (fp32 operands take twice the room)
-        block_n = 32 if wide or q.dtype == torch.float32 else 64
+    call = _AttnCall.make(q, k_cache, v_cache, tables, out, scale, block_n)
     if block_q is None:
-        block_q = max(1, (64 if not wide else 32) // group_pad)
+        block_q = max(1, (64 if not call.wide else 32) // call.group_pad)
+    decode, prefill = _work_tiles(bounds, contexts, block_q)
+    if prefill:
+        call.prefill(prefill, block_q)
+    if decode:
+        call.decode(decode, num_splits)
+    return out
 
-    decode: list[tuple[int, int, int, int]] = []  # (seq, first token, qlen, first position)
-    prefill: list[tuple[int, int, int, int]] = []
+
+Tile = tuple[int, int, int, int]  # (segment, first query token, query tokens, first query position)
+
+
+def _work_tiles(bounds: list[int], contexts: list[int], block_q: int) -> tuple[list[Tile], list[Tile]]:
+    """The decode tiles (one per one-token segment) and the prefill tiles (``block_q`` query
+    tokens each), the prefill ones longest key range first."""
+    decode: list[Tile] = []
+    prefill: list[Tile] = []
     for b, context in enumerate(contexts):
         q_start, q_len = bounds[b], bounds[b + 1] - bounds[b]
         if q_len == 0:
@@ -299,56 +306,117 @@ def paged_attention_impl(
             for t0 in range(0, q_len, block_q):
                 prefill.append((b, q_start + t0, min(block_q, q_len - t0), context - q_len + t0))
     prefill.sort(key=lambda tile: -(tile[3] + tile[2]))  # longest key ranges first
+    return decode, prefill
 
-    common = (
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
-    )  # fmt: skip
 
-    def tables_of(tiles: list[tuple[int, int, int, int]]) -> list[torch.Tensor]:
-        return [index_tensor([tile[i] for tile in tiles], device) for i in range(4)]
+@dataclass(frozen=True)
+class _AttnCall:
+    """One ``paged_attention`` call's tensors and tile sizes, shared by its prefill and decode
+    launches."""
 
-    if prefill:
-        bm = max(16, block_q * group_pad)
-        _paged_attn_kernel[(len(prefill), num_kv_heads, 1)](
-            q, k_cache, v_cache, tables, out, out, out, *tables_of(prefill), *common,
-            scale, 1 << 30, 1,
-            num_q_heads, group, head_k_dim, head_v_dim, block_size,
-            PARTIAL=False, GROUP_PAD=group_pad, BLOCK_M=bm, BLOCK_N=block_n, BDK=bdk, BDV=bdv,
-            PRECISION=precision, DOT_FP32=INTERPRET, num_warps=8 if bm * max(bdk, bdv) >= 64 * 128 else 4,
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor
+    out: torch.Tensor
+    scale: float
+    group: int
+    group_pad: int
+    block_n: int
+    bdk: int
+    bdv: int
+    precision: str
+    wide: bool
+
+    @classmethod
+    def make(
+        cls,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        block_n: int | None,
+    ) -> _AttnCall:
+        group = q.shape[1] // v_cache.shape[2]
+        bdk, bdv = block(q.shape[2]), block(v_cache.shape[3])
+        wide = max(bdk, bdv) > 128
+        if block_n is None:  # sized so the sm_90 builds do not spill (fp32 operands take twice the room)
+            block_n = 32 if wide or q.dtype == torch.float32 else 64
+        # input_precision only matters for fp32 operands; 16-bit ones always use the tensor cores.
+        precision = dot_precision() if q.dtype == torch.float32 else "tf32"
+        return cls(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            out,
+            scale,
+            group,
+            next_pow2(group),
+            block_n,
+            bdk,
+            bdv,
+            precision,
+            wide,
+        )
+
+    def _strides(self) -> tuple[int, ...]:
+        q, out, k, v = self.q, self.out, self.k_cache, self.v_cache
+        return (
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), self.tables.stride(0),
         )  # fmt: skip
 
-    if decode:
-        max_context = max(tile[3] + 1 for tile in decode)
+    def _shape(self) -> tuple[int, ...]:
+        """Query heads, group, head dims, block size: the kernel's runtime shape arguments."""
+        return (self.q.shape[1], self.group, self.q.shape[2], self.v_cache.shape[3], self.v_cache.shape[1])
+
+    def _work(self, tiles: list[Tile]) -> list[torch.Tensor]:
+        return [index_tensor([tile[i] for tile in tiles], self.q.device) for i in range(4)]
+
+    def prefill(self, tiles: list[Tile], block_q: int) -> None:
+        """One program per (prefill tile, KV head)."""
+        bm = max(16, block_q * self.group_pad)
+        num_kv_heads = self.v_cache.shape[2]
+        out = self.out
+        _paged_attn_kernel[(len(tiles), num_kv_heads, 1)](
+            self.q, self.k_cache, self.v_cache, self.tables, out, out, out, *self._work(tiles),
+            *self._strides(), self.scale, 1 << 30, 1, *self._shape(),
+            PARTIAL=False, GROUP_PAD=self.group_pad, BLOCK_M=bm, BLOCK_N=self.block_n, BDK=self.bdk,
+            BDV=self.bdv, PRECISION=self.precision, DOT_FP32=INTERPRET,
+            num_warps=8 if bm * max(self.bdk, self.bdv) >= 64 * 128 else 4,
+        )  # fmt: skip
+
+    def decode(self, tiles: list[Tile], num_splits: int | None) -> None:
+        """Flash decoding: each (decode token, KV head) split over ``num_splits`` programs (None:
+        enough to fill the GPU, at least ~256 keys per split), merged by the combine kernel."""
+        num_q_heads, num_kv_heads, head_v_dim = self.q.shape[1], self.v_cache.shape[2], self.v_cache.shape[3]
+        device, out = self.q.device, self.out
+        max_context = max(tile[3] + 1 for tile in tiles)
         if num_splits is None:
-            # Enough programs to fill the GPU, but at least ~256 keys per split.
-            want = triton.cdiv(2 * num_sms(device), len(decode) * num_kv_heads)
+            want = triton.cdiv(2 * num_sms(device), len(tiles) * num_kv_heads)
             num_splits = max(1, min(want, triton.cdiv(max_context, 256)))
-        split_size = triton.cdiv(triton.cdiv(max_context, max(1, num_splits)), block_n) * block_n
+        split_size = triton.cdiv(triton.cdiv(max_context, max(1, num_splits)), self.block_n) * self.block_n
         num_splits = triton.cdiv(max_context, split_size)
-        bm = max(16, group_pad)
-        seq_t, q0_t, qlen_t, pos0_t = tables_of(decode)
+        seq_t, q0_t, qlen_t, pos0_t = self._work(tiles)
+        part_o = part_ml = out
         if num_splits > 1:
-            part_o = torch.empty(
-                len(decode) * num_q_heads * num_splits, head_v_dim, dtype=torch.float32, device=device
-            )
-            part_ml = torch.empty(
-                len(decode) * num_q_heads * num_splits, 2, dtype=torch.float32, device=device
-            )
-        else:
-            part_o = part_ml = out
-        _paged_attn_kernel[(len(decode), num_kv_heads, num_splits)](
-            q, k_cache, v_cache, tables, out, part_o, part_ml, seq_t, q0_t, qlen_t, pos0_t, *common,
-            scale, split_size, num_splits,
-            num_q_heads, group, head_k_dim, head_v_dim, block_size,
-            PARTIAL=num_splits > 1, GROUP_PAD=group_pad, BLOCK_M=bm, BLOCK_N=block_n, BDK=bdk, BDV=bdv,
-            PRECISION=precision, DOT_FP32=INTERPRET, num_warps=4,
+            rows = len(tiles) * num_q_heads * num_splits
+            part_o = torch.empty(rows, head_v_dim, dtype=torch.float32, device=device)
+            part_ml = torch.empty(rows, 2, dtype=torch.float32, device=device)
+        _paged_attn_kernel[(len(tiles), num_kv_heads, num_splits)](
+            self.q, self.k_cache, self.v_cache, self.tables, out, part_o, part_ml,
+            seq_t, q0_t, qlen_t, pos0_t, *self._strides(), self.scale, split_size, num_splits, *self._shape(),
+            PARTIAL=num_splits > 1, GROUP_PAD=self.group_pad, BLOCK_M=max(16, self.group_pad),
+            BLOCK_N=self.block_n, BDK=self.bdk, BDV=self.bdv, PRECISION=self.precision,
+            DOT_FP32=INTERPRET, num_warps=4,
         )  # fmt: skip
         if num_splits > 1:
-            _paged_attn_combine_kernel[(len(decode), num_q_heads)](
+            _paged_attn_combine_kernel[(len(tiles), num_q_heads)](
                 part_o, part_ml, out, q0_t, out.stride(0), out.stride(1),
                 num_splits, num_q_heads, head_v_dim,
-                BS=next_pow2(num_splits), BDV=bdv, num_warps=4,
+                BS=next_pow2(num_splits), BDV=self.bdv, num_warps=4,
             )  # fmt: skip
-    return out

@@ -25,7 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels.triton._common import block, check_device, host_lists, index_tensor, next_pow2
+from deltaserve.kernels.triton._common import (
+    Segments,
+    block,
+    check_device,
+    index_tensor,
+    next_pow2,
+    varlen_segments,
+)
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
@@ -153,88 +160,107 @@ def causal_conv1d_varlen(
     """Varlen causal conv over ``cu_seqlens`` segments; returns ``y [T, C]`` in ``x.dtype``."""
     silu = _activation_flag(activation)
     num_tokens, channels = x.shape
-    kernel = weight.shape[-1]
-    device = x.device
     check_device(x, weight, bias, conv_state)
-    bounds, slots, has_init, cap_seq, cap_pos, cap_slots = host_lists(
-        cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
+    segs = varlen_segments(
+        num_tokens, cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
     )
-    assert bounds is not None and slots is not None and has_init is not None
-    if not bounds or bounds[0] != 0 or bounds[-1] != num_tokens:
-        raise ValueError(f"cu_seqlens must run from 0 to T={num_tokens}, got {bounds}")
-    num_seqs = len(bounds) - 1
-    lengths = [bounds[b + 1] - bounds[b] for b in range(num_seqs)]
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-    has_init = [int(bool(v)) for v in has_init]
-    if len(slots) != num_seqs or len(has_init) != num_seqs:
-        raise ValueError(f"state_slots / has_initial_state need {num_seqs} entries")
-
-    captures: list[tuple[int, int, int]] = []
-    given = [c is not None for c in (cap_seq, cap_pos, cap_slots)]
-    if any(given):
-        if not all(given):
-            raise ValueError("capture_seq, capture_pos and capture_slots must be given together")
-        assert cap_seq is not None and cap_pos is not None and cap_slots is not None
-        seqs, positions, dst = cap_seq, cap_pos, cap_slots
-        if not len(seqs) == len(positions) == len(dst):
-            raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
-        for seq, pos, slot in zip(seqs, positions, dst):
-            if not 0 <= seq < num_seqs:
-                raise ValueError(f"capture_seq {seq} outside this call's batch of {num_seqs} segments")
-            if not 0 <= pos <= lengths[seq]:
-                raise ValueError(f"capture_pos {pos} outside segment {seq}")
-            captures.append((seq, pos, slot))
-
-    y = torch.empty(num_tokens, channels, dtype=x.dtype, device=device)
-    if num_seqs == 0:
+    captures = _checked_captures(segs)
+    y = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    if segs.num_seqs == 0:
         return y
     if x.stride(-1) != 1:
         x = x.contiguous()
-    seq_slot = index_tensor(slots, device)
-    seq_init = index_tensor(has_init, device)
-    bc = min(block(channels, 1), _CHANNEL_TILE)
-    grid_c = triton.cdiv(channels, bc)
-    bc_tile = min(block(channels, 1), _VARLEN_CHANNEL_TILE)
+    seq_slot = index_tensor(segs.slots, x.device)
+    seq_init = index_tensor(segs.has_init, x.device)
+    _launch_conv(x, weight, bias, y, conv_state, segs, seq_slot, seq_init, silu)
+    if weight.shape[-1] > 1:
+        seq_start = index_tensor(segs.bounds[:-1], x.device)
+        finals = [(b, segs.lengths[b], segs.slots[b]) for b in range(segs.num_seqs)]
+        # captures first: they may read an initial state that the finals overwrite
+        for job in (captures, finals):
+            if job:
+                _launch_state_writes(x, weight.shape[-1], conv_state, job, seq_start, seq_slot, seq_init)
+    return y
 
+
+def _checked_captures(segs: Segments) -> list[tuple[int, int, int]]:
+    """(segment, inputs before the capture, slot) of every capture; any position in the segment."""
+    given = [c is not None for c in (segs.capture_seq, segs.capture_pos, segs.capture_slots)]
+    if not any(given):
+        return []
+    if not all(given):
+        raise ValueError("capture_seq, capture_pos and capture_slots must be given together")
+    assert segs.capture_seq is not None and segs.capture_pos is not None and segs.capture_slots is not None
+    if not len(segs.capture_seq) == len(segs.capture_pos) == len(segs.capture_slots):
+        raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
+    captures = list(zip(segs.capture_seq, segs.capture_pos, segs.capture_slots))
+    for seq, pos, _ in captures:
+        if not 0 <= seq < segs.num_seqs:
+            raise ValueError(f"capture_seq {seq} outside this call's batch of {segs.num_seqs} segments")
+        if not 0 <= pos <= segs.lengths[seq]:
+            raise ValueError(f"capture_pos {pos} outside segment {seq}")
+    return captures
+
+
+def _launch_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    conv_state: torch.Tensor,
+    segs: Segments,
+    seq_slot: torch.Tensor,
+    seq_init: torch.Tensor,
+    silu: bool,
+) -> None:
+    """The outputs: one program per (token tile of a segment, channel tile)."""
     tile_seq: list[int] = []
     tile_start: list[int] = []
     tile_off: list[int] = []
     tile_len: list[int] = []
-    for b, n in enumerate(lengths):
+    for b, n in enumerate(segs.lengths):
         for off in range(0, n, _TOKEN_TILE):
             tile_seq.append(b)
-            tile_start.append(bounds[b])
+            tile_start.append(segs.bounds[b])
             tile_off.append(off)
             tile_len.append(min(_TOKEN_TILE, n - off))
-    if tile_seq:
-        bt = block(min(_TOKEN_TILE, max(lengths)), 1)
-        _conv_varlen_kernel[(len(tile_seq), triton.cdiv(channels, bc_tile))](
-            x, weight, bias if bias is not None else weight, y, conv_state,
-            index_tensor(tile_seq, device), index_tensor(tile_start, device), index_tensor(tile_off, device),
-            index_tensor(tile_len, device), seq_slot, seq_init,
-            x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(),
-            channels,
-            KW=kernel, HAS_BIAS=bias is not None, SILU=silu, BT=bt, BC=bc_tile,
-            num_warps=4,
-        )  # fmt: skip
+    if not tile_seq:
+        return
+    channels, device = x.shape[1], x.device
+    bc = min(block(channels, 1), _VARLEN_CHANNEL_TILE)
+    bt = block(min(_TOKEN_TILE, max(segs.lengths)), 1)
+    _conv_varlen_kernel[(len(tile_seq), triton.cdiv(channels, bc))](
+        x, weight, bias if bias is not None else weight, y, conv_state,
+        index_tensor(tile_seq, device), index_tensor(tile_start, device), index_tensor(tile_off, device),
+        index_tensor(tile_len, device), seq_slot, seq_init,
+        x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(),
+        channels,
+        KW=weight.shape[-1], HAS_BIAS=bias is not None, SILU=silu, BT=bt, BC=bc,
+        num_warps=4,
+    )  # fmt: skip
 
-    if kernel > 1:
-        seq_start = index_tensor(bounds[:-1], device)
-        jobs = [captures, [(b, lengths[b], slots[b]) for b in range(num_seqs)]]
-        for job in jobs:  # captures first: they may read an initial state the finals overwrite
-            if not job:
-                continue
-            _conv_state_kernel[(len(job), grid_c)](
-                x, conv_state,
-                index_tensor([j[0] for j in job], device), index_tensor([j[1] for j in job], device),
-                index_tensor([j[2] for j in job], device), seq_start, seq_slot, seq_init,
-                x.stride(0), *conv_state.stride(),
-                channels,
-                KW=kernel, BW=max(2, next_pow2(kernel - 1)), BC=bc,
-                num_warps=4,
-            )  # fmt: skip
-    return y
+
+def _launch_state_writes(
+    x: torch.Tensor,
+    kernel: int,
+    conv_state: torch.Tensor,
+    job: list[tuple[int, int, int]],
+    seq_start: torch.Tensor,
+    seq_slot: torch.Tensor,
+    seq_init: torch.Tensor,
+) -> None:
+    """Conv states after given inputs of their segments: one program per (state, channel tile)."""
+    channels, device = x.shape[1], x.device
+    bc = min(block(channels, 1), _CHANNEL_TILE)
+    _conv_state_kernel[(len(job), triton.cdiv(channels, bc))](
+        x, conv_state,
+        index_tensor([j[0] for j in job], device), index_tensor([j[1] for j in job], device),
+        index_tensor([j[2] for j in job], device), seq_start, seq_slot, seq_init,
+        x.stride(0), *conv_state.stride(),
+        channels,
+        KW=kernel, BW=max(2, next_pow2(kernel - 1)), BC=bc,
+        num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -32,19 +32,22 @@ Several captures of one boundary are supported (the extra ones are copied after 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from deltaserve.kernels.gdn import GDN_CHUNK_SIZE, _plan_captures
 from deltaserve.kernels.triton._common import (
+    Segments,
     block,
     check_device,
     dot_precision,
-    host_lists,
     index_tensor,
     last_dim_contiguous,
     num_sms,
+    varlen_segments,
 )
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
@@ -279,117 +282,195 @@ def chunk_gated_delta_rule(
     """Chunked gated delta rule over a varlen batch; returns ``o [T, Hv, Dv]`` in ``v.dtype``."""
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
-    _, head_k_dim, num_v_heads, head_v_dim, group = _check_heads(q, k, v)
-    num_tokens = v.shape[0]
-    device = v.device
+    _, _, num_v_heads, head_v_dim, _ = _check_heads(q, k, v)
     check_device(q, k, v, g, beta, ssm_state)
-    bounds, slots, has_init, cap_seq, cap_pos, cap_slots = host_lists(
-        cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
+    segs = varlen_segments(
+        v.shape[0], cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
     )
-    assert bounds is not None and slots is not None and has_init is not None
-    num_seqs = len(bounds) - 1
-    if not bounds or bounds[0] != 0 or bounds[-1] != num_tokens:
-        raise ValueError(f"cu_seqlens must run from 0 to T={num_tokens}, got {bounds}")
-    lengths = [bounds[b + 1] - bounds[b] for b in range(num_seqs)]
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-    num_chunks = [-(-n // chunk_size) for n in lengths]
+    num_chunks = [-(-n // chunk_size) for n in segs.lengths]
     # The reference's validation and "state after pos tokens = state after ceil(pos/C) chunks" plan.
+    given = (segs.capture_seq, segs.capture_pos, segs.capture_slots)
     plan = _plan_captures(
-        lengths,
+        segs.lengths,
         num_chunks,
         chunk_size,
-        *(None if c is None else torch.tensor(c, dtype=torch.long) for c in (cap_seq, cap_pos, cap_slots)),
+        *(None if c is None else torch.tensor(c, dtype=torch.long) for c in given),
     )
-    has_init = [int(bool(x)) for x in has_init]
-    if len(slots) != num_seqs or len(has_init) != num_seqs:
-        raise ValueError(f"state_slots / has_initial_state need {num_seqs} entries")
-
-    out = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
-    if num_seqs == 0:
+    out = torch.empty(v.shape[0], num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    if segs.num_seqs == 0:
         return out
-
-    # Chunk table and boundary table (boundary j of segment b = "after j chunks", j = 0..nc_b).
-    chunk_start: list[int] = []
-    chunk_len: list[int] = []
-    first_chunk: list[int] = []
-    bound_row: list[int] = []
-    num_bounds = 0
-    for b in range(num_seqs):
-        first_chunk.append(len(chunk_start))
-        bound_row.append(num_bounds)
-        num_bounds += num_chunks[b] + 1
-        for i in range(num_chunks[b]):
-            chunk_start.append(bounds[b] + i * chunk_size)
-            chunk_len.append(min(chunk_size, lengths[b] - i * chunk_size))
-    bound_slot = [-1] * num_bounds
-    extra_src: list[int] = []
-    extra_dst: list[int] = []
-    for step, entries in plan.items():
-        for seq, slot in entries:
-            row = bound_row[seq] + step
-            if bound_slot[row] < 0:
-                bound_slot[row] = slot
-            else:  # a second capture of the same boundary: copy from the first afterwards
-                extra_src.append(bound_slot[row])
-                extra_dst.append(slot)
-    total_chunks = len(chunk_start)
-
+    tables = _ChunkTables.build(segs, num_chunks, chunk_size, plan)
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    precision = dot_precision()
-    bt = block(min(chunk_size, max(lengths)))
-    bk = block(head_k_dim)
-    use_l2 = bool(use_qk_l2norm)
-    t_chunk_start = index_tensor(chunk_start, device)
-    t_chunk_len = index_tensor(chunk_len, device)
-    # Workspaces (fp32): within-chunk cumulative decay, WY factors, state entering each chunk.
-    gcum = torch.empty(max(num_tokens, 1), num_v_heads, dtype=torch.float32, device=device)
-    w_buf = torch.empty(max(num_tokens, 1), num_v_heads, head_k_dim, dtype=torch.float32, device=device)
-    u_buf = torch.empty(max(num_tokens, 1), num_v_heads, head_v_dim, dtype=torch.float32, device=device)
-    hbuf = torch.empty(
-        max(total_chunks, 1), num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
+    call = _ChunkCall.make(
+        q, k, v, g, beta, ssm_state, out, tables, min(chunk_size, max(segs.lengths)), use_qk_l2norm
     )
+    if tables.total_chunks > 0:
+        call.prep()
+    call.scan(segs, tables)
+    if tables.total_chunks > 0:
+        call.output()
+    if tables.extra_dst:
+        src = torch.tensor(tables.extra_src, dtype=torch.long, device=ssm_state.device)
+        dst = torch.tensor(tables.extra_dst, dtype=torch.long, device=ssm_state.device)
+        ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+    return out
 
-    if total_chunks > 0:
-        _chunk_prep_kernel[(total_chunks, num_v_heads)](
-            k, v, g, beta, t_chunk_start, t_chunk_len, gcum, w_buf, u_buf,
+
+@dataclass(frozen=True)
+class _ChunkTables:
+    """The chunk table (one row per chunk of ``chunk_size`` tokens from each segment's start) and
+    the boundary table (boundary ``j`` of segment ``b`` = "after ``j`` chunks", ``j = 0..nc_b``,
+    at row ``bound_row[b] + j``), with the capture slot of each boundary (-1: none)."""
+
+    chunk_start: list[int]  # first token of each chunk
+    chunk_len: list[int]
+    first_chunk: list[int]  # per segment: its first chunk's row
+    num_chunks: list[int]  # per segment
+    bound_row: list[int]  # per segment: its boundary 0's row
+    bound_slot: list[int]
+    # a second capture of one boundary: copied from the first's slot after the scan
+    extra_src: list[int]
+    extra_dst: list[int]
+
+    @property
+    def total_chunks(self) -> int:
+        return len(self.chunk_start)
+
+    @classmethod
+    def build(
+        cls, segs: Segments, num_chunks: list[int], chunk_size: int, plan: dict[int, list[tuple[int, int]]]
+    ) -> _ChunkTables:
+        chunk_start: list[int] = []
+        chunk_len: list[int] = []
+        first_chunk: list[int] = []
+        bound_row: list[int] = []
+        num_bounds = 0
+        for b, length in enumerate(segs.lengths):
+            first_chunk.append(len(chunk_start))
+            bound_row.append(num_bounds)
+            num_bounds += num_chunks[b] + 1
+            for i in range(num_chunks[b]):
+                chunk_start.append(segs.bounds[b] + i * chunk_size)
+                chunk_len.append(min(chunk_size, length - i * chunk_size))
+        bound_slot = [-1] * num_bounds
+        extra_src: list[int] = []
+        extra_dst: list[int] = []
+        for step, entries in plan.items():
+            for seq, slot in entries:
+                row = bound_row[seq] + step
+                if bound_slot[row] < 0:
+                    bound_slot[row] = slot
+                else:
+                    extra_src.append(bound_slot[row])
+                    extra_dst.append(slot)
+        return cls(
+            chunk_start, chunk_len, first_chunk, num_chunks, bound_row, bound_slot, extra_src, extra_dst
+        )
+
+
+@dataclass(frozen=True)
+class _ChunkCall:
+    """One ``chunk_gated_delta_rule`` call's tensors, fp32 workspaces and tile sizes, shared by
+    its three launches."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    ssm_state: torch.Tensor
+    out: torch.Tensor
+    chunk_start: torch.Tensor  # the chunk table on the device
+    chunk_len: torch.Tensor
+    total_chunks: int
+    # workspaces (fp32): within-chunk cumulative decay, WY factors, state entering each chunk
+    gcum: torch.Tensor
+    w_buf: torch.Tensor
+    u_buf: torch.Tensor
+    hbuf: torch.Tensor
+    group: int
+    bt: int  # tokens per chunk tile
+    bk: int
+    use_l2: bool
+    precision: str
+
+    @classmethod
+    def make(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_state: torch.Tensor,
+        out: torch.Tensor,
+        tables: _ChunkTables,
+        tokens_per_tile: int,
+        use_qk_l2norm: bool,
+    ) -> _ChunkCall:
+        num_tokens, num_v_heads, head_v_dim = v.shape
+        head_k_dim = k.shape[2]
+        device, rows = v.device, max(num_tokens, 1)
+        return cls(
+            q, k, v, g, beta, ssm_state, out,
+            index_tensor(tables.chunk_start, device), index_tensor(tables.chunk_len, device), tables.total_chunks,
+            torch.empty(rows, num_v_heads, dtype=torch.float32, device=device),
+            torch.empty(rows, num_v_heads, head_k_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, num_v_heads, head_v_dim, dtype=torch.float32, device=device),
+            torch.empty(
+                max(tables.total_chunks, 1), num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
+            ),
+            num_v_heads // k.shape[1], block(tokens_per_tile), block(head_k_dim), bool(use_qk_l2norm),
+            dot_precision(),
+        )  # fmt: skip
+
+    def _dims(self) -> tuple[int, int, int, int]:
+        """Value heads, group, Dk, Dv: the kernels' runtime shape arguments."""
+        return (self.v.shape[1], self.group, self.k.shape[2], self.v.shape[2])
+
+    def prep(self) -> None:
+        """Step 1: one program per (chunk, value head)."""
+        k, v, g, beta = self.k, self.v, self.g, self.beta
+        bt, bk = self.bt, self.bk
+        _chunk_prep_kernel[(self.total_chunks, self.v.shape[1])](
+            k, v, g, beta, self.chunk_start, self.chunk_len, self.gcum, self.w_buf, self.u_buf,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-            beta.stride(0), beta.stride(1),
-            num_v_heads, group, head_k_dim, head_v_dim,
-            USE_L2NORM=use_l2, BT=bt, BK=bk, BV=min(block(head_v_dim), 64), PRECISION=precision,
+            beta.stride(0), beta.stride(1), *self._dims(),
+            USE_L2NORM=self.use_l2, BT=bt, BK=bk, BV=min(block(v.shape[2]), 64), PRECISION=self.precision,
             num_warps=8 if bt * bk >= 64 * 128 else 4,
         )  # fmt: skip
 
-    # Scan: few programs (segments x heads x Dv tiles), so use narrow Dv tiles when that is short.
-    bv_scan = min(block(head_v_dim), 32)
-    while bv_scan > 16 and num_seqs * num_v_heads * triton.cdiv(head_v_dim, bv_scan) < 2 * num_sms(device):
-        bv_scan //= 2
-    _chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, bv_scan))](
-        k, gcum, w_buf, u_buf, hbuf, ssm_state,
-        index_tensor(first_chunk, device), index_tensor(num_chunks, device), index_tensor(slots, device),
-        index_tensor(has_init, device), index_tensor(bound_row, device), index_tensor(bound_slot, device),
-        t_chunk_start, t_chunk_len,
-        k.stride(0), k.stride(1), *ssm_state.stride(),
-        num_v_heads, group, head_k_dim, head_v_dim,
-        USE_L2NORM=use_l2, BT=bt, BK=bk, BV=bv_scan, PRECISION=precision,
-        num_warps=4,
-    )  # fmt: skip
-
-    if total_chunks > 0:
-        bv_out = min(block(head_v_dim), 32)
-        _chunk_output_kernel[(total_chunks, num_v_heads, triton.cdiv(head_v_dim, bv_out))](
-            q, k, gcum, w_buf, u_buf, hbuf, out, t_chunk_start, t_chunk_len,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-            num_v_heads, group, head_k_dim, head_v_dim, head_k_dim**-0.5,
-            USE_L2NORM=use_l2, BT=bt, BK=bk, BV=bv_out, PRECISION=precision,
+    def scan(self, segs: Segments, tables: _ChunkTables) -> None:
+        """Step 2: one program per (segment, value head, Dv tile); few programs, so narrow Dv
+        tiles when that is short of the GPU."""
+        num_v_heads, head_v_dim, device = self.v.shape[1], self.v.shape[2], self.v.device
+        bv = min(block(head_v_dim), 32)
+        while bv > 16 and segs.num_seqs * num_v_heads * triton.cdiv(head_v_dim, bv) < 2 * num_sms(device):
+            bv //= 2
+        k = self.k
+        _chunk_scan_kernel[(segs.num_seqs, num_v_heads, triton.cdiv(head_v_dim, bv))](
+            k, self.gcum, self.w_buf, self.u_buf, self.hbuf, self.ssm_state,
+            index_tensor(tables.first_chunk, device), index_tensor(tables.num_chunks, device),
+            index_tensor(segs.slots, device), index_tensor(segs.has_init, device),
+            index_tensor(tables.bound_row, device), index_tensor(tables.bound_slot, device),
+            self.chunk_start, self.chunk_len,
+            k.stride(0), k.stride(1), *self.ssm_state.stride(), *self._dims(),
+            USE_L2NORM=self.use_l2, BT=self.bt, BK=self.bk, BV=bv, PRECISION=self.precision,
             num_warps=4,
         )  # fmt: skip
 
-    if extra_dst:
-        src = torch.tensor(extra_src, dtype=torch.long, device=ssm_state.device)
-        dst = torch.tensor(extra_dst, dtype=torch.long, device=ssm_state.device)
-        ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
-    return out
+    def output(self) -> None:
+        """Step 3: one program per (chunk, value head, Dv tile)."""
+        q, k, out = self.q, self.k, self.out
+        head_k_dim, head_v_dim = k.shape[2], self.v.shape[2]
+        bv = min(block(head_v_dim), 32)
+        _chunk_output_kernel[(self.total_chunks, self.v.shape[1], triton.cdiv(head_v_dim, bv))](
+            q, k, self.gcum, self.w_buf, self.u_buf, self.hbuf, out, self.chunk_start, self.chunk_len,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+            *self._dims(), head_k_dim**-0.5,
+            USE_L2NORM=self.use_l2, BT=self.bt, BK=self.bk, BV=bv, PRECISION=self.precision,
+            num_warps=4,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -1,0 +1,31 @@
+"""RequestState: the engine-side state of one request, beside the torch-free scheduler ``Request``.
+
+``EngineCore.states`` keeps one per running request (created when the request is added,
+dropped when it ends). It holds what the scheduler must not see: the detokenizer, the stop
+ids, the request's seeded generator and the tensors the sampler builds once per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.outputs import TokenLogprob
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Engine-side state of one request, kept by ``EngineCore.states`` beside the torch-free
+    scheduler ``Request`` (created at ``add_request``, dropped when the request ends)."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_ids: frozenset[int]  # stop_token_ids, plus the model's EOS ids unless ignore_eos
+    generator: torch.Generator | None  # per-request RNG when SamplingParams.seed is set
+    # log-probabilities of the tokens sampled since the engine last took them (logprobs requests)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_ids: torch.Tensor | None = None  # the prompt as a tensor, built once (repetition penalty)
+    # greedy with nothing before the argmax (``sampling.plain_greedy(params)``): a batch of only
+    # such rows samples with one argmax
+    plain_greedy: bool = False
