@@ -40,9 +40,10 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
-from deltaserve.engine.model_runner import RequestState, plain_greedy
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.engine.overlap import Overlap
+from deltaserve.engine.request_state import RequestState
+from deltaserve.engine.sampling import plain_greedy
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.sizing import Capacity, build_scheduler
 from deltaserve.logs import get_logger, set_level

@@ -42,7 +42,6 @@ from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.request_state import RequestState
 from deltaserve.engine.sampling import Sampler, greedy
-from deltaserve.engine.sampling import plain_greedy as plain_greedy  # the engine marks states with it
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.kernels import Ops
 from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
