@@ -9,7 +9,7 @@
     python tools/loadgen.py --backend engine openai --base-url http://127.0.0.1:8000   # server overhead
     python tools/loadgen.py --backend openai --base-url http://host:8000 --tokenizer /models/Qwen3.5-4B  # vLLM, SGLang
 
-Workloads (``tools/workloads.py``) are deterministic under ``--seed``; multi-turn ones
+Workloads (``tools/workloads/``) are deterministic under ``--seed``; multi-turn ones
 (chat, agent) build each next prompt from the reply the backend actually generated.
 Arrivals: ``--rate`` (Poisson, open loop) or ``--concurrency`` (closed loop of sessions).
 
