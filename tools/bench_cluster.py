@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _measure(url: str, workload_args: argparse.Namespace, label: str, codec: Any, warmup: int) -> Any:
-    from deltaserve.tools.loadgen import OpenAIBackend, Sampling, run_live
+    from deltaserve.tools.backends import OpenAIBackend, Sampling
+    from deltaserve.tools.live import run_live
     from deltaserve.tools.workloads import arrival_from_args, make_workload, params_from_args, plan_arrivals
 
     params = params_from_args(workload_args, block_size=workload_args._block_size)
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rc.undeploy(cluster.app_name)
     if not args.no_single:
         runs.append(asyncio.run(_single(cfg, args, codec)))
-    from deltaserve.tools.loadgen import agreement_rows, workload_line
+    from deltaserve.tools.loadgen_report import agreement_rows, workload_line
     from deltaserve.tools.metrics import format_table
 
     assert workload is not None or runs
