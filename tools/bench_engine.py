@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ def hf_generate(model: object, batch: list[list[int]], max_tokens: int) -> list[
     return out[:, ids.shape[1] :].tolist()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap)
     ap.add_argument("--num", type=int, default=32)
@@ -69,7 +70,45 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="alternating repetitions; medians are reported")
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    return ap
+
+
+def _prompts(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``--num`` prompts of mixed lengths, and ``--num`` of ``--static-len`` tokens."""
+    rng = random.Random(args.seed)
+    mixed = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(args.mixed_min, args.mixed_max))]
+        for _ in range(args.num)
+    ]
+    static = [[rng.randrange(3, vocab) for _ in range(args.static_len)] for _ in range(args.num)]
+    return mixed, static
+
+
+def _timed(
+    core: EngineCore, hf: Any, mixed: list[list[int]], static: list[list[int]], args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Seconds per repetition of each side and workload, and the last repetition's outputs.
+
+    The sides alternate and each one's median is kept: load from other processes on a shared
+    machine then hits both sides alike instead of skewing one ratio."""
+    times: dict[str, list[float]] = {"hf_mixed": [], "eng_mixed": [], "hf_static": [], "eng_static": []}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        outputs["hf_mixed"] = [hf_generate(hf, [p], args.max_tokens)[0] for p in mixed]
+        times["hf_mixed"].append(time.perf_counter() - t0)
+        t, outputs["eng_mixed"] = run_engine(core, mixed, args.max_tokens)
+        times["eng_mixed"].append(t)
+        t0 = time.perf_counter()
+        outputs["hf_static"] = hf_generate(hf, static, args.max_tokens)
+        times["hf_static"].append(time.perf_counter() - t0)
+        t, outputs["eng_static"] = run_engine(core, static, args.max_tokens)
+        times["eng_static"].append(t)
+    return times, outputs
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     configure_logging("warning")
     # Prefix caching off: repetitions must not turn into cache hits (this measures batching).
     base = {
@@ -82,46 +121,27 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(core.loaded.path, dtype=torch.float32).eval()
-    vocab = int(core.loaded.hf_config.vocab_size)
-    rng = random.Random(args.seed)
-    mixed = [
-        [rng.randrange(3, vocab) for _ in range(rng.randint(args.mixed_min, args.mixed_max))]
-        for _ in range(args.num)
-    ]
-    static = [[rng.randrange(3, vocab) for _ in range(args.static_len)] for _ in range(args.num)]
+    mixed, static = _prompts(args, int(core.loaded.hf_config.vocab_size))
     n_out = args.num * args.max_tokens
-    results: dict[str, dict[str, float]] = {}
 
     # warm-up both sides (allocator, first-call overheads)
     run_engine(core, mixed[:2], 4)
     hf_generate(hf, [mixed[0]], 4)
 
-    # Alternate the sides and keep each one's median: load from other processes on a shared
-    # machine then hits both sides alike instead of skewing one ratio.
-    t_hf_mixed_all, t_eng_mixed_all, t_hf_static_all, t_eng_static_all = [], [], [], []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        hf_mixed = [hf_generate(hf, [p], args.max_tokens)[0] for p in mixed]
-        t_hf_mixed_all.append(time.perf_counter() - t0)
-        t, eng_mixed = run_engine(core, mixed, args.max_tokens)
-        t_eng_mixed_all.append(t)
-        t0 = time.perf_counter()
-        hf_static = hf_generate(hf, static, args.max_tokens)
-        t_hf_static_all.append(time.perf_counter() - t0)
-        t, eng_static = run_engine(core, static, args.max_tokens)
-        t_eng_static_all.append(t)
+    times, outputs = _timed(core, hf, mixed, static, args)
     med = statistics.median
-    results["mixed"] = {
-        "hf_one_at_a_time_tok_s": n_out / med(t_hf_mixed_all),
-        "engine_tok_s": n_out / med(t_eng_mixed_all),
+    results: dict[str, dict[str, float]] = {
+        "mixed": {
+            "hf_one_at_a_time_tok_s": n_out / med(times["hf_mixed"]),
+            "engine_tok_s": n_out / med(times["eng_mixed"]),
+        },
+        "static": {
+            "hf_static_batch_tok_s": n_out / med(times["hf_static"]),
+            "engine_tok_s": n_out / med(times["eng_static"]),
+        },
     }
-    results["static"] = {
-        "hf_static_batch_tok_s": n_out / med(t_hf_static_all),
-        "engine_tok_s": n_out / med(t_eng_static_all),
-    }
-
-    same_mixed = sum(a == b for a, b in zip(hf_mixed, eng_mixed, strict=True))
-    same_static = sum(a == b for a, b in zip(hf_static, eng_static, strict=True))
+    same_mixed = sum(a == b for a, b in zip(outputs["hf_mixed"], outputs["eng_mixed"], strict=True))
+    same_static = sum(a == b for a, b in zip(outputs["hf_static"], outputs["eng_static"], strict=True))
     print(
         f"\nmodel {core.loaded.path.name}  prompts {args.num}  max_tokens {args.max_tokens}  threads {torch.get_num_threads()}"
     )

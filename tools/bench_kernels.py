@@ -62,16 +62,26 @@ class Case:
     nbytes: int | None  # bytes the op must move (None: not a bandwidth-bound case)
 
 
-def _cases(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Case]:
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+class _Inputs:
+    """Fresh random inputs on the device, all from one seeded CPU generator."""
 
-    def randn(*shape: int, scale: float = 1.0, dt: torch.dtype = dtype) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dt)
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.gen = torch.Generator(device="cpu").manual_seed(0)
+        self.device = device
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
 
-    def idx(values: list[int] | range) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.long, device=device)
+    def randn(self, *shape: int, scale: float = 1.0, dt: torch.dtype | None = None) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen) * scale).to(self.device, dt or self.dtype)
 
+    def idx(self, values: list[int] | range) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+
+def _decode_cases(s: Shapes, inp: _Inputs, n: int) -> list[Case]:
+    """One decode step of ``n`` sequences: GDN recurrence, conv update, paged attention over
+    ``s.context`` tokens each, KV store."""
+    device, dtype, randn, idx, itemsize = inp.device, inp.dtype, inp.randn, inp.idx, inp.itemsize
     hk, hv, dk, dv, cdim, kw = (
         s.num_k_heads,
         s.num_v_heads,
@@ -81,73 +91,88 @@ def _cases(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Case]:
         s.conv_kernel,
     )
     hq, hkv, hd, bs = s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size
+    slots = idx(range(n))
     cases: list[Case] = []
 
-    for n in s.decode_batches:
-        slots = idx(range(n))
+    def gdn_decode(ops: object) -> Thunk:
+        q, k, v = randn(n, hk, dk), randn(n, hk, dk), randn(n, hv, dv)
+        g, beta = -torch.rand(n, hv, device=device), torch.rand(n, hv, device=device).to(dtype)
+        ssm = randn(n, hv, dk, dv, scale=0.1, dt=torch.float32)
+        return lambda: ops.recurrent_gated_delta_rule(q, k, v, g, beta, ssm, slots)
 
-        def gdn_decode(ops: object, n: int = n, slots: torch.Tensor = slots) -> Thunk:
-            q, k, v = randn(n, hk, dk), randn(n, hk, dk), randn(n, hv, dv)
-            g, beta = -torch.rand(n, hv, device=device), torch.rand(n, hv, device=device).to(dtype)
-            ssm = randn(n, hv, dk, dv, scale=0.1, dt=torch.float32)
-            return lambda: ops.recurrent_gated_delta_rule(q, k, v, g, beta, ssm, slots)
+    state_bytes = n * hv * dk * dv * 4 * 2
+    io_bytes = n * (2 * hk * dk + 2 * hv * dv) * itemsize + n * hv * (4 + itemsize)
+    cases.append(Case("recurrent_gated_delta_rule", f"decode B={n}", gdn_decode, state_bytes + io_bytes))
 
-        state_bytes = n * hv * dk * dv * 4 * 2
-        io_bytes = n * (2 * hk * dk + 2 * hv * dv) * itemsize + n * hv * (4 + itemsize)
-        cases.append(Case("recurrent_gated_delta_rule", f"decode B={n}", gdn_decode, state_bytes + io_bytes))
+    def conv_decode(ops: object) -> Thunk:
+        x, w, state = randn(n, cdim), randn(cdim, kw), randn(n, cdim, kw - 1)
+        return lambda: ops.causal_conv1d_update(x, w, None, state, slots)
 
-        def conv_decode(ops: object, n: int = n, slots: torch.Tensor = slots) -> Thunk:
-            x, w, state = randn(n, cdim), randn(cdim, kw), randn(n, cdim, kw - 1)
-            return lambda: ops.causal_conv1d_update(x, w, None, state, slots)
+    conv_bytes = (n * cdim * (kw - 1) * 2 + 2 * n * cdim + cdim * kw) * itemsize
+    cases.append(Case("causal_conv1d_update", f"decode B={n}", conv_decode, conv_bytes))
 
-        conv_bytes = (n * cdim * (kw - 1) * 2 + 2 * n * cdim + cdim * kw) * itemsize
-        cases.append(Case("causal_conv1d_update", f"decode B={n}", conv_decode, conv_bytes))
+    blocks_per_seq = -(-s.context // bs)
 
-        blocks_per_seq = -(-s.context // bs)
+    def attn_decode(ops: object) -> Thunk:
+        k_cache = randn(n * blocks_per_seq, bs, hkv, hd)
+        v_cache = randn(n * blocks_per_seq, bs, hkv, hd)
+        tables = idx(range(n * blocks_per_seq)).view(n, blocks_per_seq)
+        q = randn(n, hq, hd)
+        cu, lens = idx(range(n + 1)), idx([s.context] * n)
+        return lambda: ops.paged_attention(q, k_cache, v_cache, tables, cu, lens, hd**-0.5)
 
-        def attn_decode(ops: object, n: int = n, blocks_per_seq: int = blocks_per_seq) -> Thunk:
-            k_cache = randn(n * blocks_per_seq, bs, hkv, hd)
-            v_cache = randn(n * blocks_per_seq, bs, hkv, hd)
-            tables = idx(range(n * blocks_per_seq)).view(n, blocks_per_seq)
-            q = randn(n, hq, hd)
-            cu, lens = idx(range(n + 1)), idx([s.context] * n)
-            return lambda: ops.paged_attention(q, k_cache, v_cache, tables, cu, lens, hd**-0.5)
+    kv_bytes = 2 * n * s.context * hkv * hd * itemsize + 2 * n * hq * hd * itemsize
+    cases.append(Case("paged_attention", f"decode B={n} ctx={s.context}", attn_decode, kv_bytes))
 
-        kv_bytes = 2 * n * s.context * hkv * hd * itemsize + 2 * n * hq * hd * itemsize
-        cases.append(Case("paged_attention", f"decode B={n} ctx={s.context}", attn_decode, kv_bytes))
+    def kv_store(ops: object) -> Thunk:
+        key, value = randn(n, hkv, hd), randn(n, hkv, hd)
+        k_cache, v_cache = randn(n + 1, bs, hkv, hd), randn(n + 1, bs, hkv, hd)
+        slot_mapping = idx([b * bs for b in range(n)])
+        return lambda: ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-        def kv_store(ops: object, n: int = n) -> Thunk:
-            key, value = randn(n, hkv, hd), randn(n, hkv, hd)
-            k_cache, v_cache = randn(n + 1, bs, hkv, hd), randn(n + 1, bs, hkv, hd)
-            slot_mapping = idx([b * bs for b in range(n)])
-            return lambda: ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    cases.append(Case("store_kv", f"decode B={n}", kv_store, 4 * n * hkv * hd * itemsize))
+    return cases
 
-        cases.append(Case("store_kv", f"decode B={n}", kv_store, 4 * n * hkv * hd * itemsize))
 
+def _prefill_cases(s: Shapes, inp: _Inputs) -> list[Case]:
+    """One ``s.prefill``-token prompt, capturing states every 2048 tokens (64 on tiny shapes)."""
+    device, dtype, randn, idx = inp.device, inp.dtype, inp.randn, inp.idx
+    hk, hv, dk, dv, cdim, kw = (
+        s.num_k_heads,
+        s.num_v_heads,
+        s.head_k_dim,
+        s.head_v_dim,
+        s.conv_dim,
+        s.conv_kernel,
+    )
+    hq, hkv, hd, bs = s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size
     t = s.prefill
     cu = idx([0, t])
     captures = list(range(64, t + 1, 2048 if t > 2048 else 64))
+    num_blocks = -(-t // bs)
+    cases: list[Case] = []
+
+    def capture_args() -> dict[str, torch.Tensor]:
+        return {"capture_seq": idx([0] * len(captures)), "capture_pos": idx(captures),
+                "capture_slots": idx(range(1, 1 + len(captures)))}  # fmt: skip
 
     def gdn_prefill(ops: object) -> Thunk:
         q, k, v = randn(t, hk, dk), randn(t, hk, dk), randn(t, hv, dv)
         g, beta = -torch.rand(t, hv, device=device) * 0.3, torch.rand(t, hv, device=device).to(dtype)
         ssm = torch.zeros(1 + len(captures), hv, dk, dv, device=device)
-        cap = {"capture_seq": idx([0] * len(captures)), "capture_pos": idx(captures),
-               "capture_slots": idx(range(1, 1 + len(captures)))}  # fmt: skip
+        cap = capture_args()
         return lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, cu, ssm, idx([0]), idx([0]).bool(), **cap)
 
     cases.append(Case("chunk_gated_delta_rule", f"prefill T={t}", gdn_prefill, None))
 
     def conv_prefill(ops: object) -> Thunk:
         x, w, state = randn(t, cdim), randn(cdim, kw), randn(1 + len(captures), cdim, kw - 1)
-        cap = {"capture_seq": idx([0] * len(captures)), "capture_pos": idx(captures),
-               "capture_slots": idx(range(1, 1 + len(captures)))}  # fmt: skip
+        cap = capture_args()
         return lambda: ops.causal_conv1d_varlen(x, w, None, cu, state, idx([0]), idx([0]).bool(), **cap)
 
     cases.append(Case("causal_conv1d_varlen", f"prefill T={t}", conv_prefill, None))
 
     def attn_prefill(ops: object) -> Thunk:
-        num_blocks = -(-t // bs)
         k_cache, v_cache = randn(num_blocks, bs, hkv, hd), randn(num_blocks, bs, hkv, hd)
         q = randn(t, hq, hd)
         return lambda: ops.paged_attention(
@@ -157,32 +182,34 @@ def _cases(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Case]:
     cases.append(Case("paged_attention", f"prefill T={t}", attn_prefill, None))
 
     def kv_store_prefill(ops: object) -> Thunk:
-        num_blocks = -(-t // bs)
         key, value = randn(t, hkv, hd), randn(t, hkv, hd)
         k_cache, v_cache = randn(num_blocks, bs, hkv, hd), randn(num_blocks, bs, hkv, hd)
         return lambda: ops.store_kv(key, value, k_cache, v_cache, idx(range(t)))
 
-    cases.append(Case("store_kv", f"prefill T={t}", kv_store_prefill, 4 * t * hkv * hd * itemsize))
+    cases.append(Case("store_kv", f"prefill T={t}", kv_store_prefill, 4 * t * hkv * hd * inp.itemsize))
+    return cases
 
-    pairs = 4
+
+def _restore_case(s: Shapes, inp: _Inputs, pairs: int = 4) -> Case:
+    """A checkpoint restore: ``pairs`` slot copies over every GDN layer's conv and SSM state."""
+    hv, dk, dv, cdim, kw = s.num_v_heads, s.head_k_dim, s.head_v_dim, s.conv_dim, s.conv_kernel
     num_slots = 2 * pairs
 
     def restore(ops: object) -> Thunk:
-        tensors = [randn(num_slots, cdim, kw - 1) for _ in range(s.num_gdn_layers)]
-        tensors += [randn(num_slots, hv, dk, dv, dt=torch.float32) for _ in range(s.num_gdn_layers)]
-        src, dst = idx(range(pairs, 2 * pairs)), idx(range(pairs))
+        tensors = [inp.randn(num_slots, cdim, kw - 1) for _ in range(s.num_gdn_layers)]
+        tensors += [inp.randn(num_slots, hv, dk, dv, dt=torch.float32) for _ in range(s.num_gdn_layers)]
+        src, dst = inp.idx(range(pairs, 2 * pairs)), inp.idx(range(pairs))
         return lambda: ops.copy_state_slots(tensors, src, dst)
 
-    slot_bytes = s.num_gdn_layers * (cdim * (kw - 1) * itemsize + hv * dk * dv * 4)
-    cases.append(
-        Case(
-            "copy_state_slots",
-            f"{pairs} slots x {2 * s.num_gdn_layers} tensors",
-            restore,
-            2 * pairs * slot_bytes,
-        )
-    )
-    return cases
+    slot_bytes = s.num_gdn_layers * (cdim * (kw - 1) * inp.itemsize + hv * dk * dv * 4)
+    shape = f"{pairs} slots x {2 * s.num_gdn_layers} tensors"
+    return Case("copy_state_slots", shape, restore, 2 * pairs * slot_bytes)
+
+
+def _cases(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Case]:
+    inp = _Inputs(device, dtype)
+    cases = [c for n in s.decode_batches for c in _decode_cases(s, inp, n)]
+    return cases + _prefill_cases(s, inp) + [_restore_case(s, inp)]
 
 
 def _time_ms(thunk: Thunk, device: torch.device) -> float:
@@ -196,7 +223,7 @@ def _time_ms(thunk: Thunk, device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -210,7 +237,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=None, help="decode context length (tokens)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill length (tokens)")
     parser.add_argument("--skip-reference", action="store_true", help="time only the Triton ops")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _row(case: Case, backends: dict[str, object], device: torch.device, peak_gbps: float) -> str:
+    """One case timed on every backend: times, speedup, the Triton op's bandwidth."""
+    times = {b: _time_ms(case.setup(ops), device) for b, ops in backends.items()}
+    tri, ref = times["triton"], times.get("reference")
+    speedup = f"{ref / tri:7.1f}x" if ref else ""
+    bw = pct = ""
+    if case.nbytes is not None:
+        gbps = case.nbytes / (tri * 1e-3) / 1e9
+        bw, pct = f"{gbps:8.1f}", f"{100 * gbps / peak_gbps:6.1f}%"
+    ref_s = f"{ref:13.3f}" if ref is not None else f"{'-':>13s}"
+    return f"{case.op:28s} {case.shape:26s} {ref_s} {tri:10.3f} {speedup:>8s} {bw:>8s} {pct:>7s}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.interpret:
         # Must precede the first import of the Triton kernels (triton.jit reads it at decoration).
@@ -239,18 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     with torch.inference_mode():
         for case in _cases(shapes, device, dtype):
-            times = {b: _time_ms(case.setup(ops), device) for b, ops in backends.items()}
-            tri, ref = times["triton"], times.get("reference")
-            speedup = f"{ref / tri:7.1f}x" if ref else ""
-            bw = pct = ""
-            if case.nbytes is not None:
-                gbps = case.nbytes / (tri * 1e-3) / 1e9
-                bw, pct = f"{gbps:8.1f}", f"{100 * gbps / args.peak_gbps:6.1f}%"
-            ref_s = f"{ref:13.3f}" if ref is not None else f"{'-':>13s}"
-            print(
-                f"{case.op:28s} {case.shape:26s} {ref_s} {tri:10.3f} {speedup:>8s} {bw:>8s} {pct:>7s}",
-                flush=True,
-            )
+            print(_row(case, backends, device, args.peak_gbps), flush=True)
     if device.type != "cuda":
         print("(interpreter timings are a smoke test only; bandwidth figures are meaningless here)")
     return 0

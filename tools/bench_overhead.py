@@ -79,7 +79,7 @@ def instrument(core: EngineCore, timers: Timers) -> None:
     """Time each phase of the step (the forward is already the null model)."""
     sched, cache, runner = core.scheduler, core.cache, core.runner
     sched.schedule = timers.wrap("schedule", sched.schedule)  # type: ignore[method-assign]
-    # (older trees: build_batch and the ops' sample; this one: prepare and _sample)
+    # a runner names these phases prepare / _sample or build_batch / ops.sample: time whichever exists
     if hasattr(runner, "prepare"):
         runner.prepare = timers.wrap("build_batch", runner.prepare)  # type: ignore[method-assign]
     else:

@@ -13,18 +13,18 @@ memory, skips and evictions.
 
     python tools/bench_prefix_cache.py [--turns 10] [--user-tokens 220] [--reply-tokens 48]
 
-``--pressure``: memory pressure (issue 11). ``--conversations`` conversations, more than
+``--pressure``: memory pressure. ``--conversations`` conversations, more than
 the pools hold (``--checkpoint-slots`` checkpoints, KV for about ``--kv-conversations`` of
 them), take turns round-robin; odd ones re-send the model's reply verbatim, even ones a
 rewritten one (its leading 70 % stripped, like a client that drops reasoning). The same
 prompts go, one at a time, to one engine per ``--policies`` entry (``cache.checkpoint_policy``:
-the value model ``default`` and the previous ``v1``) and to a cache-off engine: per policy,
+the value model ``default`` and the simpler ``v1``) and to a cache-off engine: per policy,
 the token hit rate and warm TTFT (turns after the first) beside cold TTFT, measured in the
 same run; outputs must equal the cache-off ones.
 
     python tools/bench_prefix_cache.py --pressure [--conversations 8] [--checkpoint-slots 3]
 
-``--pressure --host``: the host tier (issue 13). Two more engines see the same prompts:
+``--pressure --host``: the host tier. Two more engines see the same prompts:
 ``host`` (the first policy with the same device pools plus a host tier that holds every
 conversation) and ``all-device`` (device pools that hold every conversation: the ideal the
 host tier is measured against). ``--kv-conversations 2 --checkpoint-slots 2`` with the
@@ -68,24 +68,18 @@ def ttft(core: EngineCore, prompt: list[int], max_tokens: int) -> tuple[float, l
     return first, tokens, cached
 
 
-def pressure(args: argparse.Namespace) -> None:
-    """More conversations than the pools hold, the same prompts through every policy."""
-    base = {"scheduler.max_num_batched_tokens": 8192, "cache.checkpoint_interval": 0}
-    probe = EngineCore(config_from_args(args, base))
+def _pressure_variants(
+    args: argparse.Namespace, probe: EngineCore, final_len: int, kv_blocks: int
+) -> dict[str, dict[str, object]]:
+    """Config overrides per warm engine: one per policy at the same pools; with ``--host`` also
+    the first policy plus a host tier holding every conversation, and the all-device ideal."""
     state_bytes = probe.cache.config.checkpoint_bytes
-    tok = probe.tokenizer
-    rng = random.Random(args.seed)
-    system = "You are a helpful assistant for cache experiments. " + " ".join(
-        rng.choice(WORDS) for _ in range(60)
-    )
-    final_len = len(tok.encode(system)) + args.turns * 2 * (args.user_tokens + args.reply_tokens)
-    kv_blocks = args.kv_blocks or max(args.kv_conversations * final_len // 16, 64)
     pools = {
         "cache.checkpoint_pool_bytes": args.checkpoint_slots * state_bytes,
         "cache.num_kv_blocks": kv_blocks,
     }
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    variants = {p: {**pools, "cache.checkpoint_policy": p} for p in policies}
+    variants: dict[str, dict[str, object]] = {p: {**pools, "cache.checkpoint_policy": p} for p in policies}
     if args.host:  # room for every conversation (and its older turns) on the host / on the device
         every_block = 2 * args.conversations * final_len // 16
         every_ckpt = 4 * args.conversations * args.turns
@@ -94,13 +88,14 @@ def pressure(args: argparse.Namespace) -> None:
                             "cache.host_checkpoint_pool_bytes": every_ckpt * state_bytes}  # fmt: skip
         variants["all-device"] = {"cache.checkpoint_policy": policies[0], "cache.num_kv_blocks": every_block,
                                   "cache.checkpoint_pool_bytes": every_ckpt * state_bytes}  # fmt: skip
-    warm = {name: EngineCore(config_from_args(args, {**base, **over}), loaded=probe.loaded)
-            for name, over in variants.items()}  # fmt: skip
-    cold = EngineCore(
-        config_from_args(args, {**base, "cache.enable_prefix_caching": False}), loaded=probe.loaded
-    )
-    for core in (*warm.values(), cold):
-        ttft(core, tok.encode("warm up", add_special_tokens=False), 2)
+    return variants
+
+
+def _pressure_rows(
+    args: argparse.Namespace, warm: dict[str, EngineCore], cold: EngineCore, system: str, rng: random.Random
+) -> list[dict[str, object]]:
+    """Every turn of every conversation, round-robin, through the cold engine and each warm one."""
+    tok = cold.tokenizer
     convs = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
     rows: list[dict[str, object]] = []
     for turn in range(args.turns):
@@ -129,14 +124,15 @@ def pressure(args: argparse.Namespace) -> None:
                 words = text.split()
                 text = " ".join(words[len(words) * 7 // 10 :])
             messages.append({"role": "assistant", "content": text})
+    return rows
+
+
+def _pressure_summary(
+    rows: list[dict[str, object]], warm: dict[str, EngineCore], cold_ms: float
+) -> dict[str, object]:
+    """Per warm engine over the warm turns: hit rate, warm TTFT, counters; printed as a table."""
     warm_rows = [r for r in rows if r["turn"]]
     q = sum(int(r["prompt_tokens"]) for r in warm_rows)  # type: ignore[arg-type]
-    cold_ms = 1000 * statistics.mean(float(r["ttft_cold_s"]) for r in warm_rows)  # type: ignore[arg-type]
-    print(
-        f"\n{args.conversations} conversations x {args.turns} turns round-robin; {args.checkpoint_slots} checkpoint "
-        f"slots ({state_bytes / 2**20:.2f} MiB each), {kv_blocks} KV blocks (~{args.kv_conversations} conversations); "
-        f"warm turns: {len(warm_rows)}, cold TTFT mean {cold_ms:.1f} ms"
-    )
     print(f"{'engine':>10}{'hit rate':>10}{'warm ms':>9}{'median':>8}{'warm/cold':>11}{'stored':>8}{'evicted':>9}"
           f"{'skip pool':>10}{'skip value':>11}{'KV evicted':>11}")  # fmt: skip
     summary: dict[str, object] = {}
@@ -151,22 +147,58 @@ def pressure(args: argparse.Namespace) -> None:
             f"{statistics.mean(times) / cold_ms:>11.3f}{s['checkpoints.stored']:>8}{s['checkpoints.evicted']:>9}"
             f"{s['checkpoints.skipped_pool']:>10}{s['checkpoints.skipped_value']:>11}{s['kv.evicted_blocks']:>11}"
         )
+    return summary
+
+
+def _print_host(summary: dict[str, object], host_core: EngineCore) -> None:
+    host, ideal = summary["host"], summary["all-device"]
+    s = host_core.stats()
+    print(
+        f"host tier: warm TTFT {host['warm_ttft_ms_mean']:.1f} ms vs all-device {ideal['warm_ttft_ms_mean']:.1f} ms "  # type: ignore[index]
+        f"= {host['warm_ttft_ms_mean'] / ideal['warm_ttft_ms_mean']:.3f}x; hit tokens from host "  # type: ignore[index]
+        f"{s['prefix_cache.hit_tokens_host']} of {s['prefix_cache.hit_tokens']}; promoted KV blocks "
+        f"{s['host.kv_promoted_blocks']}, restores from host {s['host.checkpoints_restored']}, "
+        f"moved {(s['host.bytes_loaded'] + s['host.bytes_saved']) / 2**20:.1f} MiB, load wait "
+        f"{s['host.load_wait_ms']} ms over {s['host.loads_completed']} requests"
+    )
+
+
+def pressure(args: argparse.Namespace) -> None:
+    """More conversations than the pools hold, the same prompts through every policy."""
+    base = {"scheduler.max_num_batched_tokens": 8192, "cache.checkpoint_interval": 0}
+    probe = EngineCore(config_from_args(args, base))
+    state_bytes = probe.cache.config.checkpoint_bytes
+    tok = probe.tokenizer
+    rng = random.Random(args.seed)
+    system = "You are a helpful assistant for cache experiments. " + " ".join(
+        rng.choice(WORDS) for _ in range(60)
+    )
+    final_len = len(tok.encode(system)) + args.turns * 2 * (args.user_tokens + args.reply_tokens)
+    kv_blocks = args.kv_blocks or max(args.kv_conversations * final_len // 16, 64)
+    variants = _pressure_variants(args, probe, final_len, kv_blocks)
+    warm = {name: EngineCore(config_from_args(args, {**base, **over}), loaded=probe.loaded)
+            for name, over in variants.items()}  # fmt: skip
+    cold = EngineCore(
+        config_from_args(args, {**base, "cache.enable_prefix_caching": False}), loaded=probe.loaded
+    )
+    for core in (*warm.values(), cold):
+        ttft(core, tok.encode("warm up", add_special_tokens=False), 2)
+    rows = _pressure_rows(args, warm, cold, system, rng)
+    warm_rows = [r for r in rows if r["turn"]]
+    cold_ms = 1000 * statistics.mean(float(r["ttft_cold_s"]) for r in warm_rows)  # type: ignore[arg-type]
+    print(
+        f"\n{args.conversations} conversations x {args.turns} turns round-robin; {args.checkpoint_slots} checkpoint "
+        f"slots ({state_bytes / 2**20:.2f} MiB each), {kv_blocks} KV blocks (~{args.kv_conversations} conversations); "
+        f"warm turns: {len(warm_rows)}, cold TTFT mean {cold_ms:.1f} ms"
+    )
+    summary = _pressure_summary(rows, warm, cold_ms)
     if args.host:
-        host, ideal = summary["host"], summary["all-device"]
-        s = warm["host"].stats()
-        print(
-            f"host tier: warm TTFT {host['warm_ttft_ms_mean']:.1f} ms vs all-device {ideal['warm_ttft_ms_mean']:.1f} ms "  # type: ignore[index]
-            f"= {host['warm_ttft_ms_mean'] / ideal['warm_ttft_ms_mean']:.3f}x; hit tokens from host "  # type: ignore[index]
-            f"{s['prefix_cache.hit_tokens_host']} of {s['prefix_cache.hit_tokens']}; promoted KV blocks "
-            f"{s['host.kv_promoted_blocks']}, restores from host {s['host.checkpoints_restored']}, "
-            f"moved {(s['host.bytes_loaded'] + s['host.bytes_saved']) / 2**20:.1f} MiB, load wait "
-            f"{s['host.load_wait_ms']} ms over {s['host.loads_completed']} requests"
-        )
+        _print_host(summary, warm["host"])
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2, default=str))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap)
     ap.add_argument(
@@ -194,27 +226,17 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
-    configure_logging("warning")
-    if args.pressure:
-        pressure(args)
-        return
-    base = {"scheduler.max_num_batched_tokens": 8192, "cache.num_kv_blocks": 4096}
-    warm_cfg = config_from_args(args, base)
-    cold_cfg = warm_cfg.replace(**{"cache.enable_prefix_caching": False})
-    base_core = EngineCore(warm_cfg)
-    cold = EngineCore(cold_cfg, loaded=base_core.loaded)
-    # The warm side can be timed only once per cache state, so the whole conversation is
-    # replayed on ``--repeat`` fresh warm engines (greedy: identical prompts and cache
-    # states) and the per-turn median is kept; the cold side is timed as often per prompt.
-    warms = [base_core] + [EngineCore(warm_cfg, loaded=base_core.loaded) for _ in range(args.repeat - 1)]
-    tok = base_core.tokenizer
-    for core in (*warms, cold):
-        ttft(core, tok.encode("warm up", add_special_tokens=False), 2)
+    return ap
 
+
+def _conversation_rows(
+    args: argparse.Namespace, warms: list[EngineCore], cold: EngineCore
+) -> list[dict[str, float | int]]:
+    """Each turn timed on every warm replica and as often cold; the medians, and the ideal."""
+    tok = cold.tokenizer
     rng = random.Random(args.seed)
     messages = [{"role": "system", "content": "You are a helpful assistant for cache experiments."}]
-    rows = []
+    rows: list[dict[str, float | int]] = []
     for turn in range(args.turns):
         messages.append(
             {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(args.user_tokens))}
@@ -248,8 +270,11 @@ def main() -> None:
             }
         )
         messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
-    warm = base_core
+    return rows
 
+
+def _print_conversation(rows: list[dict[str, float | int]], warm: EngineCore) -> dict[str, object]:
+    """The per-turn table and the totals; the warm engine's stats."""
     print(
         f"\n{'turn':>4}{'prompt':>8}{'cached':>8}{'hit%':>7}{'warm ms':>9}{'cold ms':>9}{'ratio':>8}{'ideal':>8}{'ratio/ideal':>12}"
     )
@@ -275,6 +300,29 @@ def main() -> None:
         f"skipped budget {s['checkpoints.skipped_budget']}, skipped pool {s['checkpoints.skipped_pool']}, "
         f"evicted {s['checkpoints.evicted']}; KV evicted blocks {s['kv.evicted_blocks']}"
     )
+    return s
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    configure_logging("warning")
+    if args.pressure:
+        pressure(args)
+        return
+    base = {"scheduler.max_num_batched_tokens": 8192, "cache.num_kv_blocks": 4096}
+    warm_cfg = config_from_args(args, base)
+    cold_cfg = warm_cfg.replace(**{"cache.enable_prefix_caching": False})
+    base_core = EngineCore(warm_cfg)
+    cold = EngineCore(cold_cfg, loaded=base_core.loaded)
+    # The warm side can be timed only once per cache state, so the whole conversation is
+    # replayed on ``--repeat`` fresh warm engines (greedy: identical prompts and cache
+    # states) and the per-turn median is kept; the cold side is timed as often per prompt.
+    warms = [base_core] + [EngineCore(warm_cfg, loaded=base_core.loaded) for _ in range(args.repeat - 1)]
+    tok = base_core.tokenizer
+    for core in (*warms, cold):
+        ttft(core, tok.encode("warm up", add_special_tokens=False), 2)
+    rows = _conversation_rows(args, warms, cold)
+    s = _print_conversation(rows, base_core)
     if args.json:
         args.json.write_text(json.dumps({"turns": rows, "stats": s}, indent=2, default=str))
 

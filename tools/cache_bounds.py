@@ -64,10 +64,13 @@ def kv_only_lru(requests: Sequence[Served], kv_blocks: int, block_size: int) -> 
     return hit / total if total else 0.0
 
 
-def kv_only_belady(requests: Sequence[Served], kv_blocks: int, block_size: int) -> float:
-    """Token hit rate of a clairvoyant (Belady) KV block cache, one request at a time."""
-    usable: list[list[int]] = []  # hashes a request can hit on (at most len(prompt) - 1 tokens)
-    written: list[list[int]] = []  # hashes a request's computed tokens fill
+def _kv_hashes(
+    requests: Sequence[Served], block_size: int
+) -> tuple[list[list[int]], list[list[int]], dict[int, list[int]]]:
+    """Per request: the block hashes it can hit on (at most len(prompt) - 1 tokens), the ones
+    its computed tokens fill; and per hash the requests that can hit on it."""
+    usable: list[list[int]] = []
+    written: list[list[int]] = []
     occurrences: dict[int, list[int]] = {}
     for i, (prompt, output) in enumerate(requests):
         tokens = list(prompt) + list(output)
@@ -78,6 +81,32 @@ def kv_only_belady(requests: Sequence[Served], kv_blocks: int, block_size: int) 
         written.append(hashes)
         for h in hashes[:n_usable]:
             occurrences.setdefault(h, []).append(i)
+    return usable, written, occurrences
+
+
+def _evict_farthest(
+    cached: dict[int, tuple[int, int]], heap: list[tuple[int, int, int]], count: int, mine: set[int]
+) -> None:
+    """Drop ``count`` cached blocks, farthest next use first (deepest first among equals),
+    never one of ``mine`` (the request in flight uses them)."""
+    kept: list[tuple[int, int, int]] = []
+    while count > 0:
+        neg_use, neg_depth, h = heapq.heappop(heap)
+        entry = cached.get(h)
+        if entry is None or entry != (-neg_use, -neg_depth):
+            continue  # stale
+        if h in mine:
+            kept.append((neg_use, neg_depth, h))  # in use by this request: not now
+            continue
+        del cached[h]
+        count -= 1
+    for e in kept:
+        heapq.heappush(heap, e)
+
+
+def kv_only_belady(requests: Sequence[Served], kv_blocks: int, block_size: int) -> float:
+    """Token hit rate of a clairvoyant (Belady) KV block cache, one request at a time."""
+    usable, written, occurrences = _kv_hashes(requests, block_size)
     never = len(requests) + 1
     next_use = _next_use(occurrences, never)
 
@@ -95,22 +124,8 @@ def kv_only_belady(requests: Sequence[Served], kv_blocks: int, block_size: int) 
                 break
             n += 1
         hit += n * block_size
-        mine = set(hashes)
         new = [h for h in hashes if h not in cached]
-        evict_over = len(cached) + len(new) - kv_blocks
-        kept: list[tuple[int, int, int]] = []
-        while evict_over > 0:
-            neg_use, neg_depth, h = heapq.heappop(heap)
-            entry = cached.get(h)
-            if entry is None or entry != (-neg_use, -neg_depth):
-                continue  # stale
-            if h in mine:
-                kept.append((neg_use, neg_depth, h))  # in use by this request: not now
-                continue
-            del cached[h]
-            evict_over -= 1
-        for e in kept:
-            heapq.heappush(heap, e)
+        _evict_farthest(cached, heap, len(cached) + len(new) - kv_blocks, set(hashes))
         for depth, h in enumerate(hashes):
             entry = (next_use(h, i), depth)
             if cached.get(h) != entry:
@@ -122,19 +137,14 @@ def kv_only_belady(requests: Sequence[Served], kv_blocks: int, block_size: int) 
     return hit / total if total else 0.0
 
 
-def checkpoint_belady(requests: Sequence[Served], slots: int, block_size: int, unit: int) -> float:
-    """Token hit rate with unlimited KV and ``slots`` checkpoints kept by Belady's rule.
-
-    Each request captures its tail (deepest unit boundary <= len(prompt) - 1), its output
-    (deepest unit boundary of prompt + output) and its branch (the deepest unit boundary it
-    shares with an earlier request); a request hits the deepest resident
-    checkpoint on its path. A capture is kept when its next use comes sooner than the
-    farthest next use among residents (which it then replaces). The hybrid ceiling at this
-    checkpoint memory, KV aside (clairvoyant, so not reachable online)."""
+def _checkpoint_paths(
+    requests: Sequence[Served], block_size: int, unit: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Per request: the hashes at its usable unit boundaries (shallow to deep), and what it
+    captures (its tail, its branch point with earlier requests, its output)."""
     stride = unit // block_size
-    paths: list[list[int]] = []  # hashes at usable unit boundaries, shallow to deep
+    paths: list[list[int]] = []
     captures: list[list[int]] = []
-    occurrences: dict[int, list[int]] = {}
     seen: set[int] = set()
     for prompt, output in requests:
         tokens = list(prompt) + list(output)
@@ -153,8 +163,13 @@ def checkpoint_belady(requests: Sequence[Served], slots: int, block_size: int, u
         if out_blocks > usable:
             caps.append(hashes[out_blocks - 1])
         captures.append(caps)
-    # a checkpoint is "used" by the requests it would serve with every capture kept: those
-    # whose deepest earlier-captured boundary it is (a shallower one on the same path is not)
+    return paths, captures
+
+
+def _checkpoint_uses(paths: list[list[int]], captures: list[list[int]]) -> dict[int, list[int]]:
+    """A checkpoint is "used" by the requests it would serve with every capture kept: those
+    whose deepest earlier-captured boundary it is (a shallower one on the same path is not)."""
+    occurrences: dict[int, list[int]] = {}
     captured: set[int] = set()
     for i, path in enumerate(paths):
         for h in reversed(path):
@@ -162,8 +177,21 @@ def checkpoint_belady(requests: Sequence[Served], slots: int, block_size: int, u
                 occurrences.setdefault(h, []).append(i)
                 break
         captured.update(captures[i])
+    return occurrences
+
+
+def checkpoint_belady(requests: Sequence[Served], slots: int, block_size: int, unit: int) -> float:
+    """Token hit rate with unlimited KV and ``slots`` checkpoints kept by Belady's rule.
+
+    Each request captures its tail (deepest unit boundary <= len(prompt) - 1), its output
+    (deepest unit boundary of prompt + output) and its branch (the deepest unit boundary it
+    shares with an earlier request); a request hits the deepest resident
+    checkpoint on its path. A capture is kept when its next use comes sooner than the
+    farthest next use among residents (which it then replaces). The hybrid ceiling at this
+    checkpoint memory, KV aside (clairvoyant, so not reachable online)."""
+    paths, captures = _checkpoint_paths(requests, block_size, unit)
     never = len(requests) + 1
-    next_use = _next_use(occurrences, never)
+    next_use = _next_use(_checkpoint_uses(paths, captures), never)
 
     resident: set[int] = set()
     hit = total = 0

@@ -191,25 +191,29 @@ def summarize(
         "prefix_hit_rate": hit_rate(ok),
         "hit_rate_per_turn": {str(t): v for t, v in hit_rate_per_turn(ok).items()},
     }
-    es = engine_stats or {}
-
-    def stat(key: str) -> Any:
-        return es.get(key)
-
-    skipped = [stat("checkpoints.skipped_budget"), stat("checkpoints.skipped_pool")]
-    s["engine_hit_rate"] = stat("prefix_cache.hit_rate")
-    s["checkpoints"] = {
-        "stored": stat("checkpoints.stored"),
-        "skipped": sum(x for x in skipped if x is not None) if any(x is not None for x in skipped) else None,
-        "skipped_budget": skipped[0],
-        "skipped_pool": skipped[1],
-        "evicted": stat("checkpoints.evicted"),
-        "restored": stat("checkpoints.restored"),
-        "bytes_used": stat("checkpoints.bytes_used"),
-    }
-    s["preemptions"] = stat("scheduler.preemptions")
-    s["kv_evicted_blocks"] = stat("kv.evicted_blocks")
+    s.update(_engine_summary(engine_stats or {}))
     return s
+
+
+def _engine_summary(es: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine counters a summary shows (None where the backend does not report one)."""
+    skipped = [es.get("checkpoints.skipped_budget"), es.get("checkpoints.skipped_pool")]
+    return {
+        "engine_hit_rate": es.get("prefix_cache.hit_rate"),
+        "checkpoints": {
+            "stored": es.get("checkpoints.stored"),
+            "skipped": sum(x for x in skipped if x is not None)
+            if any(x is not None for x in skipped)
+            else None,
+            "skipped_budget": skipped[0],
+            "skipped_pool": skipped[1],
+            "evicted": es.get("checkpoints.evicted"),
+            "restored": es.get("checkpoints.restored"),
+            "bytes_used": es.get("checkpoints.bytes_used"),
+        },
+        "preemptions": es.get("scheduler.preemptions"),
+        "kv_evicted_blocks": es.get("kv.evicted_blocks"),
+    }
 
 
 # ---------------------------------------------------------------------------- table
@@ -284,14 +288,7 @@ def format_table(
     columns: Sequence[tuple[str, Mapping[str, Any]]], extra_rows: Sequence[tuple[str, list[str]]] = ()
 ) -> str:
     """Summaries side by side; every column after the first gets a ratio to the first."""
-    rows: list[tuple[str, str, str]] = list(TABLE_ROWS)
-    turns: list[str] = []
-    for _, s in columns:
-        for t in s.get("hit_rate_per_turn") or {}:
-            if t not in turns:
-                turns.append(t)
-    if len(turns) > 1:
-        rows += [(f"hit rate turn {t}", f"hit_rate_per_turn.{t}", "pct") for t in sorted(turns, key=int)]
+    rows: list[tuple[str, str, str]] = list(TABLE_ROWS) + _turn_rows(columns)
     header = ["metric"]
     for i, (label, _) in enumerate(columns):
         header.append(label)
@@ -314,7 +311,24 @@ def format_table(
             if i > 0:
                 line.append("")
         table.append(line)
-    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    return _render(table)
+
+
+def _turn_rows(columns: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, str, str]]:
+    """A hit-rate row per turn seen in any column (none for single-turn workloads)."""
+    turns: list[str] = []
+    for _, s in columns:
+        for t in s.get("hit_rate_per_turn") or {}:
+            if t not in turns:
+                turns.append(t)
+    if len(turns) <= 1:
+        return []
+    return [(f"hit rate turn {t}", f"hit_rate_per_turn.{t}", "pct") for t in sorted(turns, key=int)]
+
+
+def _render(table: list[list[str]]) -> str:
+    """Left-aligned first column, right-aligned others, a rule under the header."""
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
     lines = []
     for n, row in enumerate(table):
         cells = [row[0].ljust(widths[0])] + [row[c].rjust(widths[c]) for c in range(1, len(row))]

@@ -2,9 +2,9 @@
 
 ::
 
-    python -m deltaserve.cluster.bench                               # 2 replicas, chat workload
-    python -m deltaserve.cluster.bench --replicas 2 --sessions 16 --turns 5 --json bench.json
-    python -m deltaserve.cluster.bench --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
+    python -m deltaserve.tools.bench_cluster                               # 2 replicas, chat workload
+    python -m deltaserve.tools.bench_cluster --replicas 2 --sessions 16 --turns 5 --json bench.json
+    python -m deltaserve.tools.bench_cluster --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
 
 One process, in order: a local Ray cluster with N replicas and ``--router prefix``, then the
 same with ``--router pow2`` (each application deployed, measured, deleted), then Ray is stopped
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deltaserve.tools.workloads import add_workload_args
 
     p = argparse.ArgumentParser(
-        prog="python -m deltaserve.cluster.bench",
+        prog="python -m deltaserve.tools.bench_cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _measure(url: str, workload_args: argparse.Namespace, label: str, codec: Any, warmup: int) -> Any:
-    from deltaserve.tools.loadgen import OpenAIBackend, Sampling, run_live
+    from deltaserve.tools.backends import OpenAIBackend, Sampling
+    from deltaserve.tools.live import run_live
     from deltaserve.tools.workloads import arrival_from_args, make_workload, params_from_args, plan_arrivals
 
     params = params_from_args(workload_args, block_size=workload_args._block_size)
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rc.undeploy(cluster.app_name)
     if not args.no_single:
         runs.append(asyncio.run(_single(cfg, args, codec)))
-    from deltaserve.tools.loadgen import agreement_rows, workload_line
+    from deltaserve.tools.loadgen_report import agreement_rows, workload_line
     from deltaserve.tools.metrics import format_table
 
     assert workload is not None or runs

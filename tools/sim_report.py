@@ -1,0 +1,194 @@
+"""What the simulator prints and plots: result tables, the sweep, the offline bounds of a run
+(``tools/cache_bounds.py``), the seeds-by-workload summary, and the recommended pool size."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deltaserve.cache.manager import GDN_CHUNK_SIZE
+from deltaserve.tools.cache_bounds import checkpoint_belady, kv_only_belady, kv_only_lru
+from deltaserve.tools.simulation import MiB, SimConfig, SimResult
+from deltaserve.tools.workloads import Workload, expand
+
+
+@dataclass
+class Bounds:
+    """Offline ceilings at the run's memory (``tools/cache_bounds.py``), requests one by one
+    in the oracle run's submission order."""
+
+    kv_lru: float  # KV alone, LRU: what plain prefix caching of that KV memory hits
+    kv_belady: float  # KV alone, clairvoyant
+    checkpoint_belady: float  # checkpoints alone (KV unlimited), clairvoyant
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
+    bs = cfg.block_size
+    unit = math.lcm(bs, GDN_CHUNK_SIZE)
+    return Bounds(
+        kv_lru=kv_only_lru(oracle.served, cfg.kv_blocks, bs),
+        kv_belady=kv_only_belady(oracle.served, cfg.kv_blocks, bs),
+        checkpoint_belady=checkpoint_belady(oracle.served, cfg.checkpoint_slots, bs, unit),
+    )
+
+
+def summary_row(name: str, seed: int, results: Sequence[SimResult], bounds: Bounds | None) -> dict[str, Any]:
+    """v1 vs default vs the ceilings, measured in the same run."""
+    by = {r.policy: r.hit_rate for r in results}
+    row: dict[str, Any] = {
+        "workload": name,
+        "seed": seed,
+        **{p: by.get(p) for p in ("v1", "default", "oracle")},
+    }
+    row.update(bounds.to_dict() if bounds else {"kv_lru": None, "kv_belady": None, "checkpoint_belady": None})
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    d = row["default"]
+    row["default/kv_lru"] = ratio(d, row["kv_lru"])
+    row["default/checkpoint_belady"] = ratio(d, row["checkpoint_belady"])
+    row["default/v1"] = ratio(d, row["v1"])
+    row["default-v1"] = d - row["v1"] if d is not None and row["v1"] is not None else None
+    row["default/oracle"] = ratio(d, row["oracle"])
+    return row
+
+
+def format_summary(rows: Sequence[dict[str, Any]]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    def rat(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    out = [["workload", "seed", "v1", "default", "KV LRU", "KV Belady", "ckpt Belady", "oracle",
+            "def/KV-LRU", "def/ckpt", "def/v1", "def-v1", "def/oracle"]]  # fmt: skip
+    for r in rows:
+        out.append([
+            r["workload"], str(r["seed"]), pct(r["v1"]), pct(r["default"]), pct(r["kv_lru"]),
+            pct(r["kv_belady"]), pct(r["checkpoint_belady"]), pct(r["oracle"]), rat(r["default/kv_lru"]),
+            rat(r["default/checkpoint_belady"]), rat(r["default/v1"]),
+            "-" if r["default-v1"] is None else f"{100 * r['default-v1']:+.1f}", rat(r["default/oracle"]),
+        ])  # fmt: skip
+    return _grid(out)
+
+
+def recommend_pool(
+    sweep: dict[int, list[SimResult]], cfg: SimConfig, target: float = 0.9
+) -> dict[str, int | None]:
+    """Per policy: the smallest swept checkpoint pool (slots) reaching ``target`` x the oracle."""
+    oracle = next((r.hit_rate for rs in sweep.values() for r in rs if r.policy == "oracle"), None)
+    out: dict[str, int | None] = {}
+    for slots in sorted(sweep):
+        for r in sweep[slots]:
+            if r.policy == "oracle":
+                continue
+            out.setdefault(r.policy, None)
+            if out[r.policy] is None and oracle and r.hit_rate >= target * oracle:
+                out[r.policy] = slots
+    return out
+
+
+def format_results(results: Sequence[SimResult]) -> str:
+    header = ["policy", "hit rate", "vs oracle", "from host", "stored", "skipped", "ckpt evicted",
+              "KV evicted", "preempt", "steps", "sim s"]  # fmt: skip
+    rows = [header]
+    for r in results:
+        rows.append([
+            r.policy,
+            f"{100 * r.hit_rate:.1f}%",
+            "-" if r.oracle_ratio is None else f"{r.oracle_ratio:.2f}",
+            f"{100 * r.hit_tokens_host / max(r.prompt_tokens, 1):.1f}%",
+            str(r.checkpoints_stored),
+            str(r.checkpoints_skipped_budget + r.checkpoints_skipped_pool + r.checkpoints_skipped_value),
+            str(r.checkpoints_evicted),
+            str(r.kv_evicted_blocks),
+            str(r.preemptions),
+            str(r.steps),
+            f"{r.sim_time_s:.1f}",
+        ])  # fmt: skip
+    return _grid(rows)
+
+
+def format_sweep(sweep: dict[int, list[SimResult]], cfg: SimConfig) -> str:
+    policies = [r.policy for r in next(iter(sweep.values()))]
+    rows = [["checkpoints", "memory"] + policies]
+    for slots, results in sweep.items():
+        by = {r.policy: r for r in results}
+        rows.append(
+            [str(slots), f"{slots * cfg.checkpoint_bytes / MiB:.0f} MiB"]
+            + [f"{100 * by[p].hit_rate:.1f}%" for p in policies]
+        )
+    return _grid(rows)
+
+
+def _grid(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for n, row in enumerate(rows):
+        out.append(
+            "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]).rstrip()
+        )
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def header_line(workload: Workload, cfg: SimConfig, arrival_mode: str) -> str:
+    reqs = expand(workload)
+    prompt = sum(len(s.prompt_ids) for s, _ in reqs)
+    unit = math.lcm(cfg.block_size, GDN_CHUNK_SIZE)
+    return (
+        f"workload {workload.name}: {len(reqs)} requests, {prompt} prompt tokens, {arrival_mode}; "
+        f"KV {cfg.kv_blocks} blocks x {cfg.block_size} tok = {cfg.kv_bytes / MiB:.0f} MiB; "
+        f"checkpoints {cfg.checkpoint_slots} x {cfg.checkpoint_bytes / MiB:.0f} MiB = "
+        f"{cfg.checkpoint_pool_bytes / MiB:.0f} MiB; unit {unit} tok; interval {cfg.checkpoint_interval}"
+        + (
+            f"; host tier KV {cfg.host_kv_blocks * cfg.block_size * cfg.kv_bytes_per_token / MiB:.0f} MiB + "
+            f"checkpoints {cfg.host_checkpoint_slots * cfg.checkpoint_bytes / MiB:.0f} MiB at {cfg.h2d_gbps:g} GB/s"
+            if cfg.host_kv_blocks or cfg.host_checkpoint_slots
+            else ""
+        )
+    )
+
+
+def plot_sweep(path: str, sweeps: dict[str, dict[int, list[SimResult]]], cfg: SimConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(sweeps)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    for ax, (name, sweep) in zip(axes.flat, sweeps.items(), strict=False):
+        budgets = list(sweep)
+        mb = [s * cfg.checkpoint_bytes / MiB for s in budgets]
+        policies = [r.policy for r in sweep[budgets[0]]]
+        styles = itertools.cycle([("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-")])
+        for p in policies:
+            ys = [100 * next(r for r in sweep[b] if r.policy == p).hit_rate for b in budgets]
+            if p == "oracle":
+                ax.axhline(ys[0], color="black", linestyle="--", label="oracle (unlimited)")
+            else:
+                marker, line = next(styles)
+                ax.plot(mb, ys, marker=marker, linestyle=line, alpha=0.85, label=p)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"checkpoint memory (MiB; {cfg.checkpoint_bytes / MiB:.0f} MiB each)")
+        ax.set_ylabel("prefix hit rate (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title(f"{name} (KV {cfg.kv_bytes / MiB:.0f} MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
