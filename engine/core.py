@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-# (resolve_dtype is also imported from here by tools/loadgen.py)
 from deltaserve.engine.builder import (
     build_runner,
     model_info,

@@ -266,7 +266,7 @@ class HFBackend:
         self.torch = torch
         self.path = model_path
         self.device = device
-        from deltaserve.engine.core import resolve_dtype  # the engine's one dtype table
+        from deltaserve.engine.builder import resolve_dtype  # the engine's one dtype table
 
         torch_dtype = resolve_dtype(dtype, torch.device(device))
         self.dtype = str(torch_dtype).removeprefix("torch.")
