@@ -137,6 +137,36 @@ class TwoTierMachine(RuleBasedStateMachine):
         for seq, _, _ in self.reqs.values():  # the scheduler stages loading requests
             if seq.loads:
                 cm.stage_loads(seq)
+        items = self._items(ids, chunk)
+        if not items and not cm.has_transfers():
+            return
+        plan = cm.plan_step([it for _, it in items])
+        cm.check_integrity()
+        # --- the fake runner: saves, loads (some may fail), restores, forward, decode copies
+        failed = pick_failed(plan.saves + plan.loads)
+        self._copy_tiers(plan, items, failed)
+        broken = cm.land_transfers(plan, failed)
+        for src, dst in plan.restores:
+            self.mem.slot[dst] = self.mem.slot.get(src)
+        for _rid, it in items:
+            self._forward(plan, it)
+        for live, tracking in plan.decode_copies:
+            self.mem.slot[tracking] = self.mem.slot.get(live)
+        if fail:
+            cm.abort_step(plan)
+            for rid, _ in items:
+                cm.free(self.reqs.pop(rid)[0], publish_output=False)
+        else:
+            cm.commit_step(plan)
+            for rid, it in items:
+                self.reqs[rid][2][0] = it.end
+        for seq in broken:  # the engine ends a request whose loads failed
+            if seq.request_id in self.reqs:
+                cm.free(self.reqs.pop(seq.request_id)[0], publish_output=False)
+
+    def _items(self, ids: list[str], chunk: int) -> list[tuple[str, StepItem]]:
+        """The step's pieces: a decode token, or a prefill chunk ending on a unit boundary."""
+        cm = self.cm
         items = []
         for rid in ids:
             seq, toks, comp = self.reqs[rid]
@@ -153,13 +183,11 @@ class TwoTierMachine(RuleBasedStateMachine):
             if not cm.allocate(seq, end):
                 continue
             items.append((rid, StepItem(seq, toks, start, end, is_decode)))
-        if not items and not cm.has_transfers():
-            return
-        plan = cm.plan_step([it for _, it in items])
-        cm.check_integrity()
-        # --- the fake runner: saves, loads (some may fail), restores, forward, decode copies
+        return items
+
+    def _copy_tiers(self, plan: Any, items: list[tuple[str, StepItem]], failed: list[Any]) -> None:
+        """Run the plan's saves and loads on the fake memory, except those picked to fail."""
         mem = self.mem
-        failed = pick_failed(plan.saves + plan.loads)
         failed_ids = {id(t) for t in failed}
         spaces = {  # (source, destination) of each kind of copy
             TransferKind.KV_SAVE: (mem.kv, mem.host_kv),
@@ -173,38 +201,25 @@ class TwoTierMachine(RuleBasedStateMachine):
             if id(t) not in failed_ids:
                 src, dst = spaces[t.kind]
                 dst[t.dst] = src.get(t.src)
-        broken = cm.land_transfers(plan, failed)
-        for src, dst in plan.restores:
-            mem.slot[dst] = mem.slot.get(src)
-        for _rid, it in items:
-            seq, toks = it.seq, list(it.token_ids)
-            cm.extend_hashes(toks, seq.salt, seq.hashes)
-            for b in range(it.start // BS):  # the path it attends to holds the right KV
-                assert mem.kv.get(seq.block_table[b]) == seq.hashes[b], f"{seq.request_id}: block {b} wrong"
-            if it.start > 0 and cm.has_gdn:
-                assert mem.slot.get(seq.state_slot) == content_at(seq, toks, it.start, cm), (
-                    f"{seq.request_id}: live state wrong at {it.start}"
-                )
-            for b in range(it.start // BS, it.end // BS):
-                mem.kv[seq.block_table[b]] = seq.hashes[b]
-            for c in plan.captures:
-                if plan.items[c.item_index] is it:
-                    mem.slot[c.slot] = content_at(seq, toks, c.boundary, cm)
-            if cm.has_gdn:
-                mem.slot[seq.state_slot] = content_at(seq, toks, it.end, cm)
-        for live, tracking in plan.decode_copies:
-            mem.slot[tracking] = mem.slot.get(live)
-        if fail:
-            cm.abort_step(plan)
-            for rid, _ in items:
-                cm.free(self.reqs.pop(rid)[0], publish_output=False)
-        else:
-            cm.commit_step(plan)
-            for rid, it in items:
-                self.reqs[rid][2][0] = it.end
-        for seq in broken:  # the engine ends a request whose loads failed
-            if seq.request_id in self.reqs:
-                cm.free(self.reqs.pop(seq.request_id)[0], publish_output=False)
+
+    def _forward(self, plan: Any, it: StepItem) -> None:
+        """One piece's forward: what it reads must be right, then it writes its KV and states."""
+        cm, mem = self.cm, self.mem
+        seq, toks = it.seq, list(it.token_ids)
+        cm.extend_hashes(toks, seq.salt, seq.hashes)
+        for b in range(it.start // BS):  # the path it attends to holds the right KV
+            assert mem.kv.get(seq.block_table[b]) == seq.hashes[b], f"{seq.request_id}: block {b} wrong"
+        if it.start > 0 and cm.has_gdn:
+            assert mem.slot.get(seq.state_slot) == content_at(seq, toks, it.start, cm), (
+                f"{seq.request_id}: live state wrong at {it.start}"
+            )
+        for b in range(it.start // BS, it.end // BS):
+            mem.kv[seq.block_table[b]] = seq.hashes[b]
+        for c in plan.captures:
+            if plan.items[c.item_index] is it:
+                mem.slot[c.slot] = content_at(seq, toks, c.boundary, cm)
+        if cm.has_gdn:
+            mem.slot[seq.state_slot] = content_at(seq, toks, it.end, cm)
 
     @precondition(lambda self: bool(self.reqs))
     @rule(data=st.data(), publish=st.booleans())
