@@ -223,7 +223,7 @@ def test_warm_logits_equal_cold_logits(core_factory: Any, monkeypatch: Any) -> N
 
 @pytest.mark.parametrize("policy", ["default", "v1"])
 def test_more_conversations_than_the_pools_hold_change_nothing(core_factory: Any, policy: str) -> None:
-    """Memory pressure (issue 11): 6 conversations served side by side over 2 checkpoint slots
+    """Memory pressure: 6 conversations served side by side over 2 checkpoint slots
     and a KV pool that holds about half of them; odd conversations re-send the model's reply,
     even ones a rewritten one. Cache-on outputs equal cache-off outputs at every turn (the
     integrity check runs after every step), and the cache still hits."""

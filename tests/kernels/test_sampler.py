@@ -136,7 +136,7 @@ def test_masked_tokens_never_sampled(rng: torch.Generator) -> None:
     assert (tokens < 3).all()
 
 
-# ---------------------------------------------------------------------- total on any values (issue 10)
+# ---------------------------------------------------------------------- total on any values
 def test_huge_python_top_k_is_top_k_off(rng: torch.Generator) -> None:
     logits = torch.randn(3, 40, generator=rng)
     for huge in (2**63, 2**64, 10**400):
@@ -198,7 +198,7 @@ def test_nan_top_p_and_temperature_do_not_raise(rng: torch.Generator) -> None:
     assert 0 <= tokens[1] < 20
 
 
-# ---------------------------------------------------------------------- processors and logprobs (issue 12)
+# ---------------------------------------------------------------------- processors and logprobs
 def test_penalties_match_their_definitions(rng: torch.Generator) -> None:
     from deltaserve.kernels.sampler import apply_penalties
 

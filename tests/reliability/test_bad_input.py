@@ -1,5 +1,5 @@
 """Bad input at ``generate`` and in the config: a typed error naming the field, raised at the
-call, and no other request is affected (issue 10, items 6 and 7)."""
+call, and no other request is affected."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seeded chaos (issue 10): random prompts sharing prefixes, multi-turn reuse of outputs, random
+"""Seeded chaos: random prompts sharing prefixes, multi-turn reuse of outputs, random
 aborts (``abort()``, ``break``, task cancel), tight KV, 1-2 checkpoint slots, a tiny staging
 budget, for each scheduling policy. Checked:
 

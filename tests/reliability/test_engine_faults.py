@@ -1,4 +1,4 @@
-"""Fault injection (issue 10): a fault, a bad value or a stale handle stays with its own
+"""Fault injection: a fault, a bad value or a stale handle stays with its own
 request, and the engine never dies silently.
 
 Each reported reproduction is a test here. EngineCore-level tests check integrity after

@@ -1,4 +1,4 @@
-"""A policy that breaks its contract never kills the scheduler (issue 10), torch-free.
+"""A policy that breaks its contract never kills the scheduler, torch-free.
 
 Each case runs the real Scheduler + CacheManager to completion, checks integrity after every
 step, and asserts: every request finishes, the fault is counted in

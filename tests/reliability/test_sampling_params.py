@@ -1,5 +1,5 @@
 """SamplingParams: every bad value is a typed error naming its field; every accepted value is
-safe all the way through the sampler (issue 10)."""
+safe all the way through the sampler."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def test_mooncake_trace_through_the_simulator(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_pressure_targets(tmp_path: Path) -> None:
-    """Issue 11's table at KV 2 GiB / checkpoints 512 MiB (4B sizes), three seeds: the value
+    """The pressure table of docs/cache.md at KV 2 GiB / checkpoints 512 MiB (4B sizes), three seeds: the value
     model never loses more than 2 points to v1, beats it on every pressure shape, reaches 0.9 x
     the KV-only LRU bound where checkpoints are not the binding limit (swe-agent), and 0.9 x the
     oracle when memory is ample. (What is reached elsewhere: docs/cache.md.)"""
