@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from deltaserve.cluster.affinity import RouteHint, route_keys
-from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput, not_started
+from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import DeltaServeError, EngineDeadError
 from deltaserve.engine.input_processor import InputProcessor
@@ -252,7 +252,7 @@ class RemoteStream:
             )
 
 
-class RemoteEngine(ClientBase[RemoteStream]):
+class RemoteEngine(EngineClient[RemoteStream]):
     """``EngineClient`` over the engine deployment (module docstring)."""
 
     def __init__(

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from deltaserve.engine.client import ClientBase, ModelInfo, RequestInput, not_started
+from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
@@ -164,7 +164,7 @@ class ForkedStream(RequestStream):
         return [cid for cid in self.child_ids if cid in self._open]
 
 
-class AsyncEngine(ClientBase[RequestStream]):
+class AsyncEngine(EngineClient[RequestStream]):
     """An asyncio engine: one model, continuous batching, a joint KV + GDN-state prefix cache.
 
     Use it as ``async with AsyncEngine(config) as engine`` (or ``await engine.start()`` and
@@ -261,7 +261,7 @@ class AsyncEngine(ClientBase[RequestStream]):
 
     # ------------------------------------------------------------------ API
     def submit(self, inp: RequestInput) -> RequestStream:
-        """``generate``'s request (``ClientBase.generate`` documents the fields): validated here,
+        """``generate``'s request (``EngineClient.generate`` documents the fields): validated here,
         queued for the loop. With ``SamplingParams.n > 1`` the stream is a ``ForkedStream``."""
         self._check_alive()
         assert self.core is not None

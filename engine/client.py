@@ -7,14 +7,17 @@ behind a router) both implement ``EngineClient``; the server is typed against it
   implementation's ``submit`` takes them from there. No validation in the struct: the
   ``InputProcessor`` validates.
 * ``ModelInfo`` describes the served model once the client has started.
-* ``ClientBase`` holds what the implementations share: ``generate``'s public signature and
-  the ``async with`` lifecycle.
+* ``EngineClient`` is a protocol with two members written once for every implementation:
+  ``generate`` (the public signature; it packs a ``RequestInput`` for the implementation's
+  ``submit``) and the ``async with`` lifecycle (``start()`` ... ``shutdown()``). An
+  implementation subclasses it by name to inherit them (``isinstance`` then holds before
+  ``start()`` too); the server only types against it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
     from deltaserve.engine.input_processor import InputProcessor, Prompt
 
 _C = TypeVar("_C")
-_S = TypeVar("_S", bound="OutputStream")
+_S_co = TypeVar("_S_co", bound="OutputStream", covariant=True)
 
 
 class RequestInput(msgspec.Struct, kw_only=True):
@@ -68,7 +71,7 @@ class OutputStream(Protocol):
 
 
 @runtime_checkable
-class EngineClient(Protocol):
+class EngineClient(Protocol[_S_co]):
     """An engine as a front end sees it. ``input_processor`` and ``model_info`` are valid after
     ``start()``; ``started`` is true from ``start()`` until ``shutdown()``. ``generate`` raises
     the typed errors (``deltaserve.engine.errors``) at the call, before any iteration."""
@@ -88,41 +91,12 @@ class EngineClient(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    async def __aenter__(self: _C) -> _C: ...
-
-    async def __aexit__(self, *exc: object) -> None: ...
-
     def is_healthy(self) -> bool: ...
-
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> OutputStream: ...
 
     def abort(self, request_id: str) -> Awaitable[bool]: ...
 
     def stats(self) -> dict[str, Any]: ...
 
-
-def not_started(name: str) -> AttributeError:
-    """What ``input_processor`` / ``model_info`` raise before ``start()``: an AttributeError, so
-    that ``isinstance(client, EngineClient)``, which probes the members, answers instead of raising."""
-    return AttributeError(f"{name} is not known until the engine has started (await engine.start())")
-
-
-class ClientBase(EngineClient, Generic[_S]):
-    """What ``AsyncEngine`` and ``RemoteEngine`` share: ``generate`` packs a ``RequestInput`` for
-    the subclass's ``submit``; ``async with`` is ``start()`` ... ``shutdown()``. ``_S`` is the
-    subclass's stream type. Subclassing ``EngineClient`` by name keeps ``isinstance`` true
-    before ``start()`` too."""
-
     def generate(
         self,
         prompt: Prompt,
@@ -133,7 +107,7 @@ class ClientBase(EngineClient, Generic[_S]):
         cache_salt: str | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> _S:
+    ) -> _S_co:
         """Submit a request; iterate the returned stream for its ``RequestOutput`` deltas.
 
         ``prompt`` is a str, a list of token ids, or chat messages (``[{"role", "content"}]``,
@@ -157,14 +131,8 @@ class ClientBase(EngineClient, Generic[_S]):
             )
         )
 
-    def submit(self, inp: RequestInput) -> _S:
+    def submit(self, inp: RequestInput) -> _S_co:
         """Validate ``inp`` and start its request; the stream of its outputs (typed errors)."""
-        raise NotImplementedError
-
-    async def start(self: _C) -> _C:
-        raise NotImplementedError
-
-    async def shutdown(self) -> None:
         raise NotImplementedError
 
     async def __aenter__(self: _C) -> _C:
@@ -172,3 +140,9 @@ class ClientBase(EngineClient, Generic[_S]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+def not_started(name: str) -> AttributeError:
+    """What ``input_processor`` / ``model_info`` raise before ``start()``: an AttributeError, so
+    that ``isinstance(client, EngineClient)``, which probes the members, answers instead of raising."""
+    return AttributeError(f"{name} is not known until the engine has started (await engine.start())")
