@@ -1,6 +1,7 @@
 """``deltaserve serve --replicas N [--router prefix|pow2]``: the server on a Ray cluster.
 
-``server/cli.py`` adds these options (``add_cluster_args``: no Ray import) and hands over to
+The package's entry point (``deltaserve/__main__.py``) adds these options to ``serve``
+(``add_cluster_args``: no Ray import) and hands over to
 ``main_cluster`` when ``--replicas`` is given. A local Ray cluster is started (bound to
 ``--host``), or the one named by ``RAY_ADDRESS`` is joined; the application runs until
 SIGINT/SIGTERM, then Serve shuts down gracefully (in-flight requests get Serve's graceful

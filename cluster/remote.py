@@ -323,12 +323,6 @@ class RemoteEngine(EngineClient[RemoteStream]):
         return self._model
 
     @property
-    def core(self) -> InputProcessor | None:
-        """Transitional: the server reads ``engine.core.{tokenize, tokenizer, max_model_len,
-        vocab_size}``; to be removed once it reads ``input_processor``."""
-        return self._input
-
-    @property
     def tokenizer(self) -> Any:
         return self.input_processor.tokenizer
 

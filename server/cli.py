@@ -20,7 +20,7 @@ import contextlib
 import signal
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from deltaserve.engine.errors import ConfigError
@@ -30,7 +30,11 @@ from deltaserve.server.config import ServerConfig
 log = get_logger("deltaserve.server")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    extra_args: Sequence[Callable[[argparse.ArgumentParser], None]] = (),
+) -> argparse.ArgumentParser:
+    """The command line; each of ``extra_args`` adds options to ``serve`` (the package's entry
+    point adds the cluster's ``--replicas``, which this package does not know of)."""
     from deltaserve.engine.cli import add_config_args
 
     parser = argparse.ArgumentParser(
@@ -62,9 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--access-log", action="store_true", help="uvicorn access log lines on stderr")
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
-    from deltaserve.cluster.cli import add_cluster_args  # --replicas N --router prefix|pow2 (no Ray import)
-
-    add_cluster_args(s)
+    for add in extra_args:
+        add(s)
     return parser
 
 
@@ -188,7 +191,7 @@ async def serve(engine_config: Any, server_config: ServerConfig, *, out: Any = N
         app = create_app(engine, server_config)
         names = app.state.server.model_names
         shown = f"[{host}]" if ":" in host else host
-        capacity = engine.core.capacity.describe()
+        capacity = engine.model_info.capacity
         print(f"deltaserve: serving {names[0]} at http://{shown}:{port}/v1 (OpenAI-compatible)", file=out)
         print(
             "deltaserve: capacity " + " ".join(f"{k}={v}" for k, v in capacity.items()), file=out, flush=True
@@ -210,8 +213,18 @@ async def serve(engine_config: Any, server_config: ServerConfig, *, out: Any = N
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+#: another way to serve the parsed command (``deltaserve.__main__``: replicas on Ray Serve):
+#: ``(args, engine config, server config) -> exit code``, or None to serve one engine here
+Dispatch = Callable[[argparse.Namespace, Any, ServerConfig], int | None]
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    extra_args: Sequence[Callable[[argparse.ArgumentParser], None]] = (),
+    dispatch: Dispatch | None = None,
+) -> int:
+    parser = build_parser(extra_args)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     from deltaserve.engine import install_uvloop
@@ -229,10 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
-    if getattr(args, "replicas", None):  # N engine replicas on Ray Serve (docs/cluster.md)
-        from deltaserve.cluster.cli import main_cluster
-
-        return main_cluster(args, engine_config, server_config)
+    if dispatch is not None:
+        code = dispatch(args, engine_config, server_config)
+        if code is not None:
+            return code
     install_uvloop()
     try:
         return asyncio.run(serve(engine_config, server_config))

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from deltaserve.engine import EngineDeadError, EngineOverloadedError, RequestOutput, SamplingParams
+from deltaserve.engine.client import ModelInfo
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer
 
@@ -27,8 +28,11 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(model=SimpleNamespace(path="scripted"))
-        self.core = SimpleNamespace(max_model_len=4096, vocab_size=100, capacity=None)
-        self._task = object()  # "started": the app does not own it
+        self.model_info = ModelInfo(
+            name="scripted", model_type="scripted", max_model_len=4096, vocab_size=100, block_size=16,
+            checkpoint_unit=64,
+        )  # fmt: skip
+        self.started = True  # the app does not own it
         self.script: list[str] = []
         self.finish_reason = "stop"
         self.error: str | None = None

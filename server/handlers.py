@@ -1,0 +1,241 @@
+"""The endpoints of one app over one ``EngineClient`` (tests reach them as ``app.state.server``).
+
+Each handler decodes its body into a msgspec struct (``protocol.py``), checks the model name
+and the engine's health, turns the fields into the engine's inputs (``inputs.py``), and
+answers with a whole response or an SSE stream (``chat.py``, ``completions.py``, ``sse.py``).
+A client that disconnects (streaming or not) aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from deltaserve.engine.client import EngineClient, OutputStream
+from deltaserve.engine.errors import EngineDeadError
+from deltaserve.server import protocol as p
+from deltaserve.server.chat import ChatChunks, chat_response
+from deltaserve.server.completions import CompletionChunks, completion_response
+from deltaserve.server.config import ServerConfig
+from deltaserve.server.errors import APIError, bad_request, encode, translate_error
+from deltaserve.server.inputs import completion_prompts, messages_to_dicts, sampling_params, template_extras
+from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from deltaserve.server.sse import SSEResponse, run_or_disconnect, stream_frames
+from deltaserve.server.tracker import Tracker
+
+JSON = "application/json"
+
+
+def _json(body: Any) -> Response:
+    return Response(encode(body), media_type=JSON)
+
+
+class OpenAIServer:
+    """The handlers of one app over one engine."""
+
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(self._stats)
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _stats(self) -> dict[str, Any]:
+        try:
+            return dict(self.engine.stats())
+        except Exception:  # a scrape must not fail because the engine is gone
+            return {}
+
+    @property
+    def model_names(self) -> list[str]:
+        if self.config.served_model_names:
+            return list(self.config.served_model_names)
+        return [str(self.engine.config.model.path)]
+
+    def _check_model(self, model: str | None) -> str:
+        names = self.model_names
+        if model is None or model == "":
+            return names[0]
+        if model not in names:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server serves {names}", "not_found_error",
+                "model", "model_not_found",
+            )  # fmt: skip
+        return model
+
+    def _require_healthy(self) -> None:
+        if not self.engine.is_healthy():
+            raise EngineDeadError("the engine is not running")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.engine.input_processor.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    async def _decode(self, request: Request, type_: type) -> Any:
+        body = await request.body()
+        return msgspec.json.decode(body or b"{}", type=type_)
+
+    async def _answer(self, request: Request, work: Any) -> Response:
+        """The whole response of ``work``, or 499 when the client left first (its requests abort)."""
+        ok, result = await run_or_disconnect(request, work)
+        return _json(result) if ok else Response(status_code=499)
+
+    @staticmethod
+    async def _collect(stream: OutputStream, tracker: Tracker) -> None:
+        async for out in stream:
+            tracker.observe(out)
+            if out.finished:
+                tracker.count_finish(out.finish_reason)
+
+    # ------------------------------------------------------------------ small endpoints
+    async def health(self, request: Request) -> Response:
+        self._require_healthy()
+        return Response(b"{}", media_type=JSON)
+
+    async def models(self, request: Request) -> Response:
+        info = self.engine.model_info
+        cards = [
+            p.ModelCard(id=n, created=self.created, root=info.name, max_model_len=info.max_model_len)
+            for n in self.model_names
+        ]
+        return _json(p.ModelList(data=cards))
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def tokenize(self, request: Request) -> Response:
+        self._require_healthy()
+        req = await self._decode(request, p.TokenizeRequest)
+        self._check_model(req.model)
+        processor = self.engine.input_processor
+        if req.messages is not None:
+            prompt: Any = messages_to_dicts(req.messages)
+            tokens = processor.tokenize(prompt, **template_extras(req.tools, req.chat_template_kwargs))
+        elif req.prompt is not None:
+            tokens = processor.tokenize(req.prompt)
+        else:
+            raise bad_request("give either 'prompt' or 'messages'", "prompt")
+        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": processor.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        self._require_healthy()
+        req = await self._decode(request, p.DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.engine.model_info.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise bad_request(f"token {i} = {t} is outside the vocabulary [0, {vocab})", "tokens")
+        text = self.engine.input_processor.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return _json({"prompt": text})
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, request: Request) -> Response:
+        renames = {"logprobs": "top_logprobs", "prompt": "messages"}
+        try:
+            req: p.ChatCompletionRequest = await self._decode(request, p.ChatCompletionRequest)
+            if req.max_completion_tokens is not None:
+                renames["max_tokens"] = "max_completion_tokens"
+            model = self._check_model(req.model)
+            self._require_healthy()
+            stream = self._start_chat(req)
+        except Exception as e:
+            raise translate_error(e, renames) from e
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        tracker = Tracker(self.metrics, req.n)
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        if req.stream:
+            fmt = ChatChunks(
+                self.token_text, rid, model, req.n,
+                want_logprobs=req.logprobs, parse_tools=parse_tools, return_ids=req.return_token_ids,
+            )  # fmt: skip
+            return SSEResponse(stream_frames(rid, [stream], [tracker], fmt, _include_usage(req)))
+
+        async def full() -> p.ChatCompletionResponse:
+            await self._collect(stream, tracker)
+            return chat_response(tracker, self.token_text, rid, model, parse_tools, req.return_token_ids)
+
+        return await self._answer(request, full())
+
+    def _start_chat(self, req: p.ChatCompletionRequest) -> OutputStream:
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:  # until the context is full (the engine stops there)
+            max_tokens = self.engine.model_info.max_model_len
+        top = None
+        if req.logprobs:
+            top = req.top_logprobs or 0
+        elif req.top_logprobs is not None and req.top_logprobs > 0:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        return self.engine.generate(
+            messages_to_dicts(req.messages),
+            params,
+            request_id=req.request_id,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            **template_extras(req.tools, req.chat_template_kwargs),
+        )
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, request: Request) -> Response:
+        renames = {"prompt": "prompt"}
+        streams: list[OutputStream] = []
+        try:
+            req: p.CompletionRequest = await self._decode(request, p.CompletionRequest)
+            model = self._check_model(req.model)
+            self._require_healthy()
+            self._start_completions(req, streams)
+        except Exception as e:
+            for s in streams:  # the prompts accepted before one was rejected
+                with contextlib.suppress(Exception):
+                    await s.aclose()
+            raise translate_error(e, renames) from e
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        trackers = [Tracker(self.metrics, req.n) for _ in streams]
+        if req.stream:
+            fmt = CompletionChunks(
+                self.token_text, rid, model, req.n, len(streams), return_ids=req.return_token_ids
+            )
+            return SSEResponse(stream_frames(rid, streams, trackers, fmt, _include_usage(req)))
+
+        async def full() -> p.CompletionResponse:
+            await asyncio.gather(*(self._collect(s, t) for s, t in zip(streams, trackers, strict=True)))
+            return completion_response(trackers, self.token_text, rid, model, req.n, req.return_token_ids)
+
+        return await self._answer(request, full())
+
+    def _start_completions(self, req: p.CompletionRequest, streams: list[OutputStream]) -> None:
+        """One engine request per prompt, appended to ``streams`` as each is accepted."""
+        if req.echo:
+            raise bad_request("echo is not supported", "echo", "unsupported")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported")
+        prompts = completion_prompts(req.prompt)
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.model_info.max_model_len
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        if len(prompts) > 1 and req.request_id is not None:
+            raise bad_request("request_id is for a single prompt", "request_id")
+        for prompt in prompts:
+            streams.append(
+                self.engine.generate(
+                    prompt,
+                    params,
+                    request_id=req.request_id,
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
+                )
+            )
+
+
+def _include_usage(req: p.ChatCompletionRequest | p.CompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
