@@ -75,64 +75,74 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         s = self._stats() or {}
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(PREFIX + name, doc, value=float(value))
-
-        yield gauge(
-            "num_requests_running",
-            "Requests running (prefilling or decoding).",
-            s.get("scheduler.running", 0),
-        )
-        yield gauge("num_requests_waiting", "Requests waiting for admission.", s.get("scheduler.waiting", 0))
-        yield gauge(
-            "kv_cache_usage_perc",
-            "KV pool usage, 0..1 (cached blocks count as used).",
-            s.get("kv.usage", 0.0),
-        )
-        yield gauge(
-            "checkpoint_pool_usage_perc",
-            "Checkpoint slots in use, 0..1.",
-            _ratio(s, "checkpoints.used_slots", "checkpoints.slots"),
-        )
-        yield gauge(
-            "live_slots_usage_perc",
-            "Live GDN state slots in use, 0..1.",
-            _ratio(s, "live_slots.used", "live_slots.total"),
-        )
-        yield gauge(
-            "checkpoints_attached", "Checkpoints held by the prefix cache.", s.get("checkpoints.attached", 0)
-        )
-        yield gauge(
-            "prefix_cache_hit_rate",
-            "Hit tokens / query tokens since start.",
-            s.get("prefix_cache.hit_rate", 0.0),
-        )
+        yield from _gauges(s)
         for key, (name, doc) in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=float(s.get(key, 0)))
-        skipped = CounterMetricFamily(
-            PREFIX + "checkpoints_skipped", "Checkpoint captures skipped.", labels=["reason"]
-        )
-        skipped.add_metric(["budget"], float(s.get("checkpoints.skipped_budget", 0)))
-        skipped.add_metric(["pool"], float(s.get("checkpoints.skipped_pool", 0)))
-        skipped.add_metric(["value"], float(s.get("checkpoints.skipped_value", 0)))
-        yield skipped
-        reuse = GaugeMetricFamily(
-            PREFIX + "checkpoint_reuse_rate",
-            "Learned probability that a checkpoint of this class serves a hit (cache value model).",
-            labels=["kind"],
-        )
-        for key, value in s.items():
-            if key.startswith("checkpoints.reuse."):
-                reuse.add_metric([key.removeprefix("checkpoints.reuse.")], float(value))
-        yield reuse
-        outcome = CounterMetricFamily(
-            PREFIX + "engine_requests", "Engine requests by outcome.", labels=["outcome"]
-        )
-        for label, key in (("finished", "requests.finished"), ("aborted", "requests.aborted"),
-                           ("failed", "requests.failed")):  # fmt: skip
-            outcome.add_metric([label], float(s.get(key, 0)))
-        yield outcome  # fmt: skip
+        yield from _labelled(s)
+
+
+def _gauges(s: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
+    """The engine's gauges from one stats snapshot."""
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+
+    yield gauge(
+        "num_requests_running",
+        "Requests running (prefilling or decoding).",
+        s.get("scheduler.running", 0),
+    )
+    yield gauge("num_requests_waiting", "Requests waiting for admission.", s.get("scheduler.waiting", 0))
+    yield gauge(
+        "kv_cache_usage_perc",
+        "KV pool usage, 0..1 (cached blocks count as used).",
+        s.get("kv.usage", 0.0),
+    )
+    yield gauge(
+        "checkpoint_pool_usage_perc",
+        "Checkpoint slots in use, 0..1.",
+        _ratio(s, "checkpoints.used_slots", "checkpoints.slots"),
+    )
+    yield gauge(
+        "live_slots_usage_perc",
+        "Live GDN state slots in use, 0..1.",
+        _ratio(s, "live_slots.used", "live_slots.total"),
+    )
+    yield gauge(
+        "checkpoints_attached", "Checkpoints held by the prefix cache.", s.get("checkpoints.attached", 0)
+    )
+    yield gauge(
+        "prefix_cache_hit_rate",
+        "Hit tokens / query tokens since start.",
+        s.get("prefix_cache.hit_rate", 0.0),
+    )
+
+
+def _labelled(s: dict[str, Any]) -> Iterator[Any]:
+    """The engine's labelled families: skipped checkpoints, reuse rates, request outcomes."""
+    skipped = CounterMetricFamily(
+        PREFIX + "checkpoints_skipped", "Checkpoint captures skipped.", labels=["reason"]
+    )
+    skipped.add_metric(["budget"], float(s.get("checkpoints.skipped_budget", 0)))
+    skipped.add_metric(["pool"], float(s.get("checkpoints.skipped_pool", 0)))
+    skipped.add_metric(["value"], float(s.get("checkpoints.skipped_value", 0)))
+    yield skipped
+    reuse = GaugeMetricFamily(
+        PREFIX + "checkpoint_reuse_rate",
+        "Learned probability that a checkpoint of this class serves a hit (cache value model).",
+        labels=["kind"],
+    )
+    for key, value in s.items():
+        if key.startswith("checkpoints.reuse."):
+            reuse.add_metric([key.removeprefix("checkpoints.reuse.")], float(value))
+    yield reuse
+    outcome = CounterMetricFamily(
+        PREFIX + "engine_requests", "Engine requests by outcome.", labels=["outcome"]
+    )
+    for label, key in (("finished", "requests.finished"), ("aborted", "requests.aborted"),
+                       ("failed", "requests.failed")):  # fmt: skip
+        outcome.add_metric([label], float(s.get(key, 0)))
+    yield outcome  # fmt: skip
 
 
 class ServerMetrics:
