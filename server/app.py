@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -42,6 +42,10 @@ def _endpoint(handler: Callable[[Request], Awaitable[Response]], server: OpenAIS
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
+        except ClientDisconnect:  # the client hung up while sending its body: nobody to answer
+            server.metrics.client_disconnects.inc()
+            log.info("server.client_disconnected", path=request.url.path)
+            return Response(status_code=499)
         except Exception as e:
             err = translate_error(e)
             if err.status >= 500:

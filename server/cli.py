@@ -65,6 +65,13 @@ def build_parser(
         help="on SIGINT/SIGTERM, wait up to S seconds for in-flight requests (default %(default)s)",
     )
     s.add_argument("--access-log", action="store_true", help="uvicorn access log lines on stderr")
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=0,
+        metavar="B",
+        help="request bodies over B bytes get 413 before they are read (default 0: max(1 MiB, 32 x max_model_len))",
+    )
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
     for add in extra_args:
         add(s)
@@ -238,6 +245,7 @@ def main(
             served_model_names=list(args.served_model_name),
             drain_timeout_s=args.drain_timeout,
             access_log=args.access_log,
+            max_body_bytes=args.max_body_bytes,
         )
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)

@@ -12,6 +12,15 @@ import msgspec
 
 from deltaserve.engine.errors import ConfigError
 
+#: the smallest body limit sized from the model, and the bytes per token of ``max_model_len``
+MIN_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 32
+
+
+def body_limit(config: ServerConfig, max_model_len: int) -> int:
+    """The request body limit in bytes (``max_body_bytes``, or sized from ``max_model_len``)."""
+    return config.max_body_bytes or max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
 
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How the server listens and names its model.
@@ -27,6 +36,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         in-flight requests to finish; what is left is aborted. A second signal exits at once.
     access_log
         uvicorn's per-request access log lines (off: they cost time per request).
+    max_body_bytes
+        The largest request body read; a larger one is answered 413 before it is read (by its
+        ``Content-Length``, or as soon as a chunked body passes the limit). 0: sized from the
+        model, ``max(1 MiB, 32 bytes x max_model_len)`` (room for a full-length prompt as text or
+        token ids, with JSON escaping).
     """
 
     host: str = "127.0.0.1"
@@ -34,11 +48,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     served_model_names: list[str] = []
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     access_log: bool = False
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port = {self.port!r}: must be an integer in [0, 65535]")
         if not (isinstance(self.drain_timeout_s, (int, float)) and self.drain_timeout_s >= 0):
             raise ConfigError(f"server.drain_timeout_s = {self.drain_timeout_s!r}: must be a number >= 0")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 0:
+            raise ConfigError(f"server.max_body_bytes = {self.max_body_bytes!r}: must be an integer >= 0")
         if not all(isinstance(n, str) and n for n in self.served_model_names):
             raise ConfigError(f"server.served_model_names = {self.served_model_names!r}: non-empty strings")

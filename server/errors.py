@@ -61,6 +61,8 @@ _PREFIXES = (
     ("cache_salt", "cache_salt"),
     ("request_id", "request_id"),
     ("priority", "priority"),
+    ("chat_template_kwargs", "chat_template_kwargs"),
+    ("tools", "tools"),
 )
 
 

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from deltaserve.engine.client import EngineClient, OutputStream
@@ -23,7 +23,7 @@ from deltaserve.engine.errors import EngineDeadError
 from deltaserve.server import protocol as p
 from deltaserve.server.chat import ChatChunks, chat_response
 from deltaserve.server.completions import CompletionChunks, completion_response
-from deltaserve.server.config import ServerConfig
+from deltaserve.server.config import ServerConfig, body_limit
 from deltaserve.server.errors import APIError, bad_request, encode, translate_error
 from deltaserve.server.inputs import completion_prompts, messages_to_dicts, sampling_params, template_extras
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -83,13 +83,32 @@ class OpenAIServer:
         return text
 
     async def _decode(self, request: Request, type_: type) -> Any:
-        body = await request.body()
-        return msgspec.json.decode(body or b"{}", type=type_)
+        """The body as ``type_``: 413 past the body limit (before reading it when the client
+        says its length), 400 for JSON that is malformed, not UTF-8 or nested too deep."""
+        limit = body_limit(self.config, self.engine.model_info.max_model_len)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        try:
+            return msgspec.json.decode(b"".join(chunks) or b"{}", type=type_)
+        except UnicodeDecodeError as e:
+            raise bad_request(f"request body is not valid UTF-8: {e}", None, "invalid_json") from None
+        except RecursionError:
+            raise bad_request("request body nests JSON too deeply", None, "invalid_json") from None
 
     async def _answer(self, request: Request, work: Any) -> Response:
         """The whole response of ``work``, or 499 when the client left first (its requests abort)."""
         ok, result = await run_or_disconnect(request, work)
-        return _json(result) if ok else Response(status_code=499)
+        if not ok:
+            self.metrics.client_disconnects.inc()
+            return Response(status_code=499)
+        return _json(result)
 
     @staticmethod
     async def _collect(stream: OutputStream, tracker: Tracker) -> None:
@@ -149,6 +168,8 @@ class OpenAIServer:
             model = self._check_model(req.model)
             self._require_healthy()
             stream = self._start_chat(req)
+        except ClientDisconnect:  # hung up while sending the body: the app counts it, not an error
+            raise
         except Exception as e:
             raise translate_error(e, renames) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -195,6 +216,8 @@ class OpenAIServer:
             model = self._check_model(req.model)
             self._require_healthy()
             self._start_completions(req, streams)
+        except ClientDisconnect:
+            raise
         except Exception as e:
             for s in streams:  # the prompts accepted before one was rejected
                 with contextlib.suppress(Exception):
@@ -235,6 +258,13 @@ class OpenAIServer:
                     cache_salt=req.cache_salt,
                 )
             )
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413, f"request body of {size} bytes or more is over the limit of {limit} bytes (server.max_body_bytes)",
+        "invalid_request_error", None, "request_too_large",
+    )  # fmt: skip
 
 
 def _include_usage(req: p.ChatCompletionRequest | p.CompletionRequest) -> bool:

@@ -52,11 +52,13 @@ def _content_text(content: str | list[p.ContentPart] | None, i: int) -> str:
         return content
     parts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_request(
                 f"messages[{i}].content[{j}] has type {part.type!r}: only text parts are supported",
                 "messages",
             )
+        if part.text is None:
+            raise bad_request(f"messages[{i}].content[{j}] (content part {j}) has no text", "messages")
         parts.append(part.text)
     return "\n".join(parts)
 

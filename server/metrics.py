@@ -11,7 +11,9 @@ Measured by the server, per engine request (each of ``n`` completions is one):
 * ``deltaserve:inter_token_latency_seconds`` — between consecutive tokens of a completion;
 * ``deltaserve:e2e_request_latency_seconds`` — request received to its last token;
 * ``deltaserve:request_prompt_tokens`` / ``deltaserve:request_generation_tokens`` (histograms);
-* ``deltaserve:http_errors_total{status}`` — error responses the API returned.
+* ``deltaserve:http_errors_total{status}`` — error responses the API returned;
+* ``deltaserve:client_disconnects_total`` — clients that hung up before their response (while
+  sending the body, or while waiting for a whole response): not errors of the server.
 
 Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling):
 
@@ -156,6 +158,9 @@ class ServerMetrics:
         )
         self.http_errors = Counter(
             PREFIX + "http_errors", "Error responses by HTTP status.", ["status"], registry=r
+        )
+        self.client_disconnects = Counter(
+            PREFIX + "client_disconnects", "Clients that hung up before their response.", registry=r
         )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS, registry=r
