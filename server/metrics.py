@@ -7,7 +7,7 @@ counterpart exists, so existing dashboards need only the prefix changed:
 Measured by the server, per engine request (each of ``n`` completions is one):
 
 * ``deltaserve:request_success_total{finished_reason}`` — stop, length, tool_calls, abort, error;
-* ``deltaserve:time_to_first_token_seconds`` — request received to first token out of the engine;
+* ``deltaserve:time_to_first_token_seconds`` — request received to the completion's first token;
 * ``deltaserve:inter_token_latency_seconds`` — between consecutive tokens of a completion;
 * ``deltaserve:e2e_request_latency_seconds`` — request received to its last token;
 * ``deltaserve:request_prompt_tokens`` / ``deltaserve:request_generation_tokens`` (histograms);

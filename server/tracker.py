@@ -1,5 +1,6 @@
 """What one HTTP request has received so far: its completions' text, tokens and log-probabilities,
-usage, and its latency metrics (TTFT once per HTTP request, inter-token latency per completion)."""
+usage, and its latency metrics, each per completion (of ``n``): time to its first token, between
+its tokens, to its end."""
 
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ class Tracker:
     def __init__(self, metrics: ServerMetrics, n: int) -> None:
         self.metrics = metrics
         self.t0 = time.perf_counter()
-        self.first: float | None = None
         self.choices = [Choice(i) for i in range(n)]
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
@@ -45,12 +45,11 @@ class Tracker:
         c = self.choices[out.index]
         now = time.perf_counter()
         if out.token_ids:
-            if self.first is None:
-                self.first = now
+            if c.first_token_at is None:  # TTFT per completion, like every latency metric here
+                c.first_token_at = now
                 self.metrics.ttft.observe(now - self.t0)
-            if c.last_token_at is not None:
-                self.metrics.itl.observe(now - c.last_token_at)
-            c.first_token_at = c.first_token_at or now
+            else:
+                self.metrics.itl.observe(now - c.last_token_at)  # type: ignore[operator]
             c.last_token_at = now
             c.token_ids.extend(out.token_ids)
         if out.index == 0 or not self.num_prompt_tokens:

@@ -4,6 +4,7 @@ produces (tool calls), and the engine's failure modes (overload, a dead engine, 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -162,3 +163,26 @@ async def test_engine_errors_map_to_status(
         frames = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
         assert frames[-1] == "[DONE]"
         assert any("model step failed" in f for f in frames if f.startswith('{"error"'))
+
+
+async def test_latency_metrics_count_each_of_n_completions(
+    engine: ScriptedEngine, scripted: tuple[ScriptedEngine, str]
+) -> None:
+    """TTFT, ITL and e2e are per completion (docs/server.md): two n=2 requests of 3 tokens each
+    are 4 first tokens, 8 gaps between tokens, 4 ends."""
+
+    def counts(text: str) -> list[float]:
+        names = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds")
+        return [
+            float(re.search(rf"^deltaserve:{n}_count (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+            for n in names
+        ]
+
+    engine.script = ["a", "b", "c"]
+    async with httpx.AsyncClient(base_url=scripted[1], timeout=30) as http:
+        before = counts((await http.get("/metrics")).text)
+        for stream in (False, True):
+            body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": stream}
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        after = counts((await http.get("/metrics")).text)
+    assert [a - b for a, b in zip(after, before)] == [4, 8, 4]
