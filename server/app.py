@@ -48,7 +48,9 @@ def _endpoint(handler: Callable[[Request], Awaitable[Response]], server: OpenAIS
             return Response(status_code=499)
         except Exception as e:
             err = translate_error(e)
-            if err.status >= 500:
+            if err.status == 503:  # the engine is dead or shutting down: said once elsewhere
+                log.warning("server.unavailable", path=request.url.path, error=err.message)
+            elif err.status >= 500:
                 log.error(
                     "server.request_failed", path=request.url.path, status=err.status, error=err.message
                 )

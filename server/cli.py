@@ -78,15 +78,42 @@ def build_parser(
     return parser
 
 
-def _uvicorn_server_class() -> type:
+#: after the drain deadline, how long the requests it aborted get to send their 503 / error frame
+#: before uvicorn cancels what is left (a step of a long prefill on a CPU can take seconds)
+DRAIN_GRACE_S = 10.0
+
+
+def _uvicorn_server_class(*, signals: bool) -> type:
+    """uvicorn's server with our drain: on shutdown, the app's requests still open after
+    ``drain_timeout_s`` are ended by the app itself (``OpenAIServer.expire``: 503 JSON, an error
+    frame and ``[DONE]`` on streams), so uvicorn's own cancellation never cuts one off. With
+    ``signals`` the first SIGINT/SIGTERM drains and a second one forces the exit; the signal is
+    not re-raised afterwards (the process exits 0). Without, no handler is installed (tests,
+    embedding: ``should_exit`` drains)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's server with our signal handling: the first SIGINT/SIGTERM drains, a second
-        one forces the exit; the signal is not re-raised afterwards (the process exits 0)."""
+        def __init__(self, config: uvicorn.Config, drain_timeout_s: float) -> None:
+            super().__init__(config)
+            self.drain_timeout_s = drain_timeout_s
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            app_server = getattr(getattr(self.config.app, "state", None), "server", None)
+            expire = getattr(app_server, "expire", None)
+            timer = None
+            if expire is not None:
+                timer = asyncio.get_running_loop().call_later(self.drain_timeout_s, expire)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
+            if not signals:
+                yield
+                return
             loop = asyncio.get_running_loop()
             installed = []
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -151,11 +178,6 @@ class BackgroundServer:
     async def __aenter__(self) -> BackgroundServer:
         import uvicorn
 
-        class QuietServer(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                yield
-
         sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
@@ -164,9 +186,9 @@ class BackgroundServer:
             lifespan="on",
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=self.drain_timeout_s,
+            timeout_graceful_shutdown=self.drain_timeout_s + DRAIN_GRACE_S,
         )
-        self.server = QuietServer(config)
+        self.server = _uvicorn_server_class(signals=False)(config, self.drain_timeout_s)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self._task.done():
@@ -209,10 +231,10 @@ async def serve(engine_config: Any, server_config: ServerConfig, *, out: Any = N
             lifespan="on",
             log_config=None,
             access_log=server_config.access_log,
-            timeout_graceful_shutdown=server_config.drain_timeout_s,
+            timeout_graceful_shutdown=server_config.drain_timeout_s + DRAIN_GRACE_S,
             timeout_keep_alive=30,
         )
-        server = _uvicorn_server_class()(config)
+        server = _uvicorn_server_class(signals=True)(config, server_config.drain_timeout_s)
         await server.serve(sockets=[sock])
     finally:
         await engine.shutdown()

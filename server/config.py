@@ -33,7 +33,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         whose ``model`` is none of them gets a 404; an absent ``model`` means the first.
     drain_timeout_s
         On SIGINT/SIGTERM the server stops accepting connections and waits this long for
-        in-flight requests to finish; what is left is aborted. A second signal exits at once.
+        in-flight requests to finish; what is left is aborted and answered: 503
+        ``engine_shutdown`` in JSON, or on a stream an error frame and ``[DONE]``. A second
+        signal exits at once.
     access_log
         uvicorn's per-request access log lines (off: they cost time per request).
     max_body_bytes

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -31,6 +32,14 @@ from deltaserve.server.sse import SSEResponse, run_or_disconnect, stream_frames
 from deltaserve.server.tracker import Tracker
 
 JSON = "application/json"
+#: what a request still open when the drain runs out of time gets
+SHUTDOWN_ERROR = APIError(
+    503,
+    "the server shut down before the request finished",
+    "service_unavailable_error",
+    None,
+    "engine_shutdown",
+)
 
 
 def _json(body: Any) -> Response:
@@ -46,6 +55,8 @@ class OpenAIServer:
         self.metrics = ServerMetrics(self._stats)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self._open: set[OutputStream] = set()  # engine streams of the requests being answered
+        self.expired = False  # the drain ran out of time (``expire``)
 
     # ------------------------------------------------------------------ helpers
     def _stats(self) -> dict[str, Any]:
@@ -75,6 +86,24 @@ class OpenAIServer:
         if not self.engine.is_healthy():
             raise EngineDeadError("the engine is not running")
 
+    def expire(self) -> None:
+        """The drain ran out of time: abort every open request; each answers at once with 503
+        ``engine_shutdown`` (a stream: an error frame, then ``[DONE]``) instead of being cut off."""
+        self.expired = True
+        for stream in list(self._open):
+            asyncio.ensure_future(self.engine.abort(stream.request_id))
+
+    def _opened(self, streams: list[OutputStream]) -> Callable[[], None]:
+        """Track ``streams`` as open; the returned callback forgets them."""
+        self._open.update(streams)
+        return lambda: self._open.difference_update(streams)
+
+    def _drain_error(self, trackers: list[Tracker]) -> APIError | None:
+        """The error of a request whose completions the expired drain aborted, else None."""
+        if self.expired and any(c.finish_reason == "abort" for t in trackers for c in t.choices):
+            return SHUTDOWN_ERROR
+        return None
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -102,13 +131,32 @@ class OpenAIServer:
         except RecursionError:
             raise bad_request("request body nests JSON too deeply", None, "invalid_json") from None
 
-    async def _answer(self, request: Request, work: Any) -> Response:
-        """The whole response of ``work``, or 499 when the client left first (its requests abort)."""
-        ok, result = await run_or_disconnect(request, work)
+    async def _answer(self, request: Request, work: Any, streams: list[OutputStream]) -> Response:
+        """The whole response of ``work`` over ``streams``, or 499 when the client left first
+        (its requests abort)."""
+        forget = self._opened(streams)
+        try:
+            ok, result = await run_or_disconnect(request, work)
+        finally:
+            forget()
         if not ok:
             self.metrics.client_disconnects.inc()
             return Response(status_code=499)
         return _json(result)
+
+    def _stream(
+        self, rid: str, streams: list[OutputStream], trackers: list[Tracker], fmt: Any, include_usage: bool
+    ) -> SSEResponse:
+        forget = self._opened(streams)
+        frames = stream_frames(
+            rid, streams, trackers, fmt, include_usage, cut_short=lambda: self._drain_error(trackers)
+        )
+        return SSEResponse(frames, on_close=forget)
+
+    def _check_drain(self, trackers: list[Tracker]) -> None:
+        error = self._drain_error(trackers)
+        if error is not None:
+            raise error
 
     @staticmethod
     async def _collect(stream: OutputStream, tracker: Tracker) -> None:
@@ -180,13 +228,14 @@ class OpenAIServer:
                 self.token_text, rid, model, req.n,
                 want_logprobs=req.logprobs, parse_tools=parse_tools, return_ids=req.return_token_ids,
             )  # fmt: skip
-            return SSEResponse(stream_frames(rid, [stream], [tracker], fmt, _include_usage(req)))
+            return self._stream(rid, [stream], [tracker], fmt, _include_usage(req))
 
         async def full() -> p.ChatCompletionResponse:
             await self._collect(stream, tracker)
+            self._check_drain([tracker])
             return chat_response(tracker, self.token_text, rid, model, parse_tools, req.return_token_ids)
 
-        return await self._answer(request, full())
+        return await self._answer(request, full(), [stream])
 
     def _start_chat(self, req: p.ChatCompletionRequest) -> OutputStream:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -229,13 +278,14 @@ class OpenAIServer:
             fmt = CompletionChunks(
                 self.token_text, rid, model, req.n, len(streams), return_ids=req.return_token_ids
             )
-            return SSEResponse(stream_frames(rid, streams, trackers, fmt, _include_usage(req)))
+            return self._stream(rid, streams, trackers, fmt, _include_usage(req))
 
         async def full() -> p.CompletionResponse:
             await asyncio.gather(*(self._collect(s, t) for s, t in zip(streams, trackers, strict=True)))
+            self._check_drain(trackers)
             return completion_response(trackers, self.token_text, rid, model, req.n, req.return_token_ids)
 
-        return await self._answer(request, full())
+        return await self._answer(request, full(), streams)
 
     def _start_completions(self, req: p.CompletionRequest, streams: list[OutputStream]) -> None:
         """One engine request per prompt, appended to ``streams`` as each is accepted."""

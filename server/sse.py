@@ -161,8 +161,11 @@ async def stream_frames(
     trackers: list[Tracker],
     fmt: ChunkFormat,
     include_usage: bool,
+    *,
+    cut_short: Callable[[], APIError | None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE body of one HTTP request (module docstring)."""
+    """The SSE body of one HTTP request (module docstring). ``cut_short``: after the outputs,
+    the error to report if the server ended the request early (a drain that ran out of time)."""
     source = _outputs(streams)
     try:
         async for k, item in source:
@@ -174,6 +177,9 @@ async def stream_frames(
                 yield frame
         if include_usage:
             yield fmt.usage_frame(trackers)
+        early = cut_short() if cut_short is not None else None
+        if early is not None:
+            yield error_frame(early)
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception as e:  # after the 200: report in-band, then end the stream
