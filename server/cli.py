@@ -66,6 +66,18 @@ def build_parser(
     )
     s.add_argument("--access-log", action="store_true", help="uvicorn access log lines on stderr")
     s.add_argument(
+        "--header-timeout", type=float, default=10.0, metavar="S",
+        help="close a connection whose request headers take longer than S seconds (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--body-timeout", type=float, default=60.0, metavar="S",
+        help="close a connection whose request body takes longer than S seconds (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-connections", type=int, default=1024, metavar="N",
+        help="connections served at once; more get 503 (default %(default)s; 0: no limit)",
+    )  # fmt: skip
+    s.add_argument(
         "--max-body-bytes",
         type=int,
         default=0,
@@ -139,6 +151,25 @@ def _uvicorn_server_class(*, signals: bool) -> type:
     return DrainingServer
 
 
+def uvicorn_config(app: Any, config: ServerConfig, drain_timeout_s: float, *, keep_alive_s: int) -> Any:
+    """uvicorn's settings for ``app``: httptools with our read deadlines, the connection limit,
+    and room after the drain for the requests it aborts to answer."""
+    import uvicorn
+
+    from deltaserve.server.read_timeouts import protocol_class
+
+    return uvicorn.Config(
+        app,
+        http=protocol_class(config.header_timeout_s, config.body_timeout_s),
+        lifespan="on",
+        log_config=None,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=drain_timeout_s + DRAIN_GRACE_S,
+        timeout_keep_alive=keep_alive_s,
+        limit_concurrency=config.max_connections or None,
+    )
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -162,12 +193,18 @@ class BackgroundServer:
     """
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 5.0
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        drain_timeout_s: float = 5.0,
+        config: ServerConfig | None = None,
     ) -> None:
         self.app = app
         self.host = host
         self.port = port
         self.drain_timeout_s = drain_timeout_s
+        self.config = config or ServerConfig()  # its timeouts and limits (host, port, drain: above)
         self.server: Any = None
         self._task: asyncio.Task[None] | None = None
 
@@ -176,18 +213,9 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     async def __aenter__(self) -> BackgroundServer:
-        import uvicorn
-
         sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app,
-            http="httptools",
-            lifespan="on",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=self.drain_timeout_s + DRAIN_GRACE_S,
-        )
+        config = uvicorn_config(self.app, self.config, self.drain_timeout_s, keep_alive_s=5)
         self.server = _uvicorn_server_class(signals=False)(config, self.drain_timeout_s)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -206,7 +234,6 @@ class BackgroundServer:
 
 async def serve(engine_config: Any, server_config: ServerConfig, *, out: Any = None) -> int:
     """Start the engine, serve until a signal, drain, shut down. Returns the exit code."""
-    import uvicorn
 
     from deltaserve.engine import AsyncEngine
     from deltaserve.server.app import create_app
@@ -225,15 +252,7 @@ async def serve(engine_config: Any, server_config: ServerConfig, *, out: Any = N
         print(
             "deltaserve: capacity " + " ".join(f"{k}={v}" for k, v in capacity.items()), file=out, flush=True
         )
-        config = uvicorn.Config(
-            app,
-            http="httptools",
-            lifespan="on",
-            log_config=None,
-            access_log=server_config.access_log,
-            timeout_graceful_shutdown=server_config.drain_timeout_s + DRAIN_GRACE_S,
-            timeout_keep_alive=30,
-        )
+        config = uvicorn_config(app, server_config, server_config.drain_timeout_s, keep_alive_s=30)
         server = _uvicorn_server_class(signals=True)(config, server_config.drain_timeout_s)
         await server.serve(sockets=[sock])
     finally:
@@ -268,6 +287,9 @@ def main(
             drain_timeout_s=args.drain_timeout,
             access_log=args.access_log,
             max_body_bytes=args.max_body_bytes,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections,
         )
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)

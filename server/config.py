@@ -43,6 +43,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ``Content-Length``, or as soon as a chunked body passes the limit). 0: sized from the
         model, ``max(1 MiB, 32 bytes x max_model_len)`` (room for a full-length prompt as text or
         token ids, with JSON escaping).
+    header_timeout_s / body_timeout_s
+        A client must send a request's headers within ``header_timeout_s`` of connecting (or of
+        its first byte on a kept-alive connection) and its body within ``body_timeout_s`` of the
+        headers, or the connection is closed (``server/read_timeouts.py``).
+    max_connections
+        Connections (and requests) served at once; more get uvicorn's 503 at once. 0: no limit.
     """
 
     host: str = "127.0.0.1"
@@ -51,12 +57,21 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     access_log: bool = False
     max_body_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    max_connections: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port = {self.port!r}: must be an integer in [0, 65535]")
         if not (isinstance(self.drain_timeout_s, (int, float)) and self.drain_timeout_s >= 0):
             raise ConfigError(f"server.drain_timeout_s = {self.drain_timeout_s!r}: must be a number >= 0")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"server.{name} = {value!r}: must be a number > 0")
+        if not isinstance(self.max_connections, int) or self.max_connections < 0:
+            raise ConfigError(f"server.max_connections = {self.max_connections!r}: must be an integer >= 0")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 0:
             raise ConfigError(f"server.max_body_bytes = {self.max_body_bytes!r}: must be an integer >= 0")
         if not all(isinstance(n, str) and n for n in self.served_model_names):
