@@ -9,6 +9,7 @@ can fail a step later. Request-id uniqueness is not checked here: it is the engi
 
 from __future__ import annotations
 
+import copy
 import itertools
 import uuid
 from collections.abc import Sequence
@@ -113,6 +114,17 @@ class InputProcessor:
         self.salt_parts = tuple(salt_parts)
         self.max_token_chars = int(max_token_chars) if max_token_chars else longest_token_chars(tokenizer)
         self._ids = itertools.count()
+
+    def for_another_thread(self) -> InputProcessor:
+        """The same checks over a copy of the tokenizer, for one other thread: a fast tokenizer
+        must not encode on two threads at once ("Already borrowed")."""
+        return InputProcessor(
+            copy.deepcopy(self.tokenizer),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            salt_parts=self.salt_parts,
+            max_token_chars=self.max_token_chars,
+        )
 
     # ------------------------------------------------------------------ requests
     def process(self, inp: RequestInput) -> Request:

@@ -74,6 +74,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
         try:
             yield
         finally:
+            server.tokenizer.close()
             if owns_engine:
                 await engine.shutdown()
 

@@ -28,6 +28,7 @@ from deltaserve.server.config import ServerConfig, body_limit
 from deltaserve.server.errors import APIError, bad_request, encode, translate_error
 from deltaserve.server.inputs import completion_prompts, messages_to_dicts, sampling_params, template_extras
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from deltaserve.server.offload import Tokenizer
 from deltaserve.server.sse import SSEResponse, run_or_disconnect, stream_frames
 from deltaserve.server.tracker import Tracker
 
@@ -57,6 +58,7 @@ class OpenAIServer:
         self._token_text: dict[int, str] = {}
         self._open: set[OutputStream] = set()  # engine streams of the requests being answered
         self.expired = False  # the drain ran out of time (``expire``)
+        self.tokenizer = Tokenizer(engine)  # long prompts are tokenized off the event loop
 
     # ------------------------------------------------------------------ helpers
     def _stats(self) -> dict[str, Any]:
@@ -215,7 +217,7 @@ class OpenAIServer:
                 renames["max_tokens"] = "max_completion_tokens"
             model = self._check_model(req.model)
             self._require_healthy()
-            stream = self._start_chat(req)
+            stream = await self._start_chat(req)
         except ClientDisconnect:  # hung up while sending the body: the app counts it, not an error
             raise
         except Exception as e:
@@ -237,7 +239,7 @@ class OpenAIServer:
 
         return await self._answer(request, full(), [stream])
 
-    def _start_chat(self, req: p.ChatCompletionRequest) -> OutputStream:
+    async def _start_chat(self, req: p.ChatCompletionRequest) -> OutputStream:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # until the context is full (the engine stops there)
             max_tokens = self.engine.model_info.max_model_len
@@ -247,13 +249,16 @@ class OpenAIServer:
         elif req.top_logprobs is not None and req.top_logprobs > 0:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        prompt, extras = await self.tokenizer.ids_if_long(
+            messages_to_dicts(req.messages), template_extras(req.tools, req.chat_template_kwargs)
+        )
         return self.engine.generate(
-            messages_to_dicts(req.messages),
+            prompt,
             params,
             request_id=req.request_id,
             priority=req.priority,
             cache_salt=req.cache_salt,
-            **template_extras(req.tools, req.chat_template_kwargs),
+            **extras,
         )
 
     # ------------------------------------------------------------------ completions
@@ -264,7 +269,7 @@ class OpenAIServer:
             req: p.CompletionRequest = await self._decode(request, p.CompletionRequest)
             model = self._check_model(req.model)
             self._require_healthy()
-            self._start_completions(req, streams)
+            await self._start_completions(req, streams)
         except ClientDisconnect:
             raise
         except Exception as e:
@@ -287,7 +292,7 @@ class OpenAIServer:
 
         return await self._answer(request, full(), streams)
 
-    def _start_completions(self, req: p.CompletionRequest, streams: list[OutputStream]) -> None:
+    async def _start_completions(self, req: p.CompletionRequest, streams: list[OutputStream]) -> None:
         """One engine request per prompt, appended to ``streams`` as each is accepted."""
         if req.echo:
             raise bad_request("echo is not supported", "echo", "unsupported")
@@ -298,7 +303,8 @@ class OpenAIServer:
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
         if len(prompts) > 1 and req.request_id is not None:
             raise bad_request("request_id is for a single prompt", "request_id")
-        for prompt in prompts:
+        for text_or_ids in prompts:
+            prompt, _ = await self.tokenizer.ids_if_long(text_or_ids, {})
             streams.append(
                 self.engine.generate(
                     prompt,

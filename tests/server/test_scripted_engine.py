@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +17,7 @@ import pytest_asyncio
 
 from deltaserve.engine import EngineDeadError, EngineOverloadedError, RequestOutput, SamplingParams
 from deltaserve.engine.client import ModelInfo
+from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer
 
@@ -22,6 +25,26 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TOOL_TEXT = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+class CharTokenizer:
+    """One token per character (id = code point mod 100); ``delay_s`` per encode; records the
+    threads it encoded on."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.threads: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        return [ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False, **kw: Any) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
 
 
 class ScriptedEngine:
@@ -34,6 +57,13 @@ class ScriptedEngine:
             checkpoint_unit=64,
         )  # fmt: skip
         self.started = True  # the app does not own it
+        self.input_processor = InputProcessor(
+            CharTokenizer(),
+            max_model_len=1 << 20,
+            vocab_size=100,
+            salt_parts=("scripted",),
+            max_token_chars=1,
+        )
         self.script: list[str] = []
         self.finish_reason = "stop"
         self.error: str | None = None
@@ -50,6 +80,10 @@ class ScriptedEngine:
     def generate(self, prompt: Any, params: SamplingParams, **kw: Any) -> AsyncIterator[RequestOutput]:
         if self.fail is not None:
             raise self.fail
+        # validated and tokenized at the call, as the real engine does
+        self.input_processor.tokenize(
+            prompt, tools=kw.get("tools"), chat_template_kwargs=kw.get("chat_template_kwargs")
+        )
         self.calls.append((prompt, params, kw))
         return self._run(params)
 
