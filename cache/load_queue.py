@@ -97,8 +97,8 @@ class LoadQueue:
                 self._land_load(t, t.seq in broken, id(t) in failed_ids, now)
                 done += 1
         finally:
-            if done < len(plan.loads):
-                del plan.loads[:done]
+            if done < len(plan.loads):  # raised: the saves have all landed
+                del plan.saves[:], plan.loads[:done]
         plan.landed = True
         return broken
 

@@ -98,47 +98,63 @@ def _inject(cm: CacheManager, part: str, method: str, k: int | None) -> list[int
     return calls
 
 
-def _serve(cm: CacheManager, batches: Sequence[Sequence[list[int]]]) -> dict[str, tuple[str, int]]:
+Running = dict[str, tuple[Any, list[int]]]  # request id -> (its SeqCache, its prompt)
+Results = dict[str, tuple[str, int]]  # request id -> (outcome, hit tokens at admission)
+
+
+def _serve(cm: CacheManager, batches: Sequence[Sequence[list[int]]]) -> Results:
     """Serve each batch to its end (one whole prefill step per request, after its loads);
-    request id -> (outcome, hit tokens at admission). Integrity is checked after every step."""
-    results: dict[str, tuple[str, int]] = {}
+    the outcome of every request. Integrity is checked after every step."""
+    results: Results = {}
     for b, batch in enumerate(batches):
         waiting = [(f"{b}.{i}", toks) for i, toks in enumerate(batch)]
-        running: dict[str, Any] = {}
+        running: Running = {}
         for _ in range(50):
             if not waiting and not running:
                 break
-            while waiting:
-                rid, toks = waiting[0]
-                seq = cm.admit(rid, toks, b"s")
-                if seq is None:
-                    break
-                cm.record_query(len(toks), seq.num_cached_tokens, seq)
-                running[rid] = (seq, toks)
-                results[rid] = ("running", seq.num_cached_tokens)
-                waiting.pop(0)
-            items = []
-            for seq, toks in running.values():
-                if seq.loads:
-                    cm.stage_loads(seq)
-                elif cm.allocate(seq, len(toks)):
-                    items.append(StepItem(seq, toks, seq.num_cached_tokens, len(toks), False))
-            plan = cm.plan_step(items)
-            try:
-                cm.commit_step(plan)
-                outcome = "ok"
-            except Injected:
-                if cm.in_flight(plan):
-                    cm.abort_step(plan)
-                outcome = "error"
-            for item in items:
-                seq = item.seq
-                cm.free(seq, publish_output=outcome == "ok")
-                del running[seq.request_id]
-                results[seq.request_id] = (outcome, results[seq.request_id][1])
+            _admit(cm, waiting, running, results)
+            _step(cm, running, results)
             cm.check_integrity()
         assert not waiting and not running, "the run got stuck"
     return results
+
+
+def _admit(
+    cm: CacheManager, waiting: list[tuple[str, list[int]]], running: Running, results: Results
+) -> None:
+    while waiting:
+        rid, toks = waiting[0]
+        seq = cm.admit(rid, toks, b"s")
+        if seq is None:
+            return
+        cm.record_query(len(toks), seq.num_cached_tokens, seq)
+        running[rid] = (seq, toks)
+        results[rid] = ("running", seq.num_cached_tokens)
+        waiting.pop(0)
+
+
+def _step(cm: CacheManager, running: Running, results: Results) -> None:
+    """One step: the requests whose loads have landed compute their whole prompt and end;
+    a commit that raises is recovered as the engine does (its requests end with an error)."""
+    items = []
+    for seq, toks in running.values():
+        if seq.loads:
+            cm.stage_loads(seq)
+        elif cm.allocate(seq, len(toks)):
+            items.append(StepItem(seq, toks, seq.num_cached_tokens, len(toks), False))
+    plan = cm.plan_step(items)
+    try:
+        cm.commit_step(plan)
+        outcome = "ok"
+    except Injected:
+        if cm.in_flight(plan):
+            cm.abort_step(plan)
+        outcome = "error"
+    for item in items:
+        seq = item.seq
+        cm.free(seq, publish_output=outcome == "ok")
+        del running[seq.request_id]
+        results[seq.request_id] = (outcome, results[seq.request_id][1])
 
 
 # (name, manager, batches, a prompt that hits once they are served, fault points)
@@ -175,5 +191,6 @@ def test_commit_that_raises_at_any_point_leaves_the_cache_whole(
         # the cache serves on: the same prompts again, all of them, the later ones with hits
         again = _serve(cm, batches)
         assert all(outcome == "ok" for outcome, _ in again.values()), f"call {k}"
+        assert any(hit > 0 for _, hit in again.values()), f"call {k}"
         assert lookup(cm, probe, b"s") > 0, f"call {k}"
         cm.check_integrity()
