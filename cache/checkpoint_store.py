@@ -47,11 +47,25 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ publish / drop
     def attach(self, node: Node, slot: int, kind: CaptureKind, history: int | None = None) -> None:
-        """Publish ``slot`` (reserved or tracking) as ``node``'s checkpoint."""
+        """Publish ``slot`` (reserved or tracking) as ``node``'s checkpoint; whole or not at
+        all (a raise leaves the slot as it was)."""
+        state = self.slots.ckpt_state[slot]
         self.slots.set_state(slot, SlotState.ATTACHED)
-        self.tree.attach_checkpoint(node, slot)
-        self.attached[slot] = node
-        self.eviction.on_attach(node, kind, history)
+        try:
+            self.tree.attach_checkpoint(node, slot)
+            try:
+                self.attached[slot] = node
+                self.eviction.on_attach(node, kind, history)
+            except BaseException:
+                self.attached.pop(slot, None)
+                # the node's pins, if any, are its host checkpoint's: set aside to detach
+                pins, node.ckpt_pins = node.ckpt_pins, 0
+                self.tree.detach_checkpoint(node)
+                node.ckpt_pins = pins
+                raise
+        except BaseException:
+            self.slots.set_state(slot, state)
+            raise
         self.counters["checkpoints.stored"] += 1
 
     def detach(self, node: Node) -> int:
@@ -128,7 +142,11 @@ class CheckpointStore:
 
     def unpin_source(self, node: Node) -> None:
         self.tree.unpin_checkpoint(node)
-        self.eviction.on_unpin(node)
+        try:
+            self.eviction.on_unpin(node)
+        except BaseException:  # whole or not at all: the pin stays
+            self.tree.pin_checkpoint(node)
+            raise
 
     def pin_restore(self, seq: SeqCache, node: Node) -> None:
         """``seq`` resumes from ``node``'s device checkpoint: pinned until the copy has run."""

@@ -68,43 +68,67 @@ class LoadQueue:
 
     def land(self, plan: StepPlan, failed: Collection[Transfer] = ()) -> list[SeqCache]:
         """The plan's copies ran (``failed``: those that did not). Returns the requests whose
-        loads failed: the caller ends them (they hold nothing else of the step)."""
+        loads failed: the caller ends them (they hold nothing else of the step).
+
+        Each copy lands whole or not at all and leaves the plan when it has: if landing one
+        raises, the plan stays unlanded holding the rest, for ``CacheManager.abort_step``."""
         if plan.landed:
             return []
-        plan.landed = True
         failed_ids = {id(t) for t in failed}
-        for t in plan.saves:
-            if id(t) in failed_ids:
-                self.host.save_failed(t)
-            else:
-                self.host.save_landed(t)
+        done = 0
+        try:
+            for t in plan.saves:
+                if id(t) in failed_ids:
+                    self.host.save_failed(t)
+                else:
+                    self.host.save_landed(t)
+                done += 1
+        finally:
+            if done < len(plan.saves):  # raised: what landed leaves the plan
+                del plan.saves[:done]
         broken: list[SeqCache] = []
         for t in plan.loads:
             if id(t) in failed_ids and t.seq not in broken:
                 broken.append(t.seq)  # type: ignore[arg-type]
         now = time.monotonic()
-        counters = self.counters
-        for t in plan.loads:
-            seq = t.seq
-            assert seq is not None
-            t.staged = False
-            if seq in broken:
-                counters["host.failed_loads"] += id(t) in failed_ids
-                continue
-            seq.loads.remove(t)
-            counters["host.bytes_loaded"] += self.host.nbytes(t.kind)
-            if t.kind is TransferKind.KV_LOAD:
-                self.host.release_block(t.node)
-                self.tree.set_moving(t.node, False)
-                counters["host.kv_promoted_blocks"] += 1
-            else:
-                self.ckpts.unpin_source(t.node)
-                seq.restored_from = t.node
-                counters["host.checkpoints_restored"] += 1
-            if not seq.loads:
-                counters["host.loads_completed"] += 1
-                counters["host.load_wait_ms"] += round(1000 * (now - seq.load_since))
+        done = 0
+        try:
+            for t in plan.loads:
+                self._land_load(t, t.seq in broken, id(t) in failed_ids, now)
+                done += 1
+        finally:
+            if done < len(plan.loads):  # raised: the saves have all landed
+                del plan.saves[:], plan.loads[:done]
+        plan.landed = True
         return broken
+
+    def _land_load(self, t: Transfer, broken: bool, failed: bool, now: float) -> None:
+        """One load ran (``broken``: its request's loads failed); applied whole or not at all."""
+        seq = t.seq
+        assert seq is not None
+        counters = self.counters
+        if broken:
+            t.staged = False
+            counters["host.failed_loads"] += failed
+            return
+        if t.kind is TransferKind.KV_LOAD:
+            self.tree.set_moving(t.node, False)
+            try:
+                self.host.release_block(t.node)
+            except BaseException:
+                self.tree.set_moving(t.node, True)
+                raise
+            counters["host.kv_promoted_blocks"] += 1
+        else:
+            self.ckpts.unpin_source(t.node)
+            seq.restored_from = t.node
+            counters["host.checkpoints_restored"] += 1
+        t.staged = False
+        seq.loads.remove(t)
+        counters["host.bytes_loaded"] += self.host.nbytes(t.kind)
+        if not seq.loads:
+            counters["host.loads_completed"] += 1
+            counters["host.load_wait_ms"] += round(1000 * (now - seq.load_since))
 
     def cancel(self, seq: SeqCache) -> None:
         """``seq`` ends before its loads landed: its promoted nodes go back to the host

@@ -393,12 +393,18 @@ class CacheManager:
         return plan
 
     def commit_step(self, plan: StepPlan) -> None:
-        """The step succeeded: publish blocks computed and checkpoints captured."""
+        """The step succeeded: publish blocks computed and checkpoints captured.
+
+        Whole pieces: each piece of the plan (a landed copy, a released restore, a published
+        block, an attached capture) is applied whole or not at all, and a piece applied
+        leaves what ``abort_step`` releases. The plan leaves flight only once every piece is
+        in, so a commit that raises half-way leaves every structure whole and its plan in
+        flight, holding the rest for ``abort_step`` (docs/cache.md, "A commit that fails").
+        """
         if plan is not self._inflight:
             raise RuntimeError("commit of a plan that is not in flight")
         self.land_transfers(plan)  # no-op when the caller landed them already
-        self._inflight = None
-        for seq in plan.restored:
+        for seq in plan.restored:  # (a restore not released here is released by ``free``)
             self.ckpts.release_restore(seq)
             self._counters["checkpoints.restored"] += 1
         enabled, kv = self.enabled, self.kv
@@ -409,18 +415,31 @@ class CacheManager:
             if seq.pending_tracking_boundary:
                 seq.tracking_boundary = seq.pending_tracking_boundary
                 seq.pending_tracking_boundary = 0
-        for cap in plan.captures:
-            if cap.tracking:
-                continue
-            node = self.kv.node_at(plan.items[cap.item_index].seq, cap.boundary)
-            if node is None or node.checkpoint_slot is not None or not self.enabled:
-                self._counters["checkpoints.duplicate"] += 1
-                self.slots.free_checkpoint(cap.slot)
-                continue
-            self.ckpts.attach(node, cap.slot, cap.kind, plan.items[cap.item_index].seq.history)
+        done = 0
+        try:
+            for cap in plan.captures:
+                if not cap.tracking:
+                    self._commit_capture(plan, cap)
+                done += 1
+        except BaseException:
+            applied = {c.slot for c in plan.captures[:done]}
+            plan.reserved = [slot for slot in plan.reserved if slot not in applied]
+            raise
+        self._inflight = None
+
+    def _commit_capture(self, plan: StepPlan, cap: Capture) -> None:
+        """Publish a captured checkpoint at its node, or free its slot (a duplicate)."""
+        seq = plan.items[cap.item_index].seq
+        node = self.kv.node_at(seq, cap.boundary)
+        if node is None or node.checkpoint_slot is not None or not self.enabled:
+            self.slots.free_checkpoint(cap.slot)
+            self._counters["checkpoints.duplicate"] += 1
+            return
+        self.ckpts.attach(node, cap.slot, cap.kind, seq.history)
 
     def abort_step(self, plan: StepPlan) -> None:
-        """The step failed: release its reservations. Its requests must then be freed."""
+        """The step failed, or its commit raised: release its reservations (what a failed
+        commit left in the plan). Its requests must then be freed."""
         if plan is not self._inflight:
             raise RuntimeError("abort of a plan that is not in flight")
         if not plan.landed:  # the copies may not have run: saves are lost, loads retried
@@ -434,6 +453,10 @@ class CacheManager:
             self.slots.free_checkpoint(slot)
         for item in plan.items:
             item.seq.pending_tracking_boundary = 0
+
+    def in_flight(self, plan: StepPlan) -> bool:
+        """``plan`` is the step in flight (planned, neither committed nor aborted)."""
+        return plan is self._inflight
 
     def discard_written(self, blocks: Collection[int], slots: Collection[int]) -> int:
         """Drop every cached entry held in ``blocks`` (KV block ids) or ``slots`` (checkpoint

@@ -132,7 +132,10 @@ class PrefixIndex:
         self.tree.compact()
 
     def publish(self, seq: SeqCache, token_ids: Sequence[int], num_computed: int) -> None:
-        """Insert the request's newly full, computed blocks into the tree (and pin them)."""
+        """Insert the request's newly full, computed blocks into the tree (and pin them).
+
+        Each block is published whole (in the tree, pinned, on ``seq``'s path) or not at all:
+        if one raises, the blocks before it stay published and it stays private."""
         if num_computed // self.block_size <= len(seq.nodes):
             return  # no newly full block (most decode steps): nothing to hash or insert yet
         hashes = self.extend_hashes(token_ids, seq.salt, seq.hashes)
@@ -145,19 +148,49 @@ class PrefixIndex:
                 break  # being copied between tiers: keep ours private, publish after it lands
             if node is not None and node.block_id < 0:
                 # Cached on the host tier: our computed block brings it back to the device.
-                tree.promote(node, seq.block_table[i])
-                self.host.release_block(node)
-                tree.touch(node)
+                self._publish_promote(node, seq.block_table[i])
             elif node is not None:
                 # Same prefix already cached (computed by another request): share it and
                 # return our duplicate block.
-                self.blocks.free(seq.block_table[i])
-                seq.block_table[i] = node.block_id
-                tree.touch(node)
+                self._publish_share(seq, i, node)
             else:
                 node = tree.insert(parent, key, seq.block_table[i])
-            tree.pin(node)
+                try:
+                    tree.pin(node)
+                except BaseException:
+                    tree.remove_leaf(node)
+                    raise
             seq.nodes.append(node)
+
+    def _publish_promote(self, node: Node, block_id: int) -> None:
+        """Host node ``node`` takes computed block ``block_id`` (the caller's), pinned; its
+        host copy goes last, so that until then the promotion can be undone."""
+        tree = self.tree
+        tree.promote(node, block_id)
+        pinned = False
+        try:
+            tree.touch(node)
+            tree.pin(node)
+            pinned = True
+            self.host.release_block(node)
+        except BaseException:  # back to the host copy (the caller keeps its block)
+            if pinned:
+                tree.unpin(node)
+            tree.demote(node, node.host_block)
+            tree.set_moving(node, False)
+            raise
+
+    def _publish_share(self, seq: SeqCache, i: int, node: Node) -> None:
+        """Block ``i`` of ``seq`` is cached already: share ``node``'s, return ours, pinned."""
+        own = seq.block_table[i]
+        self.blocks.free(own)
+        seq.block_table[i] = node.block_id
+        try:
+            self.tree.touch(node)
+            self.tree.pin(node)
+        except BaseException:  # keep a private block (any: it holds no cached content)
+            seq.block_table[i] = self.blocks.allocate()
+            raise
 
     def node_at(self, seq: SeqCache, boundary: int) -> Node | None:
         depth = boundary // self.block_size

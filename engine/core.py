@@ -17,7 +17,6 @@ helpers here.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from collections.abc import Sequence
@@ -269,13 +268,13 @@ class EngineCore:
     def _recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """Publishing a step's results raised: end that step's requests, keep serving the rest.
 
-        A commit that raised before it took the step's plan out of flight is released like a
-        failed step. One that raised half-way may have left the cache inconsistent: the
-        integrity check then fails and the engine stops rather than serve from a corrupt cache.
+        A commit that raises leaves every cache structure whole and its plan in flight holding
+        what it did not apply (``CacheManager.commit_step``): that rest is released like a
+        failed step's. (A raise after the commit completed leaves nothing to release.)
         """
         self.counters["steps.failed"] += 1
         log.error("step.commit_failed", error=repr(error), requests=[s.request.request_id for s in out.seqs])
-        with contextlib.suppress(RuntimeError):  # "not in flight": the commit got past taking it out
+        if self.cache.in_flight(out.plan):
             self.cache.abort_step(out.plan)
         outputs = [
             self._fail(s.request, "cache commit failed", error)
@@ -285,7 +284,7 @@ class EngineCore:
         ]
         if self.overlap is not None:
             self.overlap.apply_deferred()
-        self.scheduler.check_integrity()  # AssertionError: corrupt cache -> the engine loop dies
+        self.scheduler.check_integrity()  # holds: a failed commit leaves every part whole
         return outputs
 
     def _fail(self, req: Request, what: str, error: BaseException, *, finish: bool = True) -> RequestOutput:

@@ -461,7 +461,11 @@ class Scheduler:
 
         ``sampled[i]`` is the token ``out.seqs[i]`` sampled (None: it sampled none), or, for a
         step committed while its forward runs, that row's ``placeholder``: the request then
-        counts as decoding, and its owner puts the real token in its place when it arrives."""
+        counts as decoding, and its owner puts the real token in its place when it arrives.
+
+        A commit that raises leaves the cache whole with the plan in flight holding what it
+        did not apply (``CacheManager.commit_step``): the caller aborts that plan and ends
+        the step's requests."""
         if out is not self._inflight:
             raise RuntimeError("update() of a step that is not in flight")
         self._inflight = None

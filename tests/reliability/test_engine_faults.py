@@ -211,6 +211,48 @@ def test_a_commit_that_raises_ends_only_that_steps_requests(core_factory: Any) -
     assert_pools_free(core)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_commit_that_raises_half_way_leaves_the_cache_whole(
+    core_factory: Any, async_scheduling: bool
+) -> None:
+    """The commit has published the step's blocks when attaching its checkpoint raises: the
+    cache stays whole (integrity after every step), the step's request ends with an error,
+    and the request waiting behind it serves exactly its fault-free tokens."""
+    core: EngineCore = core_factory(
+        **{
+            "cache.checkpoint_interval": 64,
+            "scheduler.max_num_seqs": 1,
+            "engine.async_scheduling": async_scheduling,
+        }
+    )
+    first = core.make_request(tokens(100, 1), greedy(5))
+    later_prompt = tokens(100, 1) + tokens(40, 3)  # shares what the failed commit published
+    later = core.make_request(later_prompt, greedy(5))
+    core.add_request(first)
+    core.add_request(later)
+    real = core.cache.ckpts.attach
+    calls = {"n": 0}
+
+    def attach(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            assert core.cache.tree.num_nodes > 0, "the fault is meant to come after publishing"
+            raise RuntimeError("injected attach fault")
+        real(*args, **kwargs)
+
+    core.cache.ckpts.attach = attach  # type: ignore[method-assign]
+    outs = run_to_completion(core)  # (integrity checked after every step)
+    assert calls["n"] >= 1
+    assert outs[first.request_id][-1].finish_reason == "error"
+    assert "cache commit failed: RuntimeError: injected attach fault" in (
+        outs[first.request_id][-1].error or ""
+    )
+    assert core.stats()["steps.failed"] == 1
+    assert outs[later.request_id][-1].finish_reason == "length"
+    assert text_tokens(outs[later.request_id]) == solo_greedy(core_factory, later_prompt, 5)
+    assert_pools_free(core)
+
+
 class ExplodingPolicy(FCFSPolicy):
     """A user's policy that raises in both of its calls."""
 
