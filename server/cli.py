@@ -70,7 +70,7 @@ def build_parser(
         help="close a connection whose request headers take longer than S seconds (default %(default)s)",
     )  # fmt: skip
     s.add_argument(
-        "--body-timeout", type=float, default=60.0, metavar="S",
+        "--body-timeout", type=float, default=30.0, metavar="S",
         help="close a connection whose request body takes longer than S seconds (default %(default)s)",
     )  # fmt: skip
     s.add_argument(

@@ -58,7 +58,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     access_log: bool = False
     max_body_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
-    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     max_connections: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
     def __post_init__(self) -> None:

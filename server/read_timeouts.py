@@ -26,7 +26,7 @@ class ReadTimeoutProtocol(HttpToolsProtocol):
     with the two timeouts set (``protocol_class``)."""
 
     header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
+    body_timeout_s: float = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
