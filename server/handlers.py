@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from deltaserve.engine.client import EngineClient, OutputStream
@@ -29,7 +29,7 @@ from deltaserve.server.errors import APIError, bad_request, encode, translate_er
 from deltaserve.server.inputs import completion_prompts, messages_to_dicts, sampling_params, template_extras
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.offload import Tokenizer
-from deltaserve.server.sse import SSEResponse, run_or_disconnect, stream_frames
+from deltaserve.server.sse import ChunkFormat, SSEResponse, run_or_disconnect, stream_frames
 from deltaserve.server.tracker import Tracker
 
 JSON = "application/json"
@@ -113,9 +113,9 @@ class OpenAIServer:
             self._token_text[token_id] = text
         return text
 
-    async def _decode(self, request: Request, type_: type) -> Any:
-        """The body as ``type_``: 413 past the body limit (before reading it when the client
-        says its length), 400 for JSON that is malformed, not UTF-8 or nested too deep."""
+    async def _read_body(self, request: Request) -> bytes:
+        """The body: 413 past the body limit (before reading it when the client says its
+        length); a hang-up while it is sent raises ``ClientDisconnect`` (the app counts it)."""
         limit = body_limit(self.config, self.engine.model_info.max_model_len)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -126,12 +126,20 @@ class OpenAIServer:
             if size > limit:
                 raise _too_large(size, limit)
             chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def _parse(body: bytes, type_: type) -> Any:
+        """The body as ``type_``: 400 for JSON that is malformed, not UTF-8 or nested too deep."""
         try:
-            return msgspec.json.decode(b"".join(chunks) or b"{}", type=type_)
+            return msgspec.json.decode(body or b"{}", type=type_)
         except UnicodeDecodeError as e:
             raise bad_request(f"request body is not valid UTF-8: {e}", None, "invalid_json") from None
         except RecursionError:
             raise bad_request("request body nests JSON too deeply", None, "invalid_json") from None
+
+    async def _decode(self, request: Request, type_: type) -> Any:
+        return self._parse(await self._read_body(request), type_)
 
     async def _answer(self, request: Request, work: Any, streams: list[OutputStream]) -> Response:
         """The whole response of ``work`` over ``streams``, or 499 when the client left first
@@ -147,7 +155,12 @@ class OpenAIServer:
         return _json(result)
 
     def _stream(
-        self, rid: str, streams: list[OutputStream], trackers: list[Tracker], fmt: Any, include_usage: bool
+        self,
+        rid: str,
+        streams: list[OutputStream],
+        trackers: list[Tracker],
+        fmt: ChunkFormat,
+        include_usage: bool,
     ) -> SSEResponse:
         forget = self._opened(streams)
         frames = stream_frames(
@@ -211,15 +224,14 @@ class OpenAIServer:
     # ------------------------------------------------------------------ chat
     async def chat(self, request: Request) -> Response:
         renames = {"logprobs": "top_logprobs", "prompt": "messages"}
+        body = await self._read_body(request)
         try:
-            req: p.ChatCompletionRequest = await self._decode(request, p.ChatCompletionRequest)
+            req: p.ChatCompletionRequest = self._parse(body, p.ChatCompletionRequest)
             if req.max_completion_tokens is not None:
                 renames["max_tokens"] = "max_completion_tokens"
             model = self._check_model(req.model)
             self._require_healthy()
             stream = await self._start_chat(req)
-        except ClientDisconnect:  # hung up while sending the body: the app counts it, not an error
-            raise
         except Exception as e:
             raise translate_error(e, renames) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -265,13 +277,12 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         renames = {"prompt": "prompt"}
         streams: list[OutputStream] = []
+        body = await self._read_body(request)
         try:
-            req: p.CompletionRequest = await self._decode(request, p.CompletionRequest)
+            req: p.CompletionRequest = self._parse(body, p.CompletionRequest)
             model = self._check_model(req.model)
             self._require_healthy()
             await self._start_completions(req, streams)
-        except ClientDisconnect:
-            raise
         except Exception as e:
             for s in streams:  # the prompts accepted before one was rejected
                 with contextlib.suppress(Exception):
