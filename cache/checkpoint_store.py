@@ -9,7 +9,7 @@ host tier when that takes it. ``check_integrity`` proves the accounting. Torch-f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from deltaserve.cache.eviction import CheckpointEviction, Want
 from deltaserve.cache.host_tier import HostTier
@@ -28,8 +28,12 @@ class CheckpointStore:
         eviction: CheckpointEviction,
         host: HostTier,
         checkpoint_bytes: int,
+        grow: Callable[[], bool] | None = None,
     ) -> None:
         self.slots = StatePool(num_live, num_checkpoint)
+        # shared budget: makes one more free slot out of bytes nobody values (a free page, free
+        # or unreachable KV); tried before a resident is displaced
+        self.grow = grow
         self.kv = kv
         self.tree = kv.tree
         self.eviction = eviction
@@ -93,7 +97,7 @@ class CheckpointStore:
         the request's own pending restore source (whose restore the caller releases: the
         copy out of it runs before the step writes the capture); ``(-1, reason)`` when there
         is none (reason ``pool`` or ``value``; the caller counts the skip)."""
-        if self.slots.num_free_checkpoint > 0:
+        if self.slots.num_free_checkpoint > 0 or (self.grow is not None and self.grow()):
             return self.slots.allocate_checkpoint(state), ""
         node, reason = self.eviction.victim(want, self.residents, self.trackers.values(), self.host.floor())
         if node is None:

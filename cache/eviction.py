@@ -63,6 +63,9 @@ class EvictionParams:
     checkpoint_bytes: int = 0  # one checkpoint (all GDN layers)
     num_checkpoint_slots: int = 0
     cost: CostModel = CostModel()
+    # one device budget (cache/arena.py): a checkpoint's bytes include the KV only it keeps
+    # reachable (its path below the checkpoint above it); 0 = a fixed split (checkpoint bytes only)
+    kv_block_bytes: int = 0
 
 
 class CheckpointEviction(ABC):

@@ -40,6 +40,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from deltaserve.cache.admission import get_admission_policy
+from deltaserve.cache.arena import Arena
+from deltaserve.cache.block_pool import BlockPool, PagedBlockPool
 from deltaserve.cache.checkpoint_store import CheckpointStore
 from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import make_eviction
@@ -48,6 +50,7 @@ from deltaserve.cache.load_queue import LoadQueue
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node, RadixTree
+from deltaserve.cache.shared_budget import SharedBudget
 from deltaserve.cache.types import (
     Capture,
     CaptureKind,
@@ -93,6 +96,11 @@ class CacheManagerConfig:
     num_host_checkpoint_slots: int = 0
     kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
     host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
+    # one device budget (cache/arena.py): ``shared_pages`` pages of ``page_blocks`` KV blocks
+    # or one checkpoint each, after the live slots; 0 = the fixed pools above
+    shared_pages: int = 0
+    page_blocks: int = 0
+    headroom_blocks: int | None = None  # free KV kept when captures take KV pages; None: page_blocks // 2
 
 
 # ``stats()`` reports every part's counters in this order
@@ -105,6 +113,7 @@ COUNTER_KEYS = (
     "host.kv_demoted_blocks", "host.kv_promoted_blocks", "host.kv_evicted_blocks",
     "host.checkpoints_demoted", "host.checkpoints_restored", "host.checkpoints_evicted",
     "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
+    "kv.moved_blocks", "cache.pages_to_kv", "cache.pages_to_checkpoints", "checkpoints.evicted_for_kv",
 )  # fmt: skip
 
 
@@ -130,6 +139,7 @@ class CacheManager:
                 checkpoint_bytes=config.checkpoint_bytes,
                 num_checkpoint_slots=config.num_checkpoint_slots,
                 cost=CostModel(config.prefill_cost_per_token, config.prefill_cost_per_token_pair),
+                kv_block_bytes=config.kv_block_bytes if config.shared_pages > 0 else 0,
             ),
         )
         self.host = HostTier(
@@ -140,11 +150,38 @@ class CacheManager:
             kv_block_bytes=config.kv_block_bytes,
             checkpoint_bytes=config.checkpoint_bytes,
         )
-        self.kv = PrefixIndex(self.tree, self.host, bs, config.num_kv_blocks, has_gdn=config.has_gdn)
+        self.budget: SharedBudget | None = None
+        blocks: BlockPool | PagedBlockPool
+        if num_ckpt and config.shared_pages > 0:
+            n = config.page_blocks
+            if n <= 0:
+                raise ValueError(f"page_blocks must be positive with shared pages, got {n}")
+            blocks = PagedBlockPool(n, config.shared_pages * n)
+            headroom = n // 2 if config.headroom_blocks is None else config.headroom_blocks
+            self.budget = SharedBudget(
+                Arena(num_live, config.shared_pages, n),
+                blocks,
+                self.tree,
+                self.eviction,
+                self._evict_leaf,
+                headroom,
+            )
+            num_ckpt = 0  # checkpoint slots come and go with their pages
+        else:
+            blocks = BlockPool(config.num_kv_blocks)
+        self.kv = PrefixIndex(self.tree, self.host, bs, blocks, has_gdn=config.has_gdn)
         self.blocks = self.kv.blocks
         self.ckpts = CheckpointStore(
-            num_live, num_ckpt, self.kv, self.eviction, self.host, config.checkpoint_bytes
+            num_live,
+            num_ckpt,
+            self.kv,
+            self.eviction,
+            self.host,
+            config.checkpoint_bytes,
+            grow=self.budget.checkpoint_page if self.budget is not None else None,
         )
+        if self.budget is not None:
+            self.budget.ckpts = self.ckpts
         self.slots = self.ckpts.slots
         self.load_queue = LoadQueue(
             self.tree, self.blocks, self.host, self.ckpts, config.host_load_bytes_per_step
@@ -168,7 +205,10 @@ class CacheManager:
     def counters(self) -> dict[str, int]:
         """Every part's event counters, summed (a fresh dict, in ``COUNTER_KEYS`` order)."""
         total = dict.fromkeys(COUNTER_KEYS, 0)
-        for part in (self._counters, self.ckpts.counters, self.load_queue.counters, self.host.counters):
+        parts = [self._counters, self.ckpts.counters, self.load_queue.counters, self.host.counters]
+        if self.budget is not None:
+            parts.append(self.budget.counters)
+        for part in parts:
             for key, n in part.items():
                 total[key] += n
         return total
@@ -209,7 +249,7 @@ class CacheManager:
         return self.kv.blocks_for(num_tokens)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.blocks.num_blocks
+        return self.blocks_for(num_tokens) <= self.blocks.max_blocks
 
     def admit(
         self,
@@ -280,7 +320,7 @@ class CacheManager:
         self.tree.pin_checkpoint(path[-1])
         try:
             while self.blocks.num_free < need:
-                if not self._evict_one_leaf():
+                if not self._free_one_block():
                     return False
             return True
         finally:
@@ -316,13 +356,20 @@ class CacheManager:
             seq.history = self.eviction.observe(seq.hashes, (query_tokens - 1) // bs, self.unit // bs)
 
     # ------------------------------------------------------------------ KV blocks
-    def _evict_one_leaf(self) -> bool:
-        """Free one device block: the victim leaf is demoted to the host when it is worth
-        keeping (a checkpoint, or host nodes below it) and the host has room, else dropped
-        with everything below it."""
+    def _free_one_block(self, evict_checkpoints: bool = True) -> bool:
+        """Free at least one device block (shared budget: ``SharedBudget.free_block``)."""
+        if self.budget is not None:
+            return self.budget.free_block(evict_checkpoints)
         node = self.eviction.kv_victim(self.ckpts.residents)
         if node is None:
             return False
+        self._evict_leaf(node)
+        return True
+
+    def _evict_leaf(self, node: Node) -> None:
+        """Free ``node``'s device block: the leaf is demoted to the host when it is worth
+        keeping (a checkpoint, or host nodes below it) and the host has room, else dropped
+        with everything below it."""
         self._counters["kv.evicted_blocks"] += 1
         # without GDN layers every block ends a hit; with them only a checkpoint does
         keeps = (
@@ -336,16 +383,15 @@ class CacheManager:
             if node.checkpoint_slot is not None:  # it follows its KV to the host (or goes)
                 self.ckpts.evict(node)
             self.blocks.free(device_block)
-            return True
+            return
         if node.checkpoint_slot is not None:
             self.ckpts.drop(node)
         self.host.drop_below(node)
         if node.host_slot is not None:
             self.host.drop_checkpoint(node)
         self.kv.remove_leaf(node)
-        return True
 
-    def allocate(self, seq: SeqCache, num_tokens: int) -> bool:
+    def allocate(self, seq: SeqCache, num_tokens: int, *, evict_checkpoints: bool = True) -> bool:
         """Make ``seq.block_table`` cover ``num_tokens`` tokens; False if impossible now.
 
         On False nothing is allocated (so a preempting caller loses nothing).
@@ -354,7 +400,7 @@ class CacheManager:
         if need <= 0:
             return True
         while self.blocks.num_free < need:
-            if not self._evict_one_leaf():
+            if not self._free_one_block(evict_checkpoints):
                 return False
         self.kv.grow(seq, need)
         self.ckpts.compact()
@@ -369,8 +415,10 @@ class CacheManager:
         plan = StepPlan(items=items)
         self._inflight = plan
         self._plan_checkpoints(plan)
-        # last: staging captures may have demoted checkpoints
+        # last: staging captures may have demoted checkpoints and moved KV blocks
         plan.saves, self.host.saves = self.host.saves, []
+        if self.budget is not None:
+            plan.moves, self.budget.moves = self.budget.moves, []
         plan.loads = self.load_queue.take()
         return plan
 
@@ -448,6 +496,10 @@ class CacheManager:
                 self.host.save_failed(t)
             for t in plan.loads:
                 t.staged = False
+            for _, dst in plan.moves:  # a moved block holds nothing: its node goes
+                node = self.tree.by_block.get(dst)
+                if node is not None:
+                    self._drop_subtree(node)
         self._inflight = None
         for slot in plan.reserved:
             self.slots.free_checkpoint(slot)
@@ -471,11 +523,28 @@ class CacheManager:
         blocks, slots = set(blocks), set(slots)
         nodes = [n for n in self.tree.nodes() if n.block_id in blocks or n.checkpoint_slot in slots]
         for node in sorted(nodes, key=lambda n: -n.depth):
+            if node.parent is None:
+                continue  # gone with a block above it
+            if node.block_id in blocks:
+                self._drop_subtree(node)
+            else:
+                self.ckpts.drop(node)
+        return len(nodes)
+
+    def _drop_subtree(self, top: Node) -> None:
+        """Drop ``top`` and everything below it, both tiers, deepest first (none pinned)."""
+        order = [top]
+        for node in order:
+            order.extend(node.children.values())
+        for node in reversed(order):
+            if node.block_id < 0:
+                self.host.remove(node)
+                continue
             if node.checkpoint_slot is not None:
                 self.ckpts.drop(node)
-            if node.block_id in blocks:
-                self.kv.remove_leaf(node)
-        return len(nodes)
+            if node.host_slot is not None:
+                self.host.drop_checkpoint(node)
+            self.kv.remove_leaf(node)
 
     def publish(self, seq: SeqCache, token_ids: Sequence[int], num_computed: int) -> None:
         """Insert the request's newly full, computed blocks into the tree (and pin them)."""
@@ -518,7 +587,8 @@ class CacheManager:
     # ------------------------------------------------------------------ reporting
     def usage(self) -> dict[str, int | float]:
         """Pool occupancy; O(1), so it can be sampled after every step."""
-        return {**self.kv.usage(), **self.ckpts.usage(), **self.host.usage()}
+        shared = self.budget.usage() if self.budget is not None else {}
+        return {**self.kv.usage(), **self.ckpts.usage(), **self.host.usage(), **shared}
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.counters)
@@ -539,6 +609,8 @@ class CacheManager:
             assert all(s.state_slot >= 0 for s in active), "active request without live slot"
         reserved = set(self._inflight.reserved) if self._inflight else set()
         self.ckpts.check_integrity(nodes, active, reserved, self.unit // self.block_size)
+        if self.budget is not None:
+            self.budget.check_integrity()
         inflight = self._inflight
         saves = inflight.saves if inflight is not None and not inflight.landed else []
         self.host.check_integrity(nodes, active, saves)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.block_pool import BlockPool, PagedBlockPool
 from deltaserve.cache.hashing import block_hashes
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.radix_tree import Node, RadixTree
@@ -22,11 +22,17 @@ from deltaserve.cache.types import PrefixMatch, SeqCache
 
 class PrefixIndex:
     def __init__(
-        self, tree: RadixTree, host: HostTier, block_size: int, num_blocks: int, *, has_gdn: bool
+        self,
+        tree: RadixTree,
+        host: HostTier,
+        block_size: int,
+        blocks: BlockPool | PagedBlockPool,
+        *,
+        has_gdn: bool,
     ) -> None:
         self.block_size = block_size
         self.has_gdn = has_gdn
-        self.blocks = BlockPool(num_blocks)
+        self.blocks = blocks
         self.tree = tree
         self.host = host  # a published block that is cached on the host releases its host copy
         # full-block hashes of active requests' prompts -> number of such requests
@@ -220,7 +226,7 @@ class PrefixIndex:
         owner: dict[int, str] = {}
 
         def claim(block_id: int, who: str) -> None:
-            assert 0 <= block_id < pool.num_blocks, f"bad block id {block_id} ({who})"
+            assert pool.is_valid(block_id), f"bad block id {block_id} ({who})"
             assert block_id not in owner, f"block {block_id} owned by {owner[block_id]} and {who}"
             owner[block_id] = who
 

@@ -103,6 +103,7 @@ class RadixTree:
         self._leaf_heap: list[tuple[bool, int, int, Node]] = []
         self._host_heap: list[tuple[bool, int, int, Node]] = []
         self._tie = itertools.count()
+        self.by_block: dict[int, Node] = {}  # device block id -> the node holding it
 
     def tick(self) -> int:
         return next(self._clock)
@@ -128,6 +129,8 @@ class RadixTree:
         node.last_access = self.tick()
         parent.children[key] = node
         parent.device_children += 1
+        if block_id >= 0:
+            self.by_block[block_id] = node
         self.num_nodes += 1
         self.version += 1
         self._maybe_push_leaf(node)
@@ -140,6 +143,7 @@ class RadixTree:
         del parent.children[node.key]
         if node.block_id >= 0:
             parent.device_children -= 1
+            del self.by_block[node.block_id]
         node.parent = None
         self.num_nodes -= 1
         self.version += 1
@@ -153,6 +157,7 @@ class RadixTree:
         if node.block_id < 0 or node.device_children or node.ref_count or node.parent is None:
             raise RuntimeError(f"cannot demote {node}")
         block, node.block_id = node.block_id, -1
+        del self.by_block[block]
         node.host_block = host_block
         node.parent.device_children -= 1
         self.set_moving(node, True)
@@ -165,8 +170,20 @@ class RadixTree:
         if node.block_id >= 0 or parent is None or (parent is not self.root and parent.block_id < 0):
             raise RuntimeError(f"cannot promote {node}")
         node.block_id = block_id
+        self.by_block[block_id] = node
         parent.device_children += 1
         self.version += 1
+
+    def move(self, node: Node, block_id: int) -> int:
+        """``node``'s KV moves to device block ``block_id`` (a copy the caller plans); returns
+        the block it held. Only an unpinned node that is not moving between tiers."""
+        if node.block_id < 0 or node.ref_count or node.moving:
+            raise RuntimeError(f"cannot move {node}")
+        old, node.block_id = node.block_id, block_id
+        del self.by_block[old]
+        self.by_block[block_id] = node
+        self.version += 1
+        return old
 
     def set_moving(self, node: Node, moving: bool) -> None:
         node.moving = moving

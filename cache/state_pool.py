@@ -83,5 +83,22 @@ class StatePool:
         self.ckpt_state[slot] = SlotState.FREE
         self._free_ckpt.append(slot)
 
+    # -- shared pages (cache/arena.py): a checkpoint slot comes and goes with its page ----
+    def add_checkpoint_slot(self, slot: int) -> None:
+        if slot in self.ckpt_state or slot < self.num_live:
+            raise RuntimeError(f"checkpoint slot {slot} exists already (or is a live slot)")
+        self.ckpt_state[slot] = SlotState.FREE
+        self._free_ckpt.append(slot)
+        self.num_checkpoint += 1
+
+    def remove_free_checkpoint_slot(self) -> int:
+        """A free checkpoint slot leaves the pool (its page changes use); the slot id."""
+        if not self._free_ckpt:
+            raise RuntimeError("no free checkpoint slot to give up")
+        slot = self._free_ckpt.pop()  # the most recently freed
+        del self.ckpt_state[slot]
+        self.num_checkpoint -= 1
+        return slot
+
     def count(self, state: SlotState) -> int:
         return sum(1 for s in self.ckpt_state.values() if s is state)

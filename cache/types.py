@@ -179,4 +179,7 @@ class StepPlan:
     # forward's results are committed (``CacheManager.land_transfers``)
     saves: list[Transfer] = field(default_factory=list)
     loads: list[Transfer] = field(default_factory=list)
+    # (src, dst) device KV blocks copied after the saves, before the loads: a KV page vacated
+    # for a checkpoint (shared budget, ``cache/arena.py``); part of the copies that land
+    moves: list[tuple[int, int]] = field(default_factory=list)
     landed: bool = False

@@ -59,6 +59,7 @@ class ValueEviction(CheckpointEviction):
         self.block_size = params.block_size
         self.unit_blocks = params.unit_blocks
         self.bytes = max(params.checkpoint_bytes, 1)
+        self.kv_block_bytes = params.kv_block_bytes
         self.cost = params.cost
         self.learner = learner or ReuseLearner(capacity=max(1 << 16, 64 * params.num_checkpoint_slots))
 
@@ -98,7 +99,14 @@ class ValueEviction(CheckpointEviction):
         state: ValueState = node.policy_state
         age = 0 if self._shared_by_running(node) else self.learner.now - state.since
         density = self.learner.density(self._class(state), age)
-        return density * self.saved(node.depth * self.block_size, self._base(node)) / self.bytes
+        depth, base = node.depth * self.block_size, self._base(node)
+        # with one budget a leaf checkpoint also holds the KV only it keeps reachable
+        held = self.bytes + (0 if node.children else self._kv_bytes(depth - base))
+        return density * self.saved(depth, base) / held
+
+    def _kv_bytes(self, tokens: int) -> int:
+        """KV bytes of ``tokens`` (whole blocks) when one budget holds KV and checkpoints, else 0."""
+        return self.kv_block_bytes * (tokens // self.block_size)
 
     def worth(self, node: Node) -> float:
         return self.value(node)
@@ -120,14 +128,16 @@ class ValueEviction(CheckpointEviction):
         # an output is tracked until its request finishes: the slot is held that long first
         delay = self.learner.track_time if want.kind is CaptureKind.OUTPUT else 0.0
         density = self.learner.density(self.learner.label(want.kind, want.history), 0, delay)
-        return density * self.saved(want.boundary, want.base) / self.bytes
+        held = self.bytes + self._kv_bytes(want.boundary - want.base)
+        return density * self.saved(want.boundary, want.base) / held
 
     def tracker_value(self, seq: SeqCache) -> float:
         """A tracking slot's worth: its output at the tracked boundary, once the request ends."""
         learner = self.learner
         left = max(learner.track_time - (learner.now - seq.tracking_since), 0.0)
         density = learner.density(learner.label(CaptureKind.OUTPUT, seq.history), 0, left)
-        return density * self.saved(seq.tracking_boundary, seq.tracking_base) / self.bytes
+        held = self.bytes + self._kv_bytes(seq.tracking_boundary - seq.tracking_base)
+        return density * self.saved(seq.tracking_boundary, seq.tracking_base) / held
 
     # -- events --------------------------------------------------------------------------
     def on_attach(self, node: Node, kind: CaptureKind, history: int | None = None) -> None:

@@ -81,6 +81,11 @@ class Capacity:
     prefill_flops_per_token_pair: float = 1.0 / 65536
     num_host_kv_blocks: int = 0  # host tier (cache.host_kv_cache_bytes)
     num_host_checkpoint_slots: int = 0  # host tier (cache.host_checkpoint_pool_bytes)
+    # one device budget (cache/arena.py): pages of ``page_blocks`` KV blocks or one checkpoint
+    # each; 0 = the fixed pools (then ``num_kv_blocks`` / ``num_checkpoint_slots`` are their sizes,
+    # else the most each kind can take)
+    num_pages: int = 0
+    page_blocks: int = 0
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -275,6 +280,8 @@ def build_cache_manager(
             num_host_checkpoint_slots=capacity.num_host_checkpoint_slots,
             kv_block_bytes=capacity.kv_block_bytes,
             host_load_bytes_per_step=cc.host_load_bytes_per_step,
+            shared_pages=capacity.num_pages,
+            page_blocks=capacity.page_blocks,
         )
     )
 

@@ -128,6 +128,22 @@ def format_sweep(sweep: dict[int, list[SimResult]], cfg: SimConfig) -> str:
     return _grid(rows)
 
 
+def format_splits(sweep: dict[int, list[SimResult]], shared: Sequence[SimResult], cfg: SimConfig) -> str:
+    """Fixed splits (KV / checkpoint MiB) of one budget, then the one budget itself."""
+    policies = [r.policy for r in shared if r.policy != "oracle"]
+    rows = [["KV / checkpoints"] + policies]
+    for slots, results in sweep.items():
+        by = {r.policy: r for r in results}
+        kv = next(iter(results)).kv_mb
+        rows.append(
+            [f"{kv:.0f} / {slots * cfg.checkpoint_bytes / MiB:.0f} MiB"]
+            + [f"{100 * by[p].hit_rate:.1f}%" if p in by else "-" for p in policies]
+        )
+    by = {r.policy: r for r in shared}
+    rows.append(["one budget"] + [f"{100 * by[p].hit_rate:.1f}%" for p in policies])
+    return _grid(rows)
+
+
 def _grid(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []

@@ -47,6 +47,7 @@ from deltaserve.tools.model_sizes import model_sizes
 from deltaserve.tools.sim_report import (
     Bounds,
     format_results,
+    format_splits,
     format_summary,
     format_sweep,
     header_line,
@@ -141,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"checkpoint budget in slots (default {DEFAULT_CHECKPOINT_SLOTS})",
     )
     ck.add_argument("--checkpoint-mb", type=float, help="checkpoint budget in MiB")
+    g.add_argument(
+        "--memory-mb",
+        type=float,
+        help="one device budget in MiB for KV and checkpoints, traded by value (instead of the "
+        "fixed pools; with --sweep, fixed splits of the same bytes run beside it)",
+    )
     g.add_argument(
         "--checkpoint-bytes", type=int,
         help="one checkpoint (default: model.path's config.json when --config/--set names one, else 50 MiB)",
@@ -249,6 +256,14 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         host_checkpoint_slots=int(args.host_checkpoint_mb * MiB // ckpt_bytes),
         h2d_gbps=args.h2d_gbps,
     )
+    if args.memory_mb is not None:  # each kind could take it all: the bounds see the whole budget
+        total = int(args.memory_mb * MiB)
+        out = replace(
+            out,
+            memory_bytes=total,
+            kv_blocks=max(total // block_bytes, 1),
+            checkpoint_slots=total // ckpt_bytes,
+        )
     if model:
         out.model = model
     return out
@@ -266,11 +281,13 @@ def sweep_budgets(
     pools are unlimited whatever the budget) closes each row."""
     sweep: dict[int, list[SimResult]] = {}
     for b in budgets:
-        rs = [
-            simulate(workload, p, replace(cfg, checkpoint_slots=b), arrival)
-            for p in policies
-            if p != "oracle"
-        ]
+        fixed = replace(cfg, checkpoint_slots=b)
+        if cfg.memory_bytes is not None:  # a fixed split of the one budget's bytes
+            kv = (cfg.memory_bytes - b * cfg.checkpoint_bytes) // (cfg.block_size * cfg.kv_bytes_per_token)
+            if kv < 1:
+                continue
+            fixed = replace(fixed, memory_bytes=None, kv_blocks=kv)
+        rs = [simulate(workload, p, fixed, arrival) for p in policies if p != "oracle"]
         for r in rs:
             r.oracle_ratio = r.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate > 0 else None
         sweep[b] = rs + ([oracle] if oracle else [])
@@ -292,6 +309,35 @@ def _report_sweep(
             else f"{p} none of the swept budgets" for p, n in rec.items()
         ))  # fmt: skip
     return entry
+
+
+def _report_splits(
+    name: str, sweep: dict[int, list[SimResult]], shared: Sequence[SimResult], cfg: SimConfig
+) -> dict[str, Any]:
+    """Print fixed splits of the one budget beside it, and its ratio to the best of them."""
+    print(
+        f"\none budget of {cfg.memory_bytes / MiB:.0f} MiB vs fixed splits of the same bytes ({name}, hit rate):"
+    )
+    print(format_splits(sweep, shared, cfg))
+    best: dict[str, dict[str, float]] = {}
+    for r in shared:
+        fixed = [x.hit_rate for rs in sweep.values() for x in rs if x.policy == r.policy]
+        if fixed:
+            top = max(fixed)
+            best[r.policy] = {
+                "one_budget": r.hit_rate,
+                "best_fixed": top,
+                "ratio": r.hit_rate / top if top else 0.0,
+            }
+            print(
+                f"{r.policy}: one budget {100 * r.hit_rate:.1f}% vs best fixed split {100 * top:.1f}% "
+                f"(x{r.hit_rate / top if top else 0.0:.3f}); checkpoints held {100 * (r.checkpoint_share or 0):.0f}% "
+                "of the pages on average"
+            )
+    return {
+        "splits": {str(b): [r.to_dict() for r in rs] for b, rs in sweep.items()},
+        "one_budget_vs_best": best,
+    }
 
 
 def _arrival_mode(plan: dict[str, Any]) -> str:
@@ -335,7 +381,10 @@ def run_workload(
     summary.append(summary_row(name, args.seed, results, bounds))
     if budgets:
         sweeps[name] = sweep = sweep_budgets(workload, policies, cfg, arrival, budgets, oracle)
-        entry.update(_report_sweep(name, sweep, cfg, oracle))
+        if cfg.memory_bytes is not None:
+            entry.update(_report_splits(name, sweep, results, cfg))
+        else:
+            entry.update(_report_sweep(name, sweep, cfg, oracle))
     print()
     return entry
 
@@ -357,9 +406,12 @@ def _names_and_budgets(
 
 
 def _print_summary(summary: Sequence[dict[str, Any]], cfg: SimConfig) -> None:
-    print(
-        f"summary ({cfg.model}; KV {cfg.kv_bytes / MiB:.0f} MiB, checkpoints {cfg.checkpoint_pool_bytes / MiB:.0f} MiB):"
+    pools = (
+        f"one budget {cfg.memory_bytes / MiB:.0f} MiB for KV and checkpoints"
+        if cfg.memory_bytes is not None
+        else f"KV {cfg.kv_bytes / MiB:.0f} MiB, checkpoints {cfg.checkpoint_pool_bytes / MiB:.0f} MiB"
     )
+    print(f"summary ({cfg.model}; {pools}):")
     print(format_summary(summary))
     print("KV LRU / KV Belady: KV alone, requests one by one; ckpt Belady: checkpoints alone (KV unlimited),")
     print("clairvoyant; oracle: every unit boundary, unlimited memory, the same concurrency.\n")

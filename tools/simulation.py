@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
+from deltaserve.cache.arena import PageUse
 from deltaserve.cache.manager import GDN_CHUNK_SIZE
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.sizing import Capacity, build_scheduler
@@ -58,6 +59,21 @@ class SimConfig:
     host_kv_blocks: int = 0  # host tier (0 = off)
     host_checkpoint_slots: int = 0
     h2d_gbps: float = 50.0  # host <-> device copy bandwidth, GB/s (PCIe 5 x16, effective)
+    #: one device budget for KV and checkpoints (pages, ``cache/arena.py``); None: the fixed
+    #: pools above (with it, ``kv_blocks`` / ``checkpoint_slots`` are what each kind could take)
+    memory_bytes: int | None = None
+
+    @property
+    def page_blocks(self) -> int:
+        """KV blocks per page: one checkpoint's bytes, rounded up to whole blocks."""
+        block_bytes = self.block_size * self.kv_bytes_per_token
+        return max(1, -(-self.checkpoint_bytes // block_bytes))
+
+    @property
+    def num_pages(self) -> int:
+        if self.memory_bytes is None:
+            return 0
+        return self.memory_bytes // (self.page_blocks * self.block_size * self.kv_bytes_per_token)
 
     @property
     def block_size(self) -> int:
@@ -71,11 +87,22 @@ class SimConfig:
     def max_num_seqs(self) -> int:
         return self.engine.scheduler.max_num_seqs
 
-    def capacity(self, kv_blocks: int, checkpoint_slots: int) -> Capacity:
-        """The engine's ``Capacity`` for these pool sizes (the model's maximum length is unbounded)."""
+    def capacity(self, kv_blocks: int, checkpoint_slots: int, *, shared: bool = False) -> Capacity:
+        """The engine's ``Capacity`` for these pool sizes (the model's maximum length is
+        unbounded); ``shared``: one budget of ``num_pages`` pages instead."""
+        if shared and self.num_pages:
+            pages, n = self.num_pages, self.page_blocks
+            kv_blocks, checkpoint_slots = pages * n, pages
+        budget = (
+            self.memory_bytes
+            if shared and self.memory_bytes is not None
+            else kv_blocks * self.block_size * self.kv_bytes_per_token
+            + checkpoint_slots * self.checkpoint_bytes
+        )
         return Capacity(
-            budget_bytes=kv_blocks * self.block_size * self.kv_bytes_per_token
-            + (checkpoint_slots + self.max_num_seqs) * self.checkpoint_bytes,
+            num_pages=self.num_pages if shared else 0,
+            page_blocks=self.page_blocks if shared else 0,
+            budget_bytes=budget + self.max_num_seqs * self.checkpoint_bytes,
             block_size=self.block_size,
             num_kv_blocks=kv_blocks,
             kv_block_bytes=self.block_size * self.kv_bytes_per_token,
@@ -132,6 +159,8 @@ class SimResult:
     sim_time_s: float
     wall_s: float
     oracle_ratio: float | None = None
+    #: one budget: mean share of its pages holding checkpoints over the steps (None: fixed pools)
+    checkpoint_share: float | None = None
     #: (prompt ids, reply ids) in submission order (for the offline bounds; not serialized)
     served: list[tuple[list[int], list[int]]] = field(default_factory=list, repr=False)
 
@@ -180,7 +209,10 @@ class Simulation:
         self.workload, self.policy, self.admission, self.cfg = workload, policy, admission, cfg
         self.arrival = arrival
         self.kv_blocks, self.slots = kv_blocks, slots
-        self.sched = build_scheduler(engine, cfg.capacity(kv_blocks, slots), checkpoint_policy=admission)
+        shared = cfg.memory_bytes is not None and not oracle
+        self.sched = build_scheduler(
+            engine, cfg.capacity(kv_blocks, slots, shared=shared), checkpoint_policy=admission
+        )
         self.cache = self.sched.cache
         if cfg.prefill_cost is not None:
             self.cache.set_prefill_cost(*cfg.prefill_cost)
@@ -197,6 +229,7 @@ class Simulation:
         self.rejected = 0
         self.steps = 0
         self.tokens = 0
+        self.checkpoint_pages = 0  # summed over steps (one budget)
 
     def run(self) -> SimResult:
         self._arrivals()
@@ -285,6 +318,8 @@ class Simulation:
         sched.update(out, sampled)
         self.steps += 1
         self.tokens += out.num_tokens
+        if cache.budget is not None:
+            self.checkpoint_pages += cache.budget.arena.counts[PageUse.CHECKPOINT]
         # copies between tiers cost their bytes over the link, serially (a conservative
         # model: on a GPU the loads overlap the forward)
         self.clock += cfg.step_s + cfg.token_s * out.num_tokens + moved / (cfg.h2d_gbps * 1e9)
@@ -338,6 +373,11 @@ class Simulation:
             tokens_computed=self.tokens,
             sim_time_s=self.clock,
             wall_s=time.perf_counter() - self.t_wall,
+            checkpoint_share=(
+                self.checkpoint_pages / (self.steps * budget.arena.num_pages)
+                if (budget := self.cache.budget) is not None and self.steps
+                else None
+            ),
             served=self.served,
         )
 
