@@ -418,7 +418,7 @@ class CacheManager:
         # last: staging captures may have demoted checkpoints and moved KV blocks
         plan.saves, self.host.saves = self.host.saves, []
         if self.budget is not None:
-            plan.moves, self.budget.moves = self.budget.moves, []
+            plan.moves = self.budget.take_moves()
         plan.loads = self.load_queue.take()
         return plan
 

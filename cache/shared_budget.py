@@ -147,6 +147,16 @@ class SharedBudget:
         blocks.remove_page(page)
         self.counters["kv.moved_blocks"] += len(holders)
 
+    def take_moves(self) -> list[tuple[int, int]]:
+        """The copies planned since the last call, settled: a block moved twice is copied once
+        from where its bytes are, and a moved node evicted since needs no copy. No source is
+        another move's destination, so the copies may run in any order (or all at once)."""
+        origin: dict[int, int] = {}  # destination -> the block its bytes are in now
+        for src, dst in self.moves:
+            origin[dst] = origin.pop(src, src)
+        self.moves = []
+        return [(src, dst) for dst, src in origin.items() if dst in self.tree.by_block]
+
     # ------------------------------------------------------------------ reporting
     def usage(self) -> dict[str, int | float]:
         counts = self.arena.counts
