@@ -93,6 +93,8 @@ class CacheManagerConfig:
     num_host_checkpoint_slots: int = 0
     kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
     host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
+    shared_pages: int = 0
+    page_blocks: int = 0
 
 
 # ``stats()`` reports every part's counters in this order

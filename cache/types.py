@@ -179,4 +179,5 @@ class StepPlan:
     # forward's results are committed (``CacheManager.land_transfers``)
     saves: list[Transfer] = field(default_factory=list)
     loads: list[Transfer] = field(default_factory=list)
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block) device KV copies
     landed: bool = False
