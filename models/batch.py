@@ -220,10 +220,17 @@ class CacheSpec:
         ``s``; KV block ``b`` lies in page ``b // page_blocks``. Which page is used as what is
         the cache manager's to say: nothing here stops a block and a slot sharing bytes."""
         lay = self.page_layout(block_size)
-        total = num_live + num_pages
-        arena = torch.zeros(lay.arena_bytes(total), dtype=torch.uint8, device=device)
+        arena = torch.zeros(lay.arena_bytes(num_live + num_pages), dtype=torch.uint8, device=device)
+        return self.arena_views(arena, lay)
+
+    def arena_views(self, arena: Tensor, lay: PageLayout) -> ModelCaches:
+        """The caches as views of ``arena`` (a flat uint8 tensor of whole pages) under ``lay``."""
+        if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.numel() % lay.page_bytes:
+            raise ValueError(f"an arena is a flat uint8 tensor of whole {lay.page_bytes}-byte pages")
+        total = arena.numel() // lay.page_bytes
         rows = total * lay.page_blocks
-        kv_shape = (rows, block_size, self.num_kv_heads, self.head_dim)
+        bs = lay.block_size
+        kv_shape = (rows, bs, self.num_kv_heads, self.head_dim)
         conv_shape = (total, self.conv_dim, self.conv_kernel - 1)
         ssm_shape = (total, self.num_v_heads, self.key_head_dim, self.value_head_dim)
 
