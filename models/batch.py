@@ -177,16 +177,13 @@ class CacheSpec:
         ssm = self.num_v_heads * self.key_head_dim * self.value_head_dim * _itemsize(SSM_STATE_DTYPE)
         return self.num_gdn_layers * (conv + ssm)
 
-    def page_layout(self, block_size: int) -> PageLayout:
-        """The shared-arena layout for ``block_size`` (see ``PageLayout``)."""
-        if not (self.num_attn_layers and self.num_gdn_layers):
-            raise ValueError("a shared arena needs both full-attention and GDN layers")
-        item = _itemsize(self.dtype)
-        kv_layer = block_size * self.num_kv_heads * self.head_dim * item
-        k_offsets = tuple(2 * i * kv_layer for i in range(self.num_attn_layers))
-        v_offsets = tuple(o + kv_layer for o in k_offsets)
-        block_bytes = self.kv_block_bytes(block_size)
-        conv = self.conv_dim * (self.conv_kernel - 1) * item
+    def padded_state_bytes(self) -> int:
+        """Bytes of one state slot as an arena page lays it out (every per-layer range aligned)."""
+        return self._state_ranges()[4]
+
+    def _state_ranges(self) -> tuple[int, int, tuple[int, ...], tuple[int, ...], int]:
+        """Conv and ssm bytes per GDN layer, their offsets in a page, and the padded total."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * _itemsize(self.dtype)
         ssm = self.num_v_heads * self.key_head_dim * self.value_head_dim * _itemsize(SSM_STATE_DTYPE)
         conv_offsets: list[int] = []
         ssm_offsets: list[int] = []
@@ -196,6 +193,18 @@ class CacheSpec:
             end = _align(end + conv)
             ssm_offsets.append(end)
             end = _align(end + ssm)
+        return conv, ssm, tuple(conv_offsets), tuple(ssm_offsets), end
+
+    def page_layout(self, block_size: int) -> PageLayout:
+        """The shared-arena layout for ``block_size`` (see ``PageLayout``)."""
+        if not (self.num_attn_layers and self.num_gdn_layers):
+            raise ValueError("a shared arena needs both full-attention and GDN layers")
+        item = _itemsize(self.dtype)
+        kv_layer = block_size * self.num_kv_heads * self.head_dim * item
+        k_offsets = tuple(2 * i * kv_layer for i in range(self.num_attn_layers))
+        v_offsets = tuple(o + kv_layer for o in k_offsets)
+        block_bytes = self.kv_block_bytes(block_size)
+        conv, ssm, conv_offsets, ssm_offsets, end = self._state_ranges()
         return PageLayout(
             block_size=block_size,
             block_bytes=block_bytes,
@@ -205,8 +214,8 @@ class CacheSpec:
             state_bytes=end,
             conv_bytes=conv,
             ssm_bytes=ssm,
-            conv_offsets=tuple(conv_offsets),
-            ssm_offsets=tuple(ssm_offsets),
+            conv_offsets=conv_offsets,
+            ssm_offsets=ssm_offsets,
             page_blocks=max(1, -(-end // block_bytes)),
         )
 
