@@ -185,7 +185,8 @@ class CacheConfig(_Section):
     checkpoint_fraction: Annotated[
         Fraction | None,
         _doc("Fixed split: the share of the budget (after live slots) given to checkpoint slots when "
-             "checkpoint_pool_bytes is unset. Unset: KV blocks and checkpoints share one pool of pages."),
+             "checkpoint_pool_bytes is unset (0.2 when unset but a KV size is explicit). Unset and no "
+             "explicit pool size: KV blocks and checkpoints share one pool of pages."),
     ] = None  # fmt: skip
     num_kv_blocks: Annotated[
         PosInt | None, _doc("Explicit number of KV blocks (wins over kv_cache_bytes).")
