@@ -53,6 +53,7 @@ def model_shape(loaded: LoadedModel, spec: CacheSpec) -> ModelShape:
     return ModelShape(
         kv_bytes_per_token=spec.kv_block_bytes(1) if spec.num_attn_layers else 0,
         state_bytes=spec.state_slot_bytes() if spec.num_gdn_layers else 0,
+        padded_state_bytes=spec.padded_state_bytes() if spec.num_gdn_layers else 0,
         max_position_embeddings=loaded.max_position_embeddings,
         gdn_chunk_size=spec.gdn_chunk_size,
         prefill_flops_per_token=per_token,
@@ -136,6 +137,7 @@ def build_runner(
         cache.slots.num_checkpoint,
         capacity.num_host_kv_blocks,
         capacity.num_host_checkpoint_slots,
+        num_pages=capacity.num_pages,
     )
     runner = ModelRunner(loaded, ops, sizes, device)
     runner.default_generator.manual_seed(config.model.seed)

@@ -104,6 +104,7 @@ def _bad(key: str, value: Any, why: str) -> ConfigError:
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
 
 
 class ModelConfig(_Section):
@@ -150,11 +151,18 @@ class CacheConfig(_Section):
     ``memory_bytes`` on the CPU, or ``gpu_memory_utilization`` x device memory minus the
     weights and the measured activation peak on CUDA. Live GDN state slots come first
     (one per ``scheduler.max_num_seqs``; at most half the budget: beyond that the number
-    of live slots is cut and a warning says so). Of the rest, ``checkpoint_fraction``
-    goes to checkpoint slots and what remains to KV blocks. An explicit pool size
-    (``num_kv_blocks`` / ``kv_cache_bytes``, ``checkpoint_pool_bytes``) replaces that pool's
-    share; explicit sizes that add up to more than the budget are used as given, with a
-    warning.
+    of live slots is cut and a warning says so).
+
+    Shared (the default for a hybrid model with prefix caching): the rest of the budget is
+    one pool of pages, each holding either one GDN checkpoint or the KV blocks of the same
+    bytes (``ceil(checkpoint / KV block)`` blocks), and the cache trades them as the workload
+    asks; ``max_model_len`` is bounded by all pages used as KV. Fixed: setting
+    ``checkpoint_fraction`` (that share of the rest to checkpoint slots, the remainder to KV
+    blocks) or any explicit pool size (``num_kv_blocks`` / ``kv_cache_bytes``,
+    ``checkpoint_pool_bytes``, which replace that pool's share) splits the budget once at
+    start; explicit sizes that add up to more than the budget are used as given, with a
+    warning. A model without GDN or without full-attention layers, or prefix caching off,
+    is always fixed.
     """
 
     block_size: Annotated[int, _doc("Tokens per KV block (the prefix-hash granularity).", ge=1, le=1024)] = 16
@@ -175,10 +183,11 @@ class CacheConfig(_Section):
         ),
     ] = 0.9
     checkpoint_fraction: Annotated[
-        float,
-        _doc("Share of the budget (after live slots) given to checkpoint slots when checkpoint_pool_bytes is unset.",
-             ge=0.0, lt=1.0),
-    ] = 0.2  # fmt: skip
+        Fraction | None,
+        _doc("Fixed split: the share of the budget (after live slots) given to checkpoint slots when "
+             "checkpoint_pool_bytes is unset (0.2 when unset but a KV size is explicit). Unset and no "
+             "explicit pool size: KV blocks and checkpoints share one pool of pages."),
+    ] = None  # fmt: skip
     num_kv_blocks: Annotated[
         PosInt | None, _doc("Explicit number of KV blocks (wins over kv_cache_bytes).")
     ] = None
@@ -231,6 +240,16 @@ class CacheConfig(_Section):
             "hit needs more waits for them over several steps while others run. None: unbounded."
         ),
     ] = 256 * 2**20
+
+    @property
+    def fixed_split(self) -> bool:
+        """True when the config asks for a fixed split of the budget (a fraction or a pool size)."""
+        return (
+            self.checkpoint_fraction is not None
+            or self.num_kv_blocks is not None
+            or self.kv_cache_bytes is not None
+            or self.checkpoint_pool_bytes is not None
+        )
 
     def check(self) -> None:
         if self.checkpoint_policy not in ADMISSION_POLICIES:

@@ -6,7 +6,8 @@ where the device pools are CPU tensors too and every copy is a memcpy through th
 code path, so everything is tested without a GPU.
 
 ``transfer(plan)`` runs a step's copies before its forward: first the saves (device ->
-host: a demoted block's device copy may be reused by this very step), then each request's
+host: a demoted block's device copy may be reused by this very step), then ``between``
+(the runner's device block moves, on the compute stream), then each request's
 loads (host -> device block, host checkpoint -> the request's live slot). A request's
 loads are one unit: a failure fails only them (and is returned, for the engine to end
 that request); a failed batch of saves is returned too (the cache drops those items).
@@ -20,7 +21,7 @@ the next step's copies and forward wait for them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,10 +54,15 @@ class HostPool:
         self._loads_done: torch.cuda.Event | None = None
 
     @torch.inference_mode()
-    def transfer(self, plan: StepPlan, device: ModelCaches) -> list[Failure]:
-        """Run ``plan``'s saves, then its loads; the copies that failed, with their error."""
+    def transfer(
+        self, plan: StepPlan, device: ModelCaches, *, between: Callable[[], None] | None = None
+    ) -> list[Failure]:
+        """Run ``plan``'s saves, then ``between`` (if given; what it raises propagates), then the
+        loads; the copies that failed, with their error."""
         failed: list[Failure] = []
         if not plan.saves and not plan.loads:
+            if between is not None:
+                between()
             return failed
         current = torch.cuda.current_stream(self.device) if self.stream is not None else None
         if self.stream is not None:
@@ -70,6 +76,11 @@ class HostPool:
                     failed += [(t, e) for t in plan.saves]
             if self.stream is not None:
                 current.wait_stream(self.stream)  # the forward may reuse what was just saved
+        if between is not None:
+            between()  # on the compute stream, after the saves have read their blocks
+            if self.stream is not None:
+                self.stream.wait_stream(current)  # loads land where the moves have vacated
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for group in _by_request(plan.loads):
                 try:
                     self._copy(group, device)

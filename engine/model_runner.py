@@ -8,6 +8,12 @@ step's forward is still running): every field of the batch is computed with nump
 pass over the scheduled sequences (no per-token Python) and packed into **one** int64 host
 buffer (``BatchBuffer``: fields by name), so it reaches the device in one copy.
 
+``transfer`` (before ``launch``): the step's copies between tiers and within the device, in
+this order: the host tier's saves (device -> host), the KV block moves (``plan.moves``: in a
+shared arena a page is re-purposed by moving its blocks elsewhere; a save may read a block a
+move then overwrites, and a load may land in a block a move has just vacated), then the
+host tier's loads.
+
 ``launch`` (the device half; with async scheduling it runs on the forward worker thread):
 
 1. the buffer to the device (CPU: zero-copy views), placeholder input ids resolved (below);
@@ -119,12 +125,17 @@ class StepResult:
 
 @dataclass
 class RunnerSizes:
+    """Cache tensor sizes. ``num_pages > 0``: one shared arena of ``num_live_slots + num_pages``
+    pages (``CacheSpec.allocate_arena``; ``num_kv_blocks`` / ``num_checkpoint_slots`` are then
+    only the maxima and are not allocated separately); 0: separate contiguous tensors."""
+
     num_kv_blocks: int
     block_size: int
     num_live_slots: int
     num_checkpoint_slots: int
     num_host_kv_blocks: int = 0
     num_host_checkpoint_slots: int = 0
+    num_pages: int = 0
 
     @property
     def num_state_slots(self) -> int:
@@ -139,12 +150,17 @@ class ModelRunner:
         self.sizes = sizes
         self.device = device
         self.spec: CacheSpec = self.model.cache_spec()
-        self.caches: ModelCaches = self.spec.allocate(
-            sizes.num_kv_blocks,
-            sizes.block_size,
-            sizes.num_state_slots if self.spec.num_gdn_layers else 0,
-            device,
-        )
+        if sizes.num_pages:
+            self.caches: ModelCaches = self.spec.allocate_arena(
+                sizes.num_live_slots, sizes.num_pages, sizes.block_size, device
+            )
+        else:
+            self.caches = self.spec.allocate(
+                sizes.num_kv_blocks,
+                sizes.block_size,
+                sizes.num_state_slots if self.spec.num_gdn_layers else 0,
+                device,
+            )
         self.sampler = Sampler(ops, device)
         self.default_generator = self.sampler.default_generator
         self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
@@ -159,11 +175,31 @@ class ModelRunner:
             )
 
     def transfer(self, out: SchedulerOutput) -> list[Failure]:
-        """The step's copies between the device and host tiers (before its forward); the
-        ones that failed, with their error. Never raises."""
+        """The step's copies before its forward: host saves, device block moves, host loads; the
+        host copies that failed, with their error. A failed move raises: blocks the cache
+        believes whole would hold the wrong tokens, so the step cannot go on."""
+        moves = out.plan.moves
+        run_moves = (lambda: self.move_blocks(moves)) if moves else None
         if self.host is None:
+            if run_moves is not None:
+                run_moves()
             return []
-        return self.host.transfer(out.plan, self.caches)
+        return self.host.transfer(out.plan, self.caches, between=run_moves)
+
+    def move_blocks(self, moves: Sequence[tuple[int, int]]) -> None:
+        """KV block copies ``block[dst] = block[src]`` for every layer at once: in an arena each
+        is one row of ``kv_block_bytes``; a simultaneous copy (a block may be a source and,
+        for another pair, a destination); distinct destinations."""
+        if not moves or not self.spec.num_attn_layers:
+            return
+        src = torch.tensor([m[0] for m in moves], dtype=torch.int64)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.int64)
+        if self.caches.arena is not None:
+            tensors = [self.caches.block_rows()]
+        else:
+            tensors = [*self.caches.k_cache, *self.caches.v_cache]
+        # the row copy op: axis 0 of every tensor, validated once on the host
+        self.ops.copy_state_slots(tensors, src, dst)
 
     @staticmethod
     @torch.inference_mode()
@@ -302,7 +338,7 @@ class ModelRunner:
             # host index lists: the op validates them on the host anyway (no device round trip)
             src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
             dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-            self.ops.copy_state_slots(self.caches.state_tensors(), src, dst)
+            self.ops.copy_state_slots(self.caches.state_copy_tensors(), src, dst)
 
     @torch.inference_mode()
     def launch(self, prep: PreparedStep) -> StepResult:

@@ -8,10 +8,19 @@ One memory budget covers the three pools a hybrid model needs:
 * **KV blocks** — ``block_size`` tokens of K and V for every full-attention layer.
 
 Split rule (documented in ``CacheConfig`` and docs/config.md): live slots first, at most
-half the budget (beyond that fewer live slots are made and ``warnings`` says so); of the
-rest ``checkpoint_fraction`` goes to checkpoints and what remains to KV. An explicit pool
-size (``num_kv_blocks`` / ``kv_cache_bytes``, ``checkpoint_pool_bytes``) replaces that
-pool's share (explicit sizes beyond the budget are used as given, with a warning).
+half the budget (beyond that fewer live slots are made and ``warnings`` says so). Then:
+
+* **shared** (the default for a model with both GDN and full-attention layers and prefix
+  caching on): the rest is ``num_pages`` pages of ``page_blocks`` KV blocks each, where
+  ``page_blocks = max(1, ceil(state / KV block))`` (the state padded as the device arena lays
+  it out), so a page holds one checkpoint or ``page_blocks`` KV blocks and the cache manager
+  trades them. Live slots are pages too. ``num_kv_blocks`` / ``num_checkpoint_slots`` are
+  then the maxima (every page as KV / as a checkpoint), not a split.
+* **fixed** (``checkpoint_fraction`` set, an explicit pool size, or a model or config the
+  shared pool does not apply to): ``checkpoint_fraction`` of the rest (0.2 when only a KV
+  size is given) goes to checkpoints and what remains to KV. An explicit pool size
+  (``num_kv_blocks`` / ``kv_cache_bytes``, ``checkpoint_pool_bytes``) replaces that pool's
+  share (explicit sizes beyond the budget are used as given, with a warning).
 
 ``max_model_len`` defaults to min(model maximum, tokens the KV pool holds); an explicit
 value the pool cannot hold is a ``ConfigError`` naming both numbers.
@@ -39,6 +48,8 @@ DEFAULT_CPU_MEMORY_BYTES = 1024**3
 LIVE_SLOT_SHARE = 0.5
 #: pure-GDN models keep KV blocks as bookkeeping only: this many (no memory behind them)
 BOOKKEEPING_BLOCKS = 1 << 20
+#: fixed split: the checkpoints' share when only the KV pool's size is explicit
+DEFAULT_CHECKPOINT_FRACTION = 0.2
 
 
 @dataclass(frozen=True)
@@ -52,10 +63,16 @@ class ModelShape:
     # prefill cost of d tokens = a*d + b*d^2/2 (the cache's value model; any unit, FLOPs here)
     prefill_flops_per_token: float = 1.0
     prefill_flops_per_token_pair: float = 1.0 / 65536
+    # one state as a shared-arena page lays it out (per-layer ranges aligned); 0: state_bytes
+    padded_state_bytes: int = 0
 
     @property
     def has_gdn(self) -> bool:
         return self.state_bytes > 0
+
+    @property
+    def page_state_bytes(self) -> int:
+        return self.padded_state_bytes or self.state_bytes
 
     @property
     def has_attention(self) -> bool:
@@ -89,6 +106,19 @@ class Capacity:
     warnings: tuple[str, ...] = field(default=())
 
     @property
+    def shared(self) -> bool:
+        return self.num_pages > 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_blocks * self.kv_block_bytes
+
+    @property
+    def arena_bytes(self) -> int:
+        """Shared mode: the one device buffer (live pages + pool pages)."""
+        return (self.num_live_slots + self.num_pages) * self.page_bytes
+
+    @property
     def kv_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
@@ -98,7 +128,7 @@ class Capacity:
 
     @property
     def live_bytes(self) -> int:
-        return self.num_live_slots * self.state_bytes
+        return self.num_live_slots * (self.page_bytes if self.shared else self.state_bytes)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -111,17 +141,37 @@ class Capacity:
         return min(by_kv, self.num_live_slots) if self.num_live_slots else by_kv
 
     def describe(self) -> dict[str, Any]:
-        """The capacity line of ``engine.ready`` (and the CLI's start-up message)."""
+        """The capacity line of ``engine.ready`` (and the CLI's start-up message). In shared mode
+        ``kv_blocks`` / ``kv_tokens`` / ``checkpoint_slots`` are maxima over one pool of pages."""
+        if self.shared:
+            pools: dict[str, Any] = {
+                "mode": "shared",
+                "arena_mib": round(self.arena_bytes / MiB, 1),
+                "pages": self.num_pages,
+                "page_blocks": self.page_blocks,
+                "page_mib": round(self.page_bytes / MiB, 3),
+                "kv_tokens": self.kv_tokens,
+                "kv_blocks": self.num_kv_blocks,
+                "live_slots": self.num_live_slots,
+                "live_mib": round(self.live_bytes / MiB, 1),
+                "checkpoint_slots": self.num_checkpoint_slots,
+                "checkpoint_mib_each": round(self.state_bytes / MiB, 3),
+            }
+        else:
+            pools = {
+                "mode": "fixed",
+                "kv_tokens": self.kv_tokens,
+                "kv_blocks": self.num_kv_blocks,
+                "kv_mib": round(self.kv_bytes / MiB, 1),
+                "live_slots": self.num_live_slots,
+                "live_mib": round(self.live_bytes / MiB, 1),
+                "checkpoint_slots": self.num_checkpoint_slots,
+                "checkpoint_mib_each": round(self.state_bytes / MiB, 3),
+                "checkpoint_mib": round(self.checkpoint_bytes / MiB, 1),
+            }
         return {
             "budget_mib": round(self.budget_bytes / MiB, 1),
-            "kv_tokens": self.kv_tokens,
-            "kv_blocks": self.num_kv_blocks,
-            "kv_mib": round(self.kv_bytes / MiB, 1),
-            "live_slots": self.num_live_slots,
-            "live_mib": round(self.live_bytes / MiB, 1),
-            "checkpoint_slots": self.num_checkpoint_slots,
-            "checkpoint_mib_each": round(self.state_bytes / MiB, 3),
-            "checkpoint_mib": round(self.checkpoint_bytes / MiB, 1),
+            **pools,
             "max_model_len": self.max_model_len,
             "max_concurrent_at_max_len": self.max_concurrent_at_max_len,
             **(
@@ -137,6 +187,18 @@ class Capacity:
         }
 
 
+def shared_mode(config: EngineConfig, shape: ModelShape) -> bool:
+    """KV blocks and checkpoints share one pool of pages: a hybrid model, prefix caching on, and
+    no fixed split asked for (``cache.checkpoint_fraction`` or an explicit pool size)."""
+    cc = config.cache
+    return shape.has_gdn and shape.has_attention and cc.enable_prefix_caching and not cc.fixed_split
+
+
+def page_blocks(shape: ModelShape, block_size: int) -> int:
+    """KV blocks per shared page: enough bytes for one (padded) state."""
+    return max(1, -(-shape.page_state_bytes // (shape.kv_bytes_per_token * block_size)))
+
+
 def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int | None = None) -> Capacity:
     """Split the cache memory budget into live slots, checkpoint slots and KV blocks.
 
@@ -148,13 +210,28 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
     warnings: list[str] = []
     bs = cc.block_size
     kv_block_bytes = shape.kv_bytes_per_token * bs
-    # 1. live slots first; 2. checkpoints and KV share the rest
-    num_live = _live_slots(sc.max_num_seqs, shape, budget, warnings)
-    rest = max(budget - num_live * shape.state_bytes, 0)
-    num_ckpt = _checkpoint_slots(config, shape, rest)
-    num_blocks = _kv_blocks(config, shape, budget, rest, num_live, num_ckpt)
-    used = num_live * shape.state_bytes + num_ckpt * shape.state_bytes
-    used += num_blocks * kv_block_bytes if shape.has_attention else 0
+    num_pages = per_page = 0
+    if shared_mode(config, shape):
+        # 1. live slots first (pages of the arena); 2. the rest is pages, KV or checkpoint each
+        per_page = page_blocks(shape, bs)
+        page_bytes = per_page * kv_block_bytes
+        num_live = _live_slots(sc.max_num_seqs, shape, budget, warnings, slot_bytes=page_bytes)
+        num_pages = max(budget - num_live * page_bytes, 0) // page_bytes
+        if num_pages < 1:
+            raise ConfigError(
+                f"cache budget {budget / MiB:.1f} MiB leaves no page of {page_bytes} bytes (one checkpoint "
+                f"or {per_page} KV blocks) after {num_live} live slots"
+            )
+        num_ckpt, num_blocks = num_pages, num_pages * per_page
+        used = (num_live + num_pages) * page_bytes
+    else:
+        # 1. live slots first; 2. checkpoints and KV split the rest
+        num_live = _live_slots(sc.max_num_seqs, shape, budget, warnings)
+        rest = max(budget - num_live * shape.state_bytes, 0)
+        num_ckpt = _checkpoint_slots(config, shape, rest)
+        num_blocks = _kv_blocks(config, shape, budget, rest, num_live, num_ckpt)
+        used = num_live * shape.state_bytes + num_ckpt * shape.state_bytes
+        used += num_blocks * kv_block_bytes if shape.has_attention else 0
     if used > budget * 1.001:
         warnings.append(
             f"explicit pool sizes take {used / MiB:.0f} MiB, more than the cache budget of {budget / MiB:.0f} MiB"
@@ -181,15 +258,20 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
         gdn_chunk_size=shape.gdn_chunk_size,
         prefill_flops_per_token=shape.prefill_flops_per_token,
         prefill_flops_per_token_pair=shape.prefill_flops_per_token_pair,
+        num_pages=num_pages,
+        page_blocks=per_page,
         warnings=tuple(warnings),
     )
 
 
-def _live_slots(max_num_seqs: int, shape: ModelShape, budget: int, warnings: list[str]) -> int:
-    """One live slot per running request, at most ``LIVE_SLOT_SHARE`` of the budget."""
+def _live_slots(
+    max_num_seqs: int, shape: ModelShape, budget: int, warnings: list[str], *, slot_bytes: int = 0
+) -> int:
+    """One live slot per running request, at most ``LIVE_SLOT_SHARE`` of the budget; a slot
+    costs ``slot_bytes`` (a shared page) or one state."""
     if not shape.has_gdn:
         return 0
-    cap = int(budget * LIVE_SLOT_SHARE) // shape.state_bytes
+    cap = int(budget * LIVE_SLOT_SHARE) // (slot_bytes or shape.state_bytes)
     if max_num_seqs <= cap:
         return max_num_seqs
     num_live = max(cap, 1)
@@ -209,7 +291,8 @@ def _checkpoint_slots(config: EngineConfig, shape: ModelShape, rest: int) -> int
         return 0
     if cc.checkpoint_pool_bytes is not None:
         return cc.checkpoint_pool_bytes // shape.state_bytes
-    return int(rest * cc.checkpoint_fraction) // shape.state_bytes
+    fraction = DEFAULT_CHECKPOINT_FRACTION if cc.checkpoint_fraction is None else cc.checkpoint_fraction
+    return int(rest * fraction) // shape.state_bytes
 
 
 def _kv_blocks(
@@ -264,9 +347,12 @@ def build_cache_manager(
     return CacheManager(
         CacheManagerConfig(
             block_size=cc.block_size,
+            # shared mode: the maxima (every page as KV / as a checkpoint); the pages are the budget
             num_kv_blocks=capacity.num_kv_blocks,
             num_live_slots=capacity.num_live_slots,
             num_checkpoint_slots=capacity.num_checkpoint_slots,
+            shared_pages=capacity.num_pages,
+            page_blocks=capacity.page_blocks,
             checkpoint_bytes=capacity.state_bytes,
             staging_bytes=cc.checkpoint_staging_bytes,
             has_gdn=capacity.state_bytes > 0,
@@ -280,8 +366,6 @@ def build_cache_manager(
             num_host_checkpoint_slots=capacity.num_host_checkpoint_slots,
             kv_block_bytes=capacity.kv_block_bytes,
             host_load_bytes_per_step=cc.host_load_bytes_per_step,
-            shared_pages=capacity.num_pages,
-            page_blocks=capacity.page_blocks,
         )
     )
 

@@ -27,8 +27,8 @@ def test_chunk_size_is_one_number() -> None:
     assert GDN_CHUNK_SIZE == KERNEL_CHUNK_SIZE
 
 
-def test_default_split_covers_every_pool_and_warns_when_live_slots_are_cut() -> None:
-    cap = plan_capacity(cfg(), QWEN35_08B)
+def test_fixed_split_covers_every_pool_and_warns_when_live_slots_are_cut() -> None:
+    cap = plan_capacity(cfg(**{"cache.checkpoint_fraction": 0.2}), QWEN35_08B)
     assert cap.budget_bytes == 1024 * MiB
     # live slots: at most half the budget -> 26 of 64
     assert cap.num_live_slots == 26 == (512 * MiB) // QWEN35_08B.state_bytes
