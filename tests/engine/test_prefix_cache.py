@@ -250,3 +250,34 @@ def test_more_conversations_than_the_pools_hold_change_nothing(core_factory: Any
     assert s["prefix_cache.hit_tokens"] > 0
     assert s["checkpoints.evicted"] + s["checkpoints.skipped_pool"] + s["checkpoints.skipped_value"] > 0
     assert s["kv.evicted_blocks"] > 0
+
+
+@pytest.mark.parametrize("policy", ["default", "v1"])
+def test_one_budget_under_pressure_changes_nothing(core_factory: Any, policy: str) -> None:
+    """One device budget (KV and checkpoints in one arena) too small for the conversations:
+    pages change use both ways, KV blocks move out of pages captures take, and cache-on
+    outputs still equal cache-off outputs at every turn (integrity checked after every step)."""
+    rng = random.Random(32)
+    page = 14 * 32 * 1024  # the tiny model's page: 14 KV blocks of 16 tokens, one checkpoint
+    cached = core_factory(
+        **{
+            "cache.checkpoint_policy": policy,
+            "cache.num_kv_blocks": None,
+            "cache.memory_bytes": (8 + 16) * page,  # 8 live slots, 16 shared pages
+            "cache.checkpoint_interval": 64,
+        }
+    )
+    assert cached.capacity.num_pages == 16 and cached.cache.budget is not None
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    convs = [rand_tokens(rng, 140 + 25 * i) for i in range(8)]
+    for _turn in range(4):
+        warm = serve(cached, convs, 6, waves=False)
+        assert warm == serve(plain, convs, 6, waves=False)
+        convs = [
+            c + (w if i % 2 else rand_tokens(rng, 4)) + rand_tokens(rng, 24)
+            for i, (c, w) in enumerate(zip(convs, warm, strict=True))
+        ]
+    s = cached.stats()
+    assert s["prefix_cache.hit_tokens"] > 0
+    assert s["cache.pages_to_kv"] > 0 and s["cache.pages_to_checkpoints"] > 0
+    assert s["kv.moved_blocks"] > 0 and s["checkpoints.evicted_for_kv"] > 0
