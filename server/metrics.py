@@ -19,11 +19,13 @@ Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling
 
 * gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (0..1, as
   vLLM), ``checkpoint_pool_usage_perc``, ``live_slots_usage_perc``, ``checkpoints_attached``,
-  ``checkpoint_reuse_rate{kind}`` (the value model's learned reuse per capture class);
+  ``checkpoint_reuse_rate{kind}`` (the value model's learned reuse per capture class),
+  ``cache_pages{use=kv|checkpoint|free}`` (the one device budget's current split);
 * counters ``prompt_tokens``, ``generation_tokens``, ``computed_tokens`` (prompt tokens actually
   prefilled plus decode tokens), ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens, as
   vLLM), ``num_preemptions``, ``checkpoints_stored``, ``checkpoints_restored``,
   ``checkpoints_evicted``, ``checkpoints_skipped{reason=budget|pool|value}``, ``kv_evicted_blocks``,
+  ``kv_moved_blocks``, ``checkpoints_evicted_for_kv``, ``cache_page_conversions{to=kv|checkpoint}``,
   ``engine_requests{outcome=finished|aborted|failed}``, ``engine_steps``, ``engine_steps_failed``.
 """
 
@@ -59,6 +61,8 @@ _ENGINE_COUNTERS = {
     "checkpoints.restored": ("checkpoints_restored", "Checkpoints restored into a request's live state."),
     "checkpoints.evicted": ("checkpoints_evicted", "Checkpoints evicted from the pool."),
     "kv.evicted_blocks": ("kv_evicted_blocks", "Cached KV blocks evicted."),
+    "kv.moved_blocks": ("kv_moved_blocks", "KV blocks moved out of a page a checkpoint took (one budget)."),
+    "checkpoints.evicted_for_kv": ("checkpoints_evicted_for_kv", "Checkpoints evicted to give their page to KV blocks (one budget)."),
     "scheduler.steps": ("engine_steps", "Engine steps run."),
     "steps.failed": ("engine_steps_failed", "Engine steps that raised (their requests ended with an error)."),
 }  # fmt: skip
@@ -138,6 +142,19 @@ def _labelled(s: dict[str, Any]) -> Iterator[Any]:
         if key.startswith("checkpoints.reuse."):
             reuse.add_metric([key.removeprefix("checkpoints.reuse.")], float(value))
     yield reuse
+    if "cache.pages" in s:  # one device budget: the current split of its pages
+        pages = GaugeMetricFamily(
+            PREFIX + "cache_pages", "Pages of the one device cache budget, by use.", labels=["use"]
+        )
+        for use in ("kv", "checkpoint", "free"):
+            pages.add_metric([use], float(s.get(f"cache.pages_{use}", 0)))
+        yield pages
+        changes = CounterMetricFamily(
+            PREFIX + "cache_page_conversions", "Pages that changed use, by the use they took.", labels=["to"]
+        )
+        changes.add_metric(["kv"], float(s.get("cache.pages_to_kv", 0)))
+        changes.add_metric(["checkpoint"], float(s.get("cache.pages_to_checkpoints", 0)))
+        yield changes
     outcome = CounterMetricFamily(
         PREFIX + "engine_requests", "Engine requests by outcome.", labels=["outcome"]
     )

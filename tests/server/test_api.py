@@ -176,7 +176,9 @@ async def test_metrics_parse_and_move(served: Served) -> None:
                  "deltaserve:checkpoints_evicted_total", "deltaserve:checkpoints_skipped_total{reason=budget}",
                  "deltaserve:num_preemptions_total", "deltaserve:prefix_cache_queries_total",
                  "deltaserve:checkpoints_skipped_total{reason=value}",
-                 "deltaserve:checkpoint_reuse_rate{kind=output}"):  # fmt: skip
+                 "deltaserve:checkpoint_reuse_rate{kind=output}", "deltaserve:cache_pages{use=kv}",
+                 "deltaserve:cache_pages{use=checkpoint}", "deltaserve:kv_moved_blocks_total",
+                 "deltaserve:cache_page_conversions_total{to=checkpoint}"):  # fmt: skip
         assert name in after, name
     assert after["deltaserve:request_success_total{finished_reason=length}"] == before.get(
         "deltaserve:request_success_total{finished_reason=length}", 0) + 1  # fmt: skip
