@@ -210,7 +210,7 @@ class PrefixIndex:
             "kv.free_blocks": free,
             "kv.cached_blocks": self.tree.num_nodes,
             "kv.pinned_blocks": self.tree.num_pinned,
-            "kv.usage": (total - free) / total,
+            "kv.usage": (total - free) / total if total else 0.0,
         }
 
     def check_integrity(self, active: Sequence[SeqCache]) -> list[Node]:

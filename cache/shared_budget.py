@@ -159,8 +159,15 @@ class SharedBudget:
 
     # ------------------------------------------------------------------ reporting
     def usage(self) -> dict[str, int | float]:
-        counts = self.arena.counts
+        counts, arena = self.arena.counts, self.arena
+        assert self.ckpts is not None
+        slots = self.ckpts.slots
+        used_pages = (self.blocks.num_blocks - self.blocks.num_free) / arena.page_blocks + (
+            slots.num_checkpoint - slots.num_free_checkpoint
+        )
         return {
+            # the share of the budget's bytes in use, KV and checkpoints together (vLLM's gauge)
+            "kv.usage": used_pages / arena.num_pages,
             "cache.pages": self.arena.num_pages,
             "cache.page_blocks": self.arena.page_blocks,
             "cache.pages_kv": counts[PageUse.KV],
