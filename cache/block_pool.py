@@ -154,6 +154,10 @@ class PagedBlockPool:
         n = self.page_blocks
         return [b for b in range(page * n, page * n + n) if not self._is_free[b]]
 
+    def is_free(self, block_id: int) -> bool:
+        """``block_id`` is free (or outside the KV pages)."""
+        return self._is_free.get(block_id, True)
+
     def is_valid(self, block_id: int) -> bool:
         """``block_id`` belongs to a KV page."""
         return block_id in self._is_free

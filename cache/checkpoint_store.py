@@ -34,6 +34,9 @@ class CheckpointStore:
         # shared budget: makes one more free slot out of bytes nobody values (a free page, free
         # or unreachable KV); tried before a resident is displaced
         self.grow = grow
+        # shared budget: a capture that found no room (key, depth in blocks), a "ghost" whose
+        # later hits would have needed more checkpoint memory
+        self.on_skip: Callable[[int, int], None] | None = None
         self.kv = kv
         self.tree = kv.tree
         self.eviction = eviction
@@ -245,6 +248,9 @@ class CheckpointStore:
             seq.restored_from = None
         if slot < 0:
             self.counters[f"checkpoints.skipped_{why or 'pool'}"] += 1
+            depth = want.boundary // self.kv.block_size
+            if self.on_skip is not None and 0 < depth <= len(seq.hashes):
+                self.on_skip(seq.hashes[depth - 1], depth)
         return slot
 
     def end_tracking(self, seq: SeqCache, publish: bool) -> None:

@@ -114,6 +114,7 @@ COUNTER_KEYS = (
     "host.checkpoints_demoted", "host.checkpoints_restored", "host.checkpoints_evicted",
     "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
     "kv.moved_blocks", "cache.pages_to_kv", "cache.pages_to_checkpoints", "checkpoints.evicted_for_kv",
+    "cache.kv_refused",
 )  # fmt: skip
 
 
@@ -164,7 +165,9 @@ class CacheManager:
                 self.tree,
                 self.eviction,
                 self._evict_leaf,
+                lambda: self.active.values(),
                 headroom,
+                bs,
             )
             num_ckpt = 0  # checkpoint slots come and go with their pages
         else:
@@ -182,6 +185,7 @@ class CacheManager:
         )
         if self.budget is not None:
             self.budget.ckpts = self.ckpts
+            self.ckpts.on_skip = self.budget.ghost
         self.slots = self.ckpts.slots
         self.load_queue = LoadQueue(
             self.tree, self.blocks, self.host, self.ckpts, config.host_load_bytes_per_step
@@ -351,15 +355,30 @@ class CacheManager:
         host = seq.host_hit_tokens if seq is not None else 0
         counters["prefix_cache.hit_tokens_host"] += host
         counters["prefix_cache.hit_tokens_device"] += hit_tokens - host
+        if seq is not None and self.budget is not None:
+            self.budget.on_query(seq.hashes, (query_tokens - 1) // self.block_size, hit_tokens)
         if seq is not None and self.has_gdn and self.enabled:
             bs = self.block_size
             seq.history = self.eviction.observe(seq.hashes, (query_tokens - 1) // bs, self.unit // bs)
 
-    # ------------------------------------------------------------------ KV blocks
-    def _free_one_block(self, evict_checkpoints: bool = True) -> bool:
-        """Free at least one device block (shared budget: ``SharedBudget.free_block``)."""
+    def note_preemption(self, computed_tokens: int) -> None:
+        """A running request was preempted with ``computed_tokens`` to recompute (the one
+        budget weighs that against the hits its checkpoints would have served)."""
         if self.budget is not None:
-            return self.budget.free_block(evict_checkpoints)
+            self.budget.adjust(-computed_tokens)
+
+    def note_recompute_hit(self, hit_tokens: int) -> None:
+        """A preempted request came back and ``hit_tokens`` of what it had computed were served
+        from the cache (so its preemption cost that much less)."""
+        if self.budget is not None:
+            self.budget.adjust(hit_tokens)
+
+    # ------------------------------------------------------------------ KV blocks
+    def _free_one_block(self) -> bool:
+        """Free at least one device block (shared budget: ``SharedBudget.free_block``; it may
+        keep checkpoints back from KV while another request could give way instead)."""
+        if self.budget is not None:
+            return self.budget.free_block(force=len(self.active) <= 1)
         node = self.eviction.kv_victim(self.ckpts.residents)
         if node is None:
             return False
@@ -391,7 +410,7 @@ class CacheManager:
             self.host.drop_checkpoint(node)
         self.kv.remove_leaf(node)
 
-    def allocate(self, seq: SeqCache, num_tokens: int, *, evict_checkpoints: bool = True) -> bool:
+    def allocate(self, seq: SeqCache, num_tokens: int) -> bool:
         """Make ``seq.block_table`` cover ``num_tokens`` tokens; False if impossible now.
 
         On False nothing is allocated (so a preempting caller loses nothing).
@@ -400,7 +419,7 @@ class CacheManager:
         if need <= 0:
             return True
         while self.blocks.num_free < need:
-            if not self._free_one_block(evict_checkpoints):
+            if not self._free_one_block():
                 return False
         self.kv.grow(seq, need)
         self.ckpts.compact()
@@ -490,21 +509,20 @@ class CacheManager:
         commit left in the plan). Its requests must then be freed."""
         if plan is not self._inflight:
             raise RuntimeError("abort of a plan that is not in flight")
+        undo = not plan.landed and bool(plan.moves)
         if not plan.landed:  # the copies may not have run: saves are lost, loads retried
             plan.landed = True
             for t in plan.saves:
                 self.host.save_failed(t)
             for t in plan.loads:
                 t.staged = False
-            for _, dst in plan.moves:  # a moved block holds nothing: its node goes
-                node = self.tree.by_block.get(dst)
-                if node is not None:
-                    self._drop_subtree(node)
         self._inflight = None
         for slot in plan.reserved:
             self.slots.free_checkpoint(slot)
         for item in plan.items:
             item.seq.pending_tracking_boundary = 0
+        if undo and self.budget is not None:  # nothing was copied: back where the bytes are
+            self.budget.undo_moves(plan.moves)
 
     def in_flight(self, plan: StepPlan) -> bool:
         """``plan`` is the step in flight (planned, neither committed nor aborted)."""

@@ -175,9 +175,10 @@ class RadixTree:
         self.version += 1
 
     def move(self, node: Node, block_id: int) -> int:
-        """``node``'s KV moves to device block ``block_id`` (a copy the caller plans); returns
-        the block it held. Only an unpinned node that is not moving between tiers."""
-        if node.block_id < 0 or node.ref_count or node.moving:
+        """``node``'s KV moves to device block ``block_id`` (a copy the caller plans, and the
+        block tables of the requests pinning it are the caller's to update); returns the block
+        it held. Only a device node that is not moving between tiers."""
+        if node.block_id < 0 or node.moving:
             raise RuntimeError(f"cannot move {node}")
         old, node.block_id = node.block_id, block_id
         del self.by_block[old]

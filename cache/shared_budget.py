@@ -21,13 +21,16 @@ the value model's one currency. Torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 from deltaserve.cache.arena import Arena, PageUse
 from deltaserve.cache.block_pool import PagedBlockPool
 from deltaserve.cache.checkpoint_store import CheckpointStore
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node, RadixTree
+from deltaserve.cache.state_pool import SlotState
+from deltaserve.cache.types import SeqCache
 
 #: partly used KV pages looked at per vacate (the most free blocks first)
 VACATE_CANDIDATES = 8
@@ -47,24 +50,39 @@ class SharedBudget:
         tree: RadixTree,
         eviction: CheckpointEviction,
         evict_leaf: Callable[[Node], None],
+        active: Callable[[], Iterable[SeqCache]],
         headroom: int,
+        block_size: int,
     ) -> None:
         self.arena = arena
         self.blocks = blocks
         self.tree = tree
         self.eviction = eviction
         self.evict_leaf = evict_leaf  # the manager's: drop or demote one device KV leaf
+        self.active = active  # the admitted requests (their block tables follow moved blocks)
         self.headroom = headroom
+        self.block_size = block_size
+        # checkpoint pages KV demand may not take while another request can give way; it
+        # follows the two costs of memory short (``_adjust``)
+        self.floor = 0
+        self.balance = 0  # tokens of imbalance not yet turned into a floor move
+        self.ghosts: OrderedDict[int, int] = (
+            OrderedDict()
+        )  # key -> depth (blocks) of checkpoints evicted for KV
+        self.ghost_capacity = 4 * arena.num_pages
+        self.max_floor = arena.num_pages // 2  # KV keeps at least half the pages it may need
         self.ckpts: CheckpointStore | None = None  # set once built (it calls back into ``checkpoint_page``)
         self.moves: list[tuple[int, int]] = []  # planned, not yet handed to a step plan
         self.counters: dict[str, int] = dict.fromkeys(
             ("kv.moved_blocks", "cache.pages_to_kv", "cache.pages_to_checkpoints",
-             "checkpoints.evicted_for_kv"), 0)  # fmt: skip
+             "checkpoints.evicted_for_kv", "cache.kv_refused"), 0)  # fmt: skip
 
     # ------------------------------------------------------------------ KV demand
-    def free_block(self, evict_checkpoints: bool = True) -> bool:
-        """Make at least one more device block free; False when nothing can give way."""
-        if self._kv_page():
+    def free_block(self, force: bool = False) -> bool:
+        """Make at least one more device block free; False when nothing can give way — or
+        when only a checkpoint could and the checkpoints are down to their floor (unless
+        ``force``: no other request could give way)."""
+        if self._kv_page(force):
             return True
         ckpts = self.ckpts
         assert ckpts is not None
@@ -72,10 +90,12 @@ class SharedBudget:
         if leaf is not None and leaf.checkpoint_slot is None:  # unreachable, or only demoted
             self.evict_leaf(leaf)
             return True
-        if not evict_checkpoints:
+        if not force and self.arena.counts[PageUse.CHECKPOINT] <= self.floor:
+            self.counters["cache.kv_refused"] += 1
             return False
         weakest = min((n for n in ckpts.residents if not n.ckpt_pins), key=self.eviction.worth, default=None)
         if weakest is not None:
+            self.ghost(weakest.key, weakest.depth)
             ckpts.evict(weakest)  # its slot is free: the next call turns its page into KV
             self.counters["checkpoints.evicted_for_kv"] += 1
             return True
@@ -84,8 +104,48 @@ class SharedBudget:
             return True
         return False
 
-    def _kv_page(self) -> bool:
-        """One more page of KV blocks from unused bytes: a free page or a free checkpoint slot's."""
+    # ------------------------------------------------------------------ the floor
+    def ghost(self, key: int, depth: int) -> None:
+        """A checkpoint that more checkpoint memory would hold (evicted for KV, or a capture
+        that found no room): ``key`` of its last block, ``depth`` in blocks."""
+        self.ghosts[key] = depth
+        self.ghosts.move_to_end(key)
+        while len(self.ghosts) > self.ghost_capacity:
+            self.ghosts.popitem(last=False)
+
+    def on_query(self, hashes: list[int], limit_blocks: int, hit_tokens: int) -> None:
+        """An admitted prompt: the tokens a checkpoint evicted for KV would have added to its
+        hit count for the checkpoints (see ``_adjust``)."""
+        if not self.ghosts:
+            return
+        hit_blocks = hit_tokens // self.block_size
+        for i in range(min(limit_blocks, len(hashes)) - 1, hit_blocks - 1, -1):
+            depth = self.ghosts.get(hashes[i])
+            if depth is not None and depth == i + 1:
+                self.adjust((depth - hit_blocks) * self.block_size)
+                return
+
+    def adjust(self, tokens: int) -> None:
+        """Move the floor a page per page of KV tokens of imbalance: hits lost to checkpoints
+        evicted for KV (up) against what preempted requests recompute — computed tokens when
+        preempted (down), less what the cache serves them when they come back (up). The same
+        currency, tokens of prefill, so the floor settles where the two margins meet."""
+        self.balance += tokens
+        step = self.blocks.page_blocks * self.block_size
+        while self.balance >= step and self.floor < self.max_floor:
+            self.balance -= step
+            self.floor += 1
+        while self.balance <= -step and self.floor > 0:
+            self.balance += step
+            self.floor -= 1
+        self.balance = max(min(self.balance, step), -step)
+
+    def _kv_page(self, force: bool = False) -> bool:
+        """One more page of KV blocks from unused bytes: a free page or a free checkpoint slot's
+        (not while the checkpoints are below their floor: those bytes are theirs)."""
+        counts = self.arena.counts
+        if not force and counts[PageUse.KV] >= self.arena.num_pages - self.floor:
+            return False
         page = self.arena.take(PageUse.KV)
         if page is None:
             ckpts = self.ckpts
@@ -115,7 +175,8 @@ class SharedBudget:
         """A KV page emptied for a checkpoint (out of the block pool), keeping ``headroom``
         free blocks; None when that takes more than free and unreachable KV."""
         blocks, n = self.blocks, self.blocks.page_blocks
-        need = n + self.headroom
+        below_floor = self.arena.counts[PageUse.CHECKPOINT] < self.floor
+        need = n + (0 if below_floor else self.headroom)
         while blocks.num_free < need:  # unreachable KV is worth nothing: it goes first
             leaf = self.tree.peek_evictable_leaf()
             if leaf is None or not unreachable(leaf):
@@ -125,27 +186,70 @@ class SharedBudget:
         if page is not None:
             blocks.remove_page(page)
             return page
+        private = {
+            b: (seq, i) for seq in self.active() for i, b in enumerate(seq.block_table) if i >= len(seq.nodes)
+        }
+        by_block = self.tree.by_block
         for page in blocks.pages_by_free()[:VACATE_CANDIDATES]:
-            holders = [self.tree.by_block.get(b) for b in blocks.used_in(page)]
-            if all(h is not None and not h.ref_count and not h.moving for h in holders):
-                self._move_out(page, holders)  # type: ignore[arg-type]
+            used = blocks.used_in(page)
+            if all(b in private or (b in by_block and not by_block[b].moving) for b in used):
+                self._move_out(page, used, private)
                 return page
         return None
 
-    def _move_out(self, page: int, holders: list[Node]) -> None:
-        """Move ``holders``' blocks out of ``page`` into free blocks of other pages; the page
-        leaves the block pool."""
+    def _move_out(self, page: int, used: list[int], private: dict[int, tuple[SeqCache, int]]) -> None:
+        """Move ``used`` (every used block of ``page``: tree nodes' and requests' private ones)
+        into free blocks of other pages, block tables included; the page leaves the pool."""
         blocks, n = self.blocks, self.blocks.page_blocks
         for b in blocks.free_in(page):  # keep the destinations off this page
             blocks.take(b)
-        for node in holders:
+        for src in used:
             dst = blocks.allocate()
-            src = self.tree.move(node, dst)
             self.moves.append((src, dst))
+            self._repoint(src, dst, private)
         for b in range(page * n, page * n + n):
             blocks.free(b)
         blocks.remove_page(page)
-        self.counters["kv.moved_blocks"] += len(holders)
+        self.counters["kv.moved_blocks"] += len(used)
+
+    def undo_moves(self, moves: list[tuple[int, int]]) -> None:
+        """A step failed before its copies ran: every moved block goes back to its source (whose
+        bytes are untouched: the page it vacated was written by nothing), block tables included,
+        and the vacated pages are KV pages again. Their checkpoint slots were the failed step's
+        captures (released by the caller) or a tracking slot of one of its requests (given up)."""
+        assert self.ckpts is not None
+        ckpts, blocks = self.ckpts, self.blocks
+        for page in sorted({src // blocks.page_blocks for src, _ in moves}):
+            if ckpts.slots.ckpt_state[page] is SlotState.TRACKING:
+                seq = ckpts.trackers[page]
+                ckpts.untrack(seq, finished=False)
+                seq.tracking_boundary = seq.pending_tracking_boundary = 0
+                ckpts.slots.free_checkpoint(page)
+            ckpts.slots.remove_free_checkpoint_slot(page)
+            self.arena.convert(page, PageUse.KV)
+            blocks.add_page(page)
+        private = {
+            b: (seq, i) for seq in self.active() for i, b in enumerate(seq.block_table) if i >= len(seq.nodes)
+        }
+        for src, dst in moves:
+            blocks.take(src)
+            self._repoint(dst, src, private)
+            blocks.free(dst)
+
+    def _repoint(self, old: int, new: int, private: dict[int, tuple[SeqCache, int]]) -> None:
+        """Whoever holds block ``old`` (a request's private block, or a tree node and the
+        requests pinning it) holds ``new`` instead."""
+        if old in private:
+            seq, i = private[old]
+            seq.block_table[i] = new
+            return
+        node = self.tree.by_block[old]
+        self.tree.move(node, new)
+        if node.ref_count:  # pinned: the requests on its path address it by block id
+            i = node.depth - 1
+            for seq in self.active():
+                if len(seq.nodes) > i and seq.nodes[i] is node:
+                    seq.block_table[i] = new
 
     def take_moves(self) -> list[tuple[int, int]]:
         """The copies planned since the last call, settled: a block moved twice is copied once
@@ -155,7 +259,7 @@ class SharedBudget:
         for src, dst in self.moves:
             origin[dst] = origin.pop(src, src)
         self.moves = []
-        return [(src, dst) for dst, src in origin.items() if dst in self.tree.by_block]
+        return [(src, dst) for dst, src in origin.items() if not self.blocks.is_free(dst)]
 
     # ------------------------------------------------------------------ reporting
     def usage(self) -> dict[str, int | float]:
@@ -173,6 +277,7 @@ class SharedBudget:
             "cache.pages_kv": counts[PageUse.KV],
             "cache.pages_checkpoint": counts[PageUse.CHECKPOINT],
             "cache.pages_free": counts[PageUse.FREE],
+            "cache.checkpoint_floor": self.floor,
         }
 
     def check_integrity(self) -> None:

@@ -91,11 +91,17 @@ class StatePool:
         self._free_ckpt.append(slot)
         self.num_checkpoint += 1
 
-    def remove_free_checkpoint_slot(self) -> int:
-        """A free checkpoint slot leaves the pool (its page changes use); the slot id."""
-        if not self._free_ckpt:
-            raise RuntimeError("no free checkpoint slot to give up")
-        slot = self._free_ckpt.pop()  # the most recently freed
+    def remove_free_checkpoint_slot(self, slot: int | None = None) -> int:
+        """A free checkpoint slot (``slot``, or the most recently freed) leaves the pool (its
+        page changes use); the slot id."""
+        if slot is None:
+            if not self._free_ckpt:
+                raise RuntimeError("no free checkpoint slot to give up")
+            slot = self._free_ckpt.pop()
+        elif self.ckpt_state.get(slot) is not SlotState.FREE:
+            raise RuntimeError(f"checkpoint slot {slot} is not free")
+        else:
+            self._free_ckpt.remove(slot)
         del self.ckpt_state[slot]
         self.num_checkpoint -= 1
         return slot

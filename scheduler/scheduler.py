@@ -263,6 +263,7 @@ class Scheduler:
             # a sampled token still on its way is no token to recompute or hash; the engine
             # appends the real one on arrival
             victim.token_ids.pop()
+        self.cache.note_preemption(victim.num_computed_tokens)
         self.cache.free(victim.cache, publish_output=True)
         victim.cache = None
         victim.num_computed_tokens = 0
@@ -443,6 +444,8 @@ class Scheduler:
         if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
             req.num_cached_tokens = seq.num_cached_tokens
             self.cache.record_query(req.num_tokens, seq.num_cached_tokens, seq)
+        else:
+            self.cache.note_recompute_hit(seq.num_cached_tokens)
         req.status = RequestStatus.RUNNING
         self.waiting.remove(req)
         self.running.append(req)

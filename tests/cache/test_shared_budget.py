@@ -180,10 +180,11 @@ def test_pages_change_use_and_every_item_keeps_its_bytes(seed: int) -> None:
     drive(seed)
 
 
-def test_pages_go_both_ways_blocks_move_and_failed_moves_drop_their_nodes() -> None:
+def test_pages_go_both_ways_blocks_move_and_failed_moves_are_undone() -> None:
     """Prompts one after another on a small budget: summed over the seeds, pages change use
-    both ways, vacating a KV page moves blocks, and when a step with moves fails the nodes
-    whose copies never ran are gone (every cached item's bytes are checked after each step)."""
+    both ways, vacating a KV page moves blocks (cached, pinned and private ones), and when a
+    step with moves fails before its copies ran every moved block is back where its bytes are
+    (every cached item's bytes are checked after each step)."""
     totals = dict.fromkeys(
         ("cache.pages_to_kv", "cache.pages_to_checkpoints", "kv.moved_blocks", "checkpoints.evicted_for_kv"),
         0,
