@@ -186,16 +186,26 @@ class SharedBudget:
         if page is not None:
             blocks.remove_page(page)
             return page
-        private = {
-            b: (seq, i) for seq in self.active() for i, b in enumerate(seq.block_table) if i >= len(seq.nodes)
-        }
         by_block = self.tree.by_block
         for page in blocks.pages_by_free()[:VACATE_CANDIDATES]:
             used = blocks.used_in(page)
-            if all(b in private or (b in by_block and not by_block[b].moving) for b in used):
-                self._move_out(page, used, private)
+            # a used block is a tree node's or a request's private one; only a node being
+            # copied between tiers cannot move
+            if all(b not in by_block or not by_block[b].moving for b in used):
+                self._move_out(page, used, self._private(set(used) - by_block.keys()))
                 return page
         return None
+
+    def _private(self, wanted: set[int]) -> dict[int, tuple[SeqCache, int]]:
+        """Who holds each of the private blocks ``wanted``: (request, index in its block table)."""
+        out: dict[int, tuple[SeqCache, int]] = {}
+        if wanted:
+            for seq in self.active():
+                for i in range(len(seq.nodes), len(seq.block_table)):
+                    if seq.block_table[i] in wanted:
+                        out[seq.block_table[i]] = (seq, i)
+        assert len(out) == len(wanted), "a used block held by neither a node nor a request"
+        return out
 
     def _move_out(self, page: int, used: list[int], private: dict[int, tuple[SeqCache, int]]) -> None:
         """Move ``used`` (every used block of ``page``: tree nodes' and requests' private ones)
@@ -228,9 +238,7 @@ class SharedBudget:
             ckpts.slots.remove_free_checkpoint_slot(page)
             self.arena.convert(page, PageUse.KV)
             blocks.add_page(page)
-        private = {
-            b: (seq, i) for seq in self.active() for i, b in enumerate(seq.block_table) if i >= len(seq.nodes)
-        }
+        private = self._private({dst for _, dst in moves} - self.tree.by_block.keys())
         for src, dst in moves:
             blocks.take(src)
             self._repoint(dst, src, private)
