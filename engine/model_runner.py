@@ -386,12 +386,12 @@ class ModelRunner:
 
     @staticmethod
     def written(prep: PreparedStep, block_size: int) -> tuple[set[int], set[int]]:
-        """The KV block ids and checkpoint slots a step writes (its tokens' blocks; its capture,
-        tracking-copy and block-move destinations): what a failed step leaves unwritten."""
+        """The KV block ids and checkpoint slots a step's forward writes (its tokens' blocks; its
+        capture and tracking-copy destinations): what a failed forward leaves unwritten. (Its
+        block moves ran before the forward, or the copies raised and the engine stopped.)"""
         blocks = set((prep.buffer.field("slot_mapping") // block_size).tolist())
         slots = set(prep.buffer.field("capture_slots").tolist())
         slots.update(dst for _, dst in prep.out.plan.decode_copies)
-        blocks.update(dst for _, dst in prep.out.plan.moves)  # (conservative: they may have landed)
         return blocks, slots
 
     @torch.inference_mode()

@@ -188,7 +188,9 @@ class Overlap:
             transfers.cancel()
             raise StepSkipped(f"step {out.step} follows a failed step")
         try:
-            transfers.set_result(self.core.runner.transfer(out))  # (never raises)
+            # (host copies report failures; a device block move that raises stops the engine:
+            # the cache already addresses its destination)
+            transfers.set_result(self.core.runner.transfer(out))
             return self.core.runner.launch(prep) if prep is not None else None
         except BaseException as e:
             if not transfers.done():
