@@ -252,11 +252,12 @@ def test_more_conversations_than_the_pools_hold_change_nothing(core_factory: Any
     assert s["kv.evicted_blocks"] > 0
 
 
-@pytest.mark.parametrize("policy", ["default", "v1"])
-def test_one_budget_under_pressure_changes_nothing(core_factory: Any, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "overlap"), [("default", False), ("v1", False), ("default", True)])
+def test_one_budget_under_pressure_changes_nothing(core_factory: Any, policy: str, overlap: bool) -> None:
     """One device budget (KV and checkpoints in one arena) too small for the conversations:
-    pages change use both ways, KV blocks move out of pages captures take, and cache-on
-    outputs still equal cache-off outputs at every turn (integrity checked after every step)."""
+    pages change use both ways, KV blocks (cached, pinned, private) move out of pages captures
+    take, and cache-on outputs still equal cache-off outputs at every turn (integrity checked
+    after every step), with async scheduling too."""
     rng = random.Random(32)
     page = 14 * 32 * 1024  # the tiny model's page: 14 KV blocks of 16 tokens, one checkpoint
     cached = core_factory(
@@ -265,6 +266,7 @@ def test_one_budget_under_pressure_changes_nothing(core_factory: Any, policy: st
             "cache.num_kv_blocks": None,
             "cache.memory_bytes": (8 + 16) * page,  # 8 live slots, 16 shared pages
             "cache.checkpoint_interval": 64,
+            "engine.async_scheduling": overlap,
         }
     )
     assert cached.capacity.num_pages == 16 and cached.cache.budget is not None
