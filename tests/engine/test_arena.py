@@ -9,24 +9,13 @@ import pytest
 import torch
 
 from deltaserve.cache.types import StepPlan, Transfer, TransferKind
-from deltaserve.engine import ConfigError, EngineConfig
+from deltaserve.engine import ConfigError
 from deltaserve.engine.builder import model_shape
 from deltaserve.engine.model_runner import ModelRunner, RunnerSizes
 from deltaserve.engine.sizing import ModelShape, build_cache_manager, plan_capacity
 from deltaserve.kernels import REFERENCE_OPS
 from deltaserve.models import BatchMetadata, LoadedModel
-
-MiB = 1024**2
-# Qwen3.5-0.8B in fp32 (as in test_sizing.py), with its state as the arena pads it
-QWEN35_08B = ModelShape(
-    kv_bytes_per_token=6 * 2 * 2 * 256 * 4,
-    state_bytes=18 * (6144 * 3 * 4 + 16 * 128 * 128 * 4),
-    max_position_embeddings=262144,
-)
-
-
-def cfg(**dotted: object) -> EngineConfig:
-    return EngineConfig.load(None, dict(dotted))
+from tests.engine.test_sizing import QWEN35_08B, MiB, cfg
 
 
 def test_default_is_one_pool_of_pages() -> None:

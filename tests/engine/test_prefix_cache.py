@@ -221,6 +221,19 @@ def test_warm_logits_equal_cold_logits(core_factory: Any, monkeypatch: Any) -> N
     assert torch.equal(warm_logits.argmax(-1), cold_logits.argmax(-1))
 
 
+def converse(cached: EngineCore, plain: EngineCore, rng: random.Random, n: int, turns: int = 4) -> None:
+    """``n`` conversations side by side for ``turns`` turns; odd ones re-send the model's reply,
+    even ones a rewritten one. Cache-on outputs must equal cache-off outputs at every turn."""
+    convs = [rand_tokens(rng, 140 + 25 * i) for i in range(n)]
+    for _turn in range(turns):
+        warm = serve(cached, convs, 6, waves=False)
+        assert warm == serve(plain, convs, 6, waves=False)
+        convs = [
+            c + (w if i % 2 else rand_tokens(rng, 4)) + rand_tokens(rng, 24)
+            for i, (c, w) in enumerate(zip(convs, warm, strict=True))
+        ]
+
+
 @pytest.mark.parametrize("policy", ["default", "v1"])
 def test_more_conversations_than_the_pools_hold_change_nothing(core_factory: Any, policy: str) -> None:
     """Memory pressure: 6 conversations served side by side over 2 checkpoint slots
@@ -238,14 +251,7 @@ def test_more_conversations_than_the_pools_hold_change_nothing(core_factory: Any
         }
     )
     plain = core_factory(**{"cache.enable_prefix_caching": False})
-    convs = [rand_tokens(rng, 140 + 25 * i) for i in range(6)]
-    for _turn in range(4):
-        warm = serve(cached, convs, 6, waves=False)
-        assert warm == serve(plain, convs, 6, waves=False)
-        convs = [
-            c + (w if i % 2 else rand_tokens(rng, 4)) + rand_tokens(rng, 24)
-            for i, (c, w) in enumerate(zip(convs, warm, strict=True))
-        ]
+    converse(cached, plain, rng, 6)
     s = cached.stats()
     assert s["prefix_cache.hit_tokens"] > 0
     assert s["checkpoints.evicted"] + s["checkpoints.skipped_pool"] + s["checkpoints.skipped_value"] > 0
@@ -271,14 +277,7 @@ def test_one_budget_under_pressure_changes_nothing(core_factory: Any, policy: st
     )
     assert cached.capacity.num_pages == 16 and cached.cache.budget is not None
     plain = core_factory(**{"cache.enable_prefix_caching": False})
-    convs = [rand_tokens(rng, 140 + 25 * i) for i in range(8)]
-    for _turn in range(4):
-        warm = serve(cached, convs, 6, waves=False)
-        assert warm == serve(plain, convs, 6, waves=False)
-        convs = [
-            c + (w if i % 2 else rand_tokens(rng, 4)) + rand_tokens(rng, 24)
-            for i, (c, w) in enumerate(zip(convs, warm, strict=True))
-        ]
+    converse(cached, plain, rng, 8)
     s = cached.stats()
     assert s["prefix_cache.hit_tokens"] > 0
     assert s["cache.pages_to_kv"] > 0 and s["cache.pages_to_checkpoints"] > 0
