@@ -94,6 +94,8 @@ class CacheManagerConfig:
     # host tier (cache/host_tier.py): 0 = off
     num_host_kv_blocks: int = 0
     num_host_checkpoint_slots: int = 0
+    num_host_pages: int = 0  # one host budget (pages of one checkpoint's size); 0: the pair above
+    host_page_blocks: int = 0  # host blocks per host page (0: ceil(checkpoint_bytes / kv_block_bytes))
     kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
     host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
     # one device budget (cache/arena.py): ``shared_pages`` pages of ``page_blocks`` KV blocks

@@ -138,6 +138,7 @@ def build_runner(
         capacity.num_host_kv_blocks,
         capacity.num_host_checkpoint_slots,
         num_pages=capacity.num_pages,
+        num_host_pages=capacity.num_host_pages,
     )
     runner = ModelRunner(loaded, ops, sizes, device)
     runner.default_generator.manual_seed(config.model.seed)

@@ -233,6 +233,14 @@ class CacheConfig(_Section):
             "(when worth more than the weakest host checkpoint); a hit restores straight from it. 0 = off."
         ),
     ] = 0
+    host_memory_bytes: Annotated[
+        NonNegInt,
+        _doc(
+            "Host tier as one budget, in bytes: pages of one checkpoint's size, each holding one checkpoint or "
+            "that many bytes of KV blocks, traded by value (instead of host_kv_cache_bytes / "
+            "host_checkpoint_pool_bytes, which pin a fixed split). 0 = off."
+        ),
+    ] = 0
     host_load_bytes_per_step: Annotated[
         PosInt | None,
         _doc(
@@ -255,6 +263,12 @@ class CacheConfig(_Section):
         if self.checkpoint_policy not in ADMISSION_POLICIES:
             known = ", ".join(sorted(ADMISSION_POLICIES))
             raise _bad("cache.checkpoint_policy", self.checkpoint_policy, f"unknown; known: {known}")
+        if self.host_memory_bytes and (self.host_kv_cache_bytes or self.host_checkpoint_pool_bytes):
+            raise _bad(
+                "cache.host_memory_bytes",
+                self.host_memory_bytes,
+                "one host budget or the fixed pair (host_kv_cache_bytes / host_checkpoint_pool_bytes), not both",
+            )
 
 
 class SchedulerConfig(_Section):

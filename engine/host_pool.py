@@ -36,18 +36,35 @@ Failure = tuple[Transfer, BaseException]
 
 class HostPool:
     def __init__(
-        self, spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int, device: torch.device
+        self,
+        spec: CacheSpec,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        device: torch.device,
+        *,
+        num_pages: int = 0,
     ) -> None:
         self.device = device
-        self.caches: ModelCaches = spec.allocate(num_blocks, block_size, num_slots, "cpu")
-        if device.type == "cuda":  # pinned: the copies are true async DMA
-            for tensors in (
-                self.caches.k_cache,
-                self.caches.v_cache,
-                self.caches.conv_state,
-                self.caches.ssm_state,
-            ):
-                tensors[:] = [t.pin_memory() for t in tensors]
+        if num_pages:  # one host budget: an arena of pages laid out as the device's (host block b = row b, slot s = page s)
+            caches = spec.allocate_arena(0, num_pages, block_size, "cpu")
+            assert caches.arena is not None and caches.layout is not None
+            self.caches: ModelCaches = (
+                spec.arena_views(caches.arena.pin_memory(), caches.layout)
+                if device.type == "cuda"
+                else caches
+            )
+        else:
+            self.caches = spec.allocate(num_blocks, block_size, num_slots, "cpu")
+            if device.type == "cuda":  # pinned: the copies are true async DMA
+                for tensors in (
+                    self.caches.k_cache,
+                    self.caches.v_cache,
+                    self.caches.conv_state,
+                    self.caches.ssm_state,
+                ):
+                    tensors[:] = [t.pin_memory() for t in tensors]
+        if device.type == "cuda":
             self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
         else:
             self.stream = None

@@ -136,6 +136,7 @@ class RunnerSizes:
     num_host_kv_blocks: int = 0
     num_host_checkpoint_slots: int = 0
     num_pages: int = 0
+    num_host_pages: int = 0  # the host tier as one arena of pages (then the pair above is 0)
 
     @property
     def num_state_slots(self) -> int:
@@ -165,13 +166,14 @@ class ModelRunner:
         self.default_generator = self.sampler.default_generator
         self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
         self.host: HostPool | None = None
-        if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots:
+        if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots or sizes.num_host_pages:
             self.host = HostPool(
                 self.spec,
                 sizes.num_host_kv_blocks if self.spec.num_attn_layers else 0,
                 sizes.block_size,
                 sizes.num_host_checkpoint_slots if self.spec.num_gdn_layers else 0,
                 device,
+                num_pages=sizes.num_host_pages,
             )
 
     def transfer(self, out: SchedulerOutput) -> list[Failure]:

@@ -103,6 +103,9 @@ class Capacity:
     # else the most each kind can take)
     num_pages: int = 0
     page_blocks: int = 0
+    # the host tier as one budget: pages of ``host_page_blocks`` host blocks or one checkpoint
+    num_host_pages: int = 0
+    host_page_blocks: int = 0
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -184,6 +187,16 @@ class Capacity:
                 if self.num_host_kv_blocks or self.num_host_checkpoint_slots
                 else {}
             ),
+            **(
+                {
+                    "host_pages": self.num_host_pages,
+                    "host_mib": round(
+                        self.num_host_pages * self.host_page_blocks * self.kv_block_bytes / MiB, 1
+                    ),
+                }
+                if self.num_host_pages
+                else {}
+            ),
         }
 
 
@@ -240,9 +253,21 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
     max_len = _max_model_len(config, shape, num_blocks, warnings)
     # 4. the host tier: its own budgets (host memory), off by default
     caching = cc.enable_prefix_caching
-    num_host_kv = cc.host_kv_cache_bytes // kv_block_bytes if shape.has_attention and caching else 0
-    num_host_ckpt = cc.host_checkpoint_pool_bytes // shape.state_bytes if shape.has_gdn and caching else 0
+    host_kv, host_ckpt = cc.host_kv_cache_bytes, cc.host_checkpoint_pool_bytes
+    num_host_pages = host_page_blocks = 0
+    if cc.host_memory_bytes and caching:
+        if shape.has_attention and shape.has_gdn:  # one host budget of pages
+            host_page_blocks = page_blocks(shape, bs)
+            num_host_pages = cc.host_memory_bytes // (host_page_blocks * kv_block_bytes)
+        elif shape.has_attention:  # one kind only: the budget is that kind's
+            host_kv = cc.host_memory_bytes
+        else:
+            host_ckpt = cc.host_memory_bytes
+    num_host_kv = host_kv // kv_block_bytes if shape.has_attention and caching else 0
+    num_host_ckpt = host_ckpt // shape.state_bytes if shape.has_gdn and caching else 0
     return Capacity(
+        num_host_pages=num_host_pages,
+        host_page_blocks=host_page_blocks,
         num_host_kv_blocks=num_host_kv,
         num_host_checkpoint_slots=num_host_ckpt,
         budget_bytes=budget,
@@ -364,6 +389,8 @@ def build_cache_manager(
             prefill_cost_per_token_pair=capacity.prefill_flops_per_token_pair,
             num_host_kv_blocks=capacity.num_host_kv_blocks,
             num_host_checkpoint_slots=capacity.num_host_checkpoint_slots,
+            num_host_pages=capacity.num_host_pages,
+            host_page_blocks=capacity.host_page_blocks,
             kv_block_bytes=capacity.kv_block_bytes,
             host_load_bytes_per_step=cc.host_load_bytes_per_step,
         )
