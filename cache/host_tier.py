@@ -46,6 +46,7 @@ class HostTier:
         num_slots: int,
         kv_block_bytes: int,
         checkpoint_bytes: int,
+        num_pages: int = 0,
     ) -> None:
         self.tree = tree
         self.eviction = eviction  # its ``worth`` ranks host checkpoints; lower goes first

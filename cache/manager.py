@@ -91,6 +91,7 @@ class CacheManagerConfig:
     # host tier (cache/host_tier.py): 0 = off
     num_host_kv_blocks: int = 0
     num_host_checkpoint_slots: int = 0
+    num_host_pages: int = 0  # one host budget (pages of one checkpoint's size); 0: the pair above
     kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
     host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
 
@@ -137,6 +138,7 @@ class CacheManager:
             self.eviction,
             num_blocks=config.num_host_kv_blocks if self.enabled else 0,
             num_slots=config.num_host_checkpoint_slots if num_ckpt else 0,
+            num_pages=config.num_host_pages if self.enabled else 0,
             kv_block_bytes=config.kv_block_bytes,
             checkpoint_bytes=config.checkpoint_bytes,
         )

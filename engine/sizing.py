@@ -81,6 +81,7 @@ class Capacity:
     prefill_flops_per_token_pair: float = 1.0 / 65536
     num_host_kv_blocks: int = 0  # host tier (cache.host_kv_cache_bytes)
     num_host_checkpoint_slots: int = 0  # host tier (cache.host_checkpoint_pool_bytes)
+    num_host_pages: int = 0  # host tier, one budget: pages of one checkpoint's size (0: the pair above)
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -273,6 +274,7 @@ def build_cache_manager(
             prefill_cost_per_token_pair=capacity.prefill_flops_per_token_pair,
             num_host_kv_blocks=capacity.num_host_kv_blocks,
             num_host_checkpoint_slots=capacity.num_host_checkpoint_slots,
+            num_host_pages=capacity.num_host_pages,
             kv_block_bytes=capacity.kv_block_bytes,
             host_load_bytes_per_step=cc.host_load_bytes_per_step,
         )

@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-checkpoint-mb", type=float, default=0.0, help="host checkpoint pool in MiB (default 0: off)"
     )
     h.add_argument(
+        "--host-memory-mb", type=float, default=0.0,
+        help="one host budget in MiB for KV and checkpoints, traded by value (pages of one checkpoint's "
+        "size, each one checkpoint or N KV blocks); instead of --host-kv-mb / --host-checkpoint-mb",
+    )  # fmt: skip
+    h.add_argument(
         "--h2d-gbps", type=float, default=50.0,
         help="host <-> device bandwidth in GB/s; each step's copies add bytes / bandwidth (default %(default)s)",
     )  # fmt: skip
@@ -247,6 +252,7 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_cost=cost,
         host_kv_blocks=int(args.host_kv_mb * MiB // block_bytes),
         host_checkpoint_slots=int(args.host_checkpoint_mb * MiB // ckpt_bytes),
+        host_memory_bytes=int(args.host_memory_mb * MiB),
         h2d_gbps=args.h2d_gbps,
     )
     if model:
@@ -331,6 +337,11 @@ def run_workload(
         print(
             f"bounds: KV alone LRU {100 * bounds.kv_lru:.1f}%, Belady {100 * bounds.kv_belady:.1f}%; "
             f"checkpoints alone Belady {100 * bounds.checkpoint_belady:.1f}%"
+            + (
+                f"; KV alone LRU over all tiers' bytes {100 * bounds.kv_lru_host:.1f}%"
+                if bounds.kv_lru_host is not None
+                else ""
+            )
         )
     summary.append(summary_row(name, args.seed, results, bounds))
     if budgets:
