@@ -106,6 +106,7 @@ COUNTER_KEYS = (
     "host.kv_demoted_blocks", "host.kv_promoted_blocks", "host.kv_evicted_blocks",
     "host.checkpoints_demoted", "host.checkpoints_restored", "host.checkpoints_evicted",
     "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
+    "host.checkpoints_refused",
 )  # fmt: skip
 
 
