@@ -23,8 +23,9 @@ what the device does not (an exclusive cache: host bytes add to device bytes).
   checkpoint (either tier) or has host nodes below it (without it they are unreachable);
   a checkpoint-less leaf with nothing below can never end a hit and is dropped.
 * A device checkpoint being evicted is demoted when the host has room, or unless the host's
-  weakest item is worth more per byte (the device tier's eviction strategy: ``worth``; a tie
-  goes to the newcomer, so items the value model cannot tell apart turn over like LRU
+  weakest item is worth more per byte (``worth``: the device tier's eviction strategy's,
+  with one budget per byte of the checkpoint and the KV path only it makes useful; there a
+  tie goes to the newcomer, so items the value model cannot tell apart turn over like LRU
   instead of the host freezing with whatever came first); else dropped.
 * The host evicts its own: checkpoint-less leaves first (no hit can end there), then the
   least valuable of the LRU leaf (valued as its checkpoint) and the weakest checkpoint.
@@ -241,7 +242,9 @@ class HostTier:
         another checkpoint or is the root (were it gone, those blocks could end no hit).
         The eviction strategy's ``worth`` counts the checkpoint's bytes alone; a deep
         conversation also holds its KV path, and a host tier full of deep tails holds few
-        conversations."""
+        conversations. With the fixed pair the KV bytes are not traded: the strategy's worth."""
+        if self.pages is None:
+            return self.eviction.worth(node)
         own = 0
         above = node.parent
         while (
@@ -330,7 +333,10 @@ class HostTier:
         while not self._has_slot():
             victim, victim_worth = self._weakest_checkpoint()
             nodes, page_worth = self._page_victim() if self.pages is not None else ([], math.inf)
-            if min(victim_worth, page_worth) > worth or (victim is None and not nodes):
+            weakest = min(victim_worth, page_worth)
+            # one budget: a tie goes to the newcomer (items the value model cannot tell apart
+            # turn over like LRU); the fixed pair keeps its residents on a tie
+            if weakest > worth or (self.pages is None and weakest >= worth) or (victim is None and not nodes):
                 return -1
             if victim is not None and victim_worth <= page_worth:
                 self.drop_checkpoint(victim)
