@@ -56,13 +56,8 @@ _UPPER = [_bounds(b)[1] for b in range(NUM_BUCKETS)]
 
 class _Shadow:
     """Boundaries by the hash of their last block -> [credits, pending (class, since), last
-    event, missed (class, since)], least recently active first. A boundary is *credited*
-    when it is the deepest of this shadow on an admitted prompt's path; each pending
-    proposal then scores a hit. A proposal judged a miss (unhit past its class's window)
-    stays on the boundary as *missed*: a credit that comes later still takes the miss back
-    and scores the hit at its true age, so a class whose reuse comes after longer than
-    anything seen so far widens its window instead of confirming its own short horizon
-    (conversations resumed after thousands of admissions, caught only by a host tier)."""
+    event], least recently active first. A boundary is *credited* when it is the deepest of
+    this shadow on an admitted prompt's path; each pending proposal then scores a hit."""
 
     def __init__(self, learner: ReuseLearner, follow_hits: bool, n: int) -> None:
         self.learner = learner
@@ -75,7 +70,7 @@ class _Shadow:
         learner = self.learner
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = [0, [], learner.now, []]
+            entry = self.entries[key] = [0, [], learner.now]
             while len(self.entries) > learner.capacity:
                 self.entries.popitem(last=False)
         elif c is not None and (c, learner.now) in entry[1]:
@@ -103,13 +98,8 @@ class _Shadow:
         for c, since in entry[1]:
             self.hits[c][_bucket(learner.now - since)] += 1
             learner._changed(c)
-        for c, since in entry[3]:  # judged too early: a late hit, not a miss
-            self.hits[c][_bucket(learner.now - since)] += 1
-            self.misses[c] = max(self.misses[c] - 1, 0.0)
-            learner._changed(c)
         entry[0] += 1
         entry[1] = []
-        entry[3] = []
         entry[2] = learner.now
         self.entries.move_to_end(key)
         if self.follow_hits:
@@ -122,7 +112,6 @@ class _Shadow:
             return True  # expired unhit
         if (c, since) in entry[1]:
             entry[1].remove((c, since))
-            entry[3].append((c, since))
             return True
         return False
 
