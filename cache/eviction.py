@@ -69,6 +69,9 @@ class CheckpointEviction(ABC):
     """Chooses which resident checkpoint a capture displaces, and which KV leaf goes."""
 
     name = ""
+    #: ``worth`` is a value per checkpoint byte (not, say, a recency): the host tier may
+    #: spread it over the KV bytes a checkpoint also holds (``HostTier.worth``)
+    per_byte = False
 
     def __init__(self, tree: RadixTree, params: EvictionParams) -> None:
         self.tree = tree

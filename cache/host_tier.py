@@ -242,8 +242,9 @@ class HostTier:
         another checkpoint or is the root (were it gone, those blocks could end no hit).
         The eviction strategy's ``worth`` counts the checkpoint's bytes alone; a deep
         conversation also holds its KV path, and a host tier full of deep tails holds few
-        conversations. With the fixed pair the KV bytes are not traded: the strategy's worth."""
-        if self.pages is None:
+        conversations. With the fixed pair the KV bytes are not traded, and a strategy whose
+        worth is not per byte (``v1``: a recency) cannot be spread: its own worth."""
+        if self.pages is None or not self.eviction.per_byte:
             return self.eviction.worth(node)
         own = 0
         above = node.parent

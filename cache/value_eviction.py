@@ -53,6 +53,7 @@ class ValueEviction(CheckpointEviction):
     """Hit density x compute saved / bytes (see the module docstring)."""
 
     name = "value"
+    per_byte = True
 
     def __init__(self, tree: RadixTree, params: EvictionParams, learner: ReuseLearner | None = None) -> None:
         super().__init__(tree, params)
