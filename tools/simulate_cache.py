@@ -379,6 +379,8 @@ def _print_summary(summary: Sequence[dict[str, Any]], cfg: SimConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.host_memory_mb and (args.host_kv_mb or args.host_checkpoint_mb):
+        parser.error("--host-memory-mb is one host budget: not with --host-kv-mb / --host-checkpoint-mb")
     configure_logging(args.log_level)
     cfg = sim_config_from_args(args)
     names, budgets = _names_and_budgets(parser, args, cfg)
