@@ -182,6 +182,7 @@ class ValueEviction(CheckpointEviction):
             v = self.value(node)
             if v < best_value:
                 best, best_value = node, v
+        node_victim = best  # the weakest published checkpoint (it can move to the host)
         for seq in trackers:
             if seq.pending_tracking_boundary:
                 continue
@@ -191,7 +192,13 @@ class ValueEviction(CheckpointEviction):
         if best is None:
             return None, "pool"
         worth = self.want_value(want)
-        if worth <= best_value and not (isinstance(best, Node) and worth > host_floor):
+        if worth <= best_value:
+            # Not worth more than the weakest here, but the host tier would keep it: the
+            # weakest published checkpoint moves down to make room (even when a tracking
+            # slot is weaker still: a tracker cannot move, and skipping would lose the
+            # capture outright).
+            if node_victim is not None and worth > host_floor:
+                return node_victim, ""
             return None, "value"
         return best, ""
 
