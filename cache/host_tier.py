@@ -180,6 +180,7 @@ class HostTier:
             num_slots = num_pages if checkpoint_bytes > 0 else 0
         elif num_blocks > 0:
             self.blocks = BlockPool(num_blocks)
+        eviction.displace_to_host = self.pages is not None
         self.num_slots = num_slots
         self._free_slots: deque[int] = deque(range(num_slots) if self.pages is None else ())
         self.attached: dict[int, Node] = {}  # host slot -> node holding it

@@ -193,11 +193,14 @@ class ValueEviction(CheckpointEviction):
             return None, "pool"
         worth = self.want_value(want)
         if worth <= best_value:
-            # Not worth more than the weakest here, but the host tier would keep it: the
-            # weakest published checkpoint moves down to make room (even when a tracking
-            # slot is weaker still: a tracker cannot move, and skipping would lose the
-            # capture outright).
-            if node_victim is not None and worth > host_floor:
+            # Not worth more than the weakest here, but the host tier would keep it: with one
+            # host budget the weakest published checkpoint moves down to make room, even when
+            # a tracking slot is weaker still (a tracker cannot move, and skipping loses the
+            # capture outright). A fixed host checkpoint pool is the wall itself: there the
+            # extra demotions only churn it, so a weaker tracker still means a skip.
+            if worth > host_floor and (
+                isinstance(best, Node) or (self.displace_to_host and node_victim is not None)
+            ):
                 return node_victim, ""
             return None, "value"
         return best, ""
