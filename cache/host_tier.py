@@ -261,13 +261,14 @@ class HostTier:
         return self.eviction.worth(node) * ckpt / (ckpt + (own + 1) * self.kv_block_bytes)
 
     def _weakest_checkpoint(self) -> tuple[Node | None, float]:
-        """The host checkpoint worth least (ties: the least recently used), and its worth."""
+        """The host checkpoint worth least, and its worth."""
         worth = self.worth
         best: Node | None = None
         key = (math.inf, 0)
         for n in self.attached.values():
             if self._evictable_checkpoint(n):
-                k = (worth(n), n.last_access)
+                # ties: the least recently used with one budget; the first held with the pair
+                k = (worth(n), n.last_access if self.pages is not None else 0)
                 if k < key:
                     best, key = n, k
         return best, key[0]
