@@ -72,6 +72,12 @@ class CheckpointEviction(ABC):
     """Chooses which resident checkpoint a capture displaces, and which KV leaf goes."""
 
     name = ""
+    #: ``worth`` is a value per checkpoint byte (not, say, a recency): the host tier may
+    #: spread it over the KV bytes a checkpoint also holds (``HostTier.worth``)
+    per_byte = False
+    #: set by the host tier when its memory is one budget of pages: a capture the host would
+    #: keep may push the weakest published checkpoint down even past a weaker tracking slot
+    displace_to_host = False
 
     def __init__(self, tree: RadixTree, params: EvictionParams) -> None:
         self.tree = tree

@@ -1,8 +1,15 @@
 """The host tier: KV blocks and checkpoints demoted from the device instead of dropped.
 
-Two host pools, each optional (size 0 = off): KV blocks (``cache.host_kv_cache_bytes``)
-and checkpoint slots (``cache.host_checkpoint_pool_bytes``), in their own id spaces. The
-radix tree records each item's tier (``cache/radix_tree.py``). This part owns the host
+The host's memory is either two fixed pools, each optional (size 0 = off): KV blocks
+(``cache.host_kv_cache_bytes``) and checkpoint slots (``cache.host_checkpoint_pool_bytes``),
+in their own id spaces; or one byte budget of *pages* (``num_pages``), each the size of one
+checkpoint and each exactly one of FREE, KV (``page_blocks`` = ceil(checkpoint bytes / KV
+block bytes) host blocks, ids ``page * page_blocks ...``) or CHECKPOINT (host slot id = the
+page), so KV and checkpoints trade bytes by value (``HostPages``). A KV page turns back into
+a free page only when wholly free: when a checkpoint needs a page, the victim is the weakest
+host checkpoint or the KV page whose blocks are worth least — its nodes go (with the host
+nodes below them), no block is migrated. The radix tree records each item's tier
+(``cache/radix_tree.py``). This part owns the host
 pools, plans the *saves* (device -> host copies) of what the device tier gives up, and
 evicts on the host. Loads (host -> device) are the cache manager's: they belong to the
 request whose hit needs them.
@@ -15,9 +22,13 @@ what the device does not (an exclusive cache: host bytes add to device bytes).
 * A device KV leaf being evicted is demoted when it is worth keeping — it holds a
   checkpoint (either tier) or has host nodes below it (without it they are unreachable);
   a checkpoint-less leaf with nothing below can never end a hit and is dropped.
-* A device checkpoint being evicted is demoted when a host slot is free or the weakest
-  host checkpoint is worth less (the device tier's eviction strategy: ``worth``); else dropped.
-* The host evicts its own: checkpoint-less leaves first, then LRU; checkpoints by value.
+* A device checkpoint being evicted is demoted when the host has room, or unless the host's
+  weakest item is worth more per byte (``worth``: the device tier's eviction strategy's,
+  with one budget per byte of the checkpoint and the KV path only it makes useful; there a
+  tie goes to the newcomer, so items the value model cannot tell apart turn over like LRU
+  instead of the host freezing with whatever came first); else dropped.
+* The host evicts its own: checkpoint-less leaves first (no hit can end there), then the
+  least valuable of the LRU leaf (valued as its checkpoint) and the weakest checkpoint.
   A full host tier means *drop*, never an error.
 
 Every demoted item is ``moving`` until its save has landed: a match does not use it, so a
@@ -35,6 +46,115 @@ from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import SeqCache, Transfer, TransferKind
 
+FREE, KV, CHECKPOINT = 0, 1, 2  # what a host page holds
+
+
+class HostPages:
+    """One host byte budget in pages of one checkpoint's size (see the module docstring).
+
+    Invariants (``check``): every page is exactly one of FREE (in ``free_pages``), KV
+    (``used[page]`` blocks held, the rest in ``free_blocks[page]``; in ``open_pages`` while
+    some block is free) or CHECKPOINT (its id is a host slot); a KV page with no block held
+    is FREE again at once. Pure bookkeeping over ints.
+    """
+
+    def __init__(self, num_pages: int, page_blocks: int) -> None:
+        if num_pages <= 0 or page_blocks <= 0:
+            raise ValueError(f"host pages: {num_pages} pages of {page_blocks} blocks")
+        self.num_pages = num_pages
+        self.page_blocks = page_blocks
+        self.kind = [FREE] * num_pages
+        self.free_pages: dict[int, None] = dict.fromkeys(range(num_pages))  # an ordered set
+        self.used = [0] * num_pages
+        self.free_blocks: list[list[int]] = [[] for _ in range(num_pages)]
+        self.open_pages: dict[int, None] = {}  # KV pages with a free block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_pages * self.page_blocks
+
+    def page_of(self, block: int) -> int:
+        return block // self.page_blocks
+
+    def can_allocate_block(self) -> bool:
+        return bool(self.open_pages or self.free_pages)
+
+    def allocate_block(self) -> int:
+        """A host block: from a KV page with room, else a free page turned KV."""
+        if self.open_pages:
+            page = next(iter(self.open_pages))
+        else:
+            page = self._take_page(KV)
+            n = self.page_blocks
+            self.free_blocks[page] = list(range(page * n + n - 1, page * n - 1, -1))
+            self.open_pages[page] = None
+        block = self.free_blocks[page].pop()
+        self.used[page] += 1
+        if not self.free_blocks[page]:
+            del self.open_pages[page]
+        return block
+
+    def free_block(self, block: int) -> None:
+        page = self.page_of(block)
+        if self.kind[page] != KV or block in self.free_blocks[page]:
+            raise RuntimeError(f"free of host block {block}: not held")
+        self.used[page] -= 1
+        if self.used[page] == 0:  # wholly free: a page again, for either kind
+            self.free_blocks[page] = []
+            self.open_pages.pop(page, None)
+            self.kind[page] = FREE
+            self.free_pages[page] = None
+            return
+        self.free_blocks[page].append(block)
+        self.open_pages[page] = None
+
+    def allocate_slot(self) -> int:
+        return self._take_page(CHECKPOINT)
+
+    def free_slot(self, slot: int) -> None:
+        if self.kind[slot] != CHECKPOINT:
+            raise RuntimeError(f"free of host checkpoint page {slot}: not a checkpoint page")
+        self.kind[slot] = FREE
+        self.free_pages[slot] = None
+
+    def _take_page(self, kind: int) -> int:
+        page = next(iter(self.free_pages))
+        del self.free_pages[page]
+        self.kind[page] = kind
+        return page
+
+    def counts(self) -> dict[int, int]:
+        out = dict.fromkeys((FREE, KV, CHECKPOINT), 0)
+        for k in self.kind:
+            out[k] += 1
+        return out
+
+    def check(self, held_blocks: dict[int, Node], slots: dict[int, Node]) -> None:
+        """Every page exactly one of free / KV / checkpoint; every block of a KV page free or
+        held by one node (``held_blocks``); checkpoint pages = the host slots (``slots``)."""
+        n = self.page_blocks
+        held_by_page: dict[int, list[int]] = {}
+        for b in held_blocks:
+            assert 0 <= b < self.num_blocks, f"host block {b} out of range"
+            held_by_page.setdefault(self.page_of(b), []).append(b)
+        for page in range(self.num_pages):
+            kind, held, free = self.kind[page], held_by_page.get(page, []), self.free_blocks[page]
+            assert (page in self.free_pages) == (kind == FREE), f"host page {page}: free list drift"
+            assert (page in slots) == (kind == CHECKPOINT), f"host page {page}: checkpoint page drift"
+            if kind != KV:
+                assert not held and not free, f"host page {page}: blocks on a non-KV page"
+                continue
+            assert held, f"host page {page}: a KV page with no block held is not freed"
+            assert self.used[page] == len(held), f"host page {page}: used count drift"
+            assert len(set(free)) == len(free) and not set(free) & set(held), (
+                f"host page {page}: block free and held"
+            )
+            assert sorted(free + held) == list(range(page * n, page * n + n)), (
+                f"host page {page}: blocks leaked"
+            )
+            assert (page in self.open_pages) == bool(free), f"host page {page}: open list drift"
+        assert all(self.kind[p] == KV for p in self.open_pages), "open page not a KV page"
+
 
 class HostTier:
     def __init__(
@@ -46,42 +166,163 @@ class HostTier:
         num_slots: int,
         kv_block_bytes: int,
         checkpoint_bytes: int,
+        num_pages: int = 0,
+        page_blocks: int = 0,  # host blocks per page (0: checkpoint bytes over KV block bytes, rounded up)
     ) -> None:
         self.tree = tree
         self.eviction = eviction  # its ``worth`` ranks host checkpoints; lower goes first
-        self.blocks = BlockPool(num_blocks) if num_blocks > 0 else None
-        self.num_slots = num_slots
-        self._free_slots: deque[int] = deque(range(num_slots))
-        self.attached: dict[int, Node] = {}  # host slot -> node holding it
-        self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         self.kv_block_bytes = kv_block_bytes
         self.checkpoint_bytes = checkpoint_bytes
+        self.pages: HostPages | None = None
+        self.blocks: BlockPool | None = None
+        if num_pages > 0:  # one budget: the fixed pair is not used
+            page_blocks = page_blocks or -(-max(checkpoint_bytes, 1) // max(kv_block_bytes, 1))
+            self.pages = HostPages(num_pages, page_blocks)
+            num_slots = num_pages if checkpoint_bytes > 0 else 0
+        elif num_blocks > 0:
+            self.blocks = BlockPool(num_blocks)
+        eviction.displace_to_host = self.pages is not None
+        self.num_slots = num_slots
+        self._free_slots: deque[int] = deque(range(num_slots) if self.pages is None else ())
+        self.attached: dict[int, Node] = {}  # host slot -> node holding it
+        self.owner: dict[int, Node] = {}  # host block -> node holding it
+        self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         self.counters: dict[str, int] = dict.fromkeys(
             ("host.kv_demoted_blocks", "host.kv_evicted_blocks", "host.checkpoints_demoted",
-             "host.checkpoints_evicted", "host.bytes_saved", "host.failed_saves"), 0)  # fmt: skip
+             "host.checkpoints_evicted", "host.checkpoints_refused", "host.bytes_saved",
+             "host.failed_saves"), 0)  # fmt: skip
 
     @property
     def kv_enabled(self) -> bool:
-        return self.blocks is not None
+        return self.blocks is not None or self.pages is not None
 
     @property
     def enabled(self) -> bool:
-        return self.blocks is not None or self.num_slots > 0
+        return self.kv_enabled or self.num_slots > 0
 
     def nbytes(self, kind: TransferKind) -> int:
         return self.kv_block_bytes if kind.is_kv else self.checkpoint_bytes
 
+    # ------------------------------------------------------------------ space
+    def _has_slot(self) -> bool:
+        return bool(self.pages.free_pages) if self.pages is not None else bool(self._free_slots)
+
+    def _take(self) -> int:
+        return self.pages.allocate_slot() if self.pages is not None else self._free_slots.popleft()
+
+    def _give_back_slot(self, slot: int) -> None:
+        if self.pages is not None:
+            self.pages.free_slot(slot)
+        else:
+            self._free_slots.append(slot)
+
+    def _has_block(self) -> bool:
+        if self.pages is not None:
+            return self.pages.can_allocate_block()
+        return self.blocks is not None and self.blocks.num_free > 0
+
+    def _allocate_block(self, node: Node) -> int:
+        block = self.pages.allocate_block() if self.pages is not None else self.blocks.allocate()  # type: ignore[union-attr]
+        self.owner[block] = node
+        return block
+
+    def _free_block(self, block: int) -> None:
+        del self.owner[block]
+        if self.pages is not None:
+            self.pages.free_block(block)
+        else:
+            assert self.blocks is not None
+            self.blocks.free(block)
+
+    # ------------------------------------------------------------------ values
+    def _evictable_checkpoint(self, n: Node) -> bool:
+        return not n.ckpt_pins and not n.ckpt_moving
+
+    def worth(self, node: Node) -> float:
+        """What ``node``'s checkpoint is worth per byte of everything only it makes useful: the
+        checkpoint and the KV blocks above it up to the nearest node that forks, holds
+        another checkpoint or is the root (were it gone, those blocks could end no hit).
+        The eviction strategy's ``worth`` counts the checkpoint's bytes alone; a deep
+        conversation also holds its KV path, and a host tier full of deep tails holds few
+        conversations. With the fixed pair the KV bytes are not traded, and a strategy whose
+        worth is not per byte (``v1``: a recency) cannot be spread: its own worth."""
+        if self.pages is None or not self.eviction.per_byte:
+            return self.eviction.worth(node)
+        own = 0
+        above = node.parent
+        while (
+            above is not None
+            and above.parent is not None
+            and len(above.children) == 1
+            and not (above.checkpoint_slot is not None or above.host_slot is not None)
+        ):
+            own += 1
+            above = above.parent
+        ckpt = max(self.checkpoint_bytes, 1)
+        return self.eviction.worth(node) * ckpt / (ckpt + (own + 1) * self.kv_block_bytes)
+
+    def _weakest_checkpoint(self) -> tuple[Node | None, float]:
+        """The host checkpoint worth least, and its worth."""
+        worth = self.worth
+        best: Node | None = None
+        key = (math.inf, 0)
+        for n in self.attached.values():
+            if self._evictable_checkpoint(n):
+                # ties: the least recently used with one budget; the first held with the pair
+                k = (worth(n), n.last_access if self.pages is not None else 0)
+                if k < key:
+                    best, key = n, k
+        return best, key[0]
+
+    def _page_victim(self) -> tuple[list[Node], float]:
+        """The KV page to free for a checkpoint, and what it is worth: the page of the host
+        KV leaf next in line (checkpoint-less first, then LRU: pages fill in demotion order,
+        so its blocks are about as old), worth the most valuable host checkpoint its nodes
+        and the host nodes below them hold (a hit there needs every block of its path).
+        ``([], inf)`` when no page can go: a block of it is being copied, or a checkpoint
+        below it is pinned."""
+        pages = self.pages
+        leaf = self.tree.peek_host_leaf()
+        if pages is None or leaf is None:
+            return [], math.inf
+        page = pages.page_of(leaf.host_block)
+        n = pages.page_blocks
+        nodes = [self.owner[b] for b in range(page * n, page * n + n) if b in self.owner]
+        worth = 0.0
+        stack = list(nodes)
+        while stack:
+            node = stack.pop()
+            if node.moving or node.block_id >= 0 or node.ckpt_pins or node.ckpt_moving:
+                return [], math.inf
+            if node.host_slot is not None:
+                worth = max(worth, self.worth(node))
+            stack.extend(node.children.values())
+        return nodes, worth
+
+    def floor(self) -> float:
+        """The worth a demoted checkpoint must reach to be kept on the host (0: there is room;
+        -1: only worthless items would go; inf: no host checkpoints, or nothing can go)."""
+        if self.num_slots == 0:
+            return math.inf
+        if self._has_slot():
+            return 0.0
+        _, worth = self._weakest_checkpoint()
+        if self.pages is not None:
+            worth = min(worth, self._page_victim()[1])
+        return worth
+
     # ------------------------------------------------------------------ demotion (saves)
     def demote_checkpoint(self, node: Node, device_slot: int) -> bool:
         """``node``'s device checkpoint (already detached from ``device_slot``, which the
-        caller frees) goes to the host if a slot is free or a worse one can go. True if
+        caller frees) goes to the host if there is room or a worse item can go. True if
         kept on the host (a host copy it already had counts)."""
         if node.host_slot is not None:
             return True
         if self.num_slots == 0:
             return False
-        slot = self._take_slot(self.eviction.worth(node))
+        slot = self._take_slot(self.worth(node))
         if slot < 0:
+            self.counters["host.checkpoints_refused"] += 1
             return False
         node.host_slot = slot
         self.attached[slot] = node
@@ -90,29 +331,29 @@ class HostTier:
         self.counters["host.checkpoints_demoted"] += 1
         return True
 
-    def floor(self) -> float:
-        """The worth a demoted checkpoint must beat to be kept on the host (0: a slot is
-        free; inf: no host checkpoints, or none can go)."""
-        if self.num_slots == 0:
-            return math.inf
-        if self._free_slots:
-            return 0.0
-        return min(
-            (self.eviction.worth(n) for n in self.attached.values() if not n.ckpt_pins and not n.ckpt_moving),
-            default=math.inf,
-        )
-
     def _take_slot(self, worth: float) -> int:
-        if not self._free_slots:
-            victim = min(
-                (n for n in self.attached.values() if not n.ckpt_pins and not n.ckpt_moving),
-                key=self.eviction.worth,
-                default=None,
-            )
-            if victim is None or self.eviction.worth(victim) >= worth:
+        """A host slot for a checkpoint worth ``worth``: a free one, else the place of the
+        weakest item if that is not worth more (a checkpoint, or a KV page's nodes); -1."""
+        while not self._has_slot():
+            victim, victim_worth = self._weakest_checkpoint()
+            nodes, page_worth = self._page_victim() if self.pages is not None else ([], math.inf)
+            weakest = min(victim_worth, page_worth)
+            # one budget: a tie goes to the newcomer (items the value model cannot tell apart
+            # turn over like LRU); the fixed pair keeps its residents on a tie
+            if weakest > worth or (self.pages is None and weakest >= worth) or (victim is None and not nodes):
                 return -1
-            self.drop_checkpoint(victim)
-        return self._free_slots.popleft()
+            if victim is not None and victim_worth <= page_worth:
+                self.drop_checkpoint(victim)
+            else:
+                self._drop_nodes(nodes)
+        return self._take()
+
+    def _drop_nodes(self, nodes: list[Node]) -> None:
+        """Drop host nodes with every host node below them, deepest first."""
+        for n in sorted(nodes, key=lambda n: -n.depth):
+            if n.parent is not None:  # (not already gone below another one)
+                self.drop_below(n)
+                self.remove(n)
 
     def drop_checkpoint(self, node: Node) -> None:
         """Evict ``node``'s host checkpoint (not pinned)."""
@@ -123,7 +364,7 @@ class HostTier:
         node.host_slot = None
         node.ckpt_moving = False
         del self.attached[slot]
-        self._free_slots.append(slot)
+        self._give_back_slot(slot)
         self.tree.version += 1
         self.tree.refresh(node)
         self.counters["host.checkpoints_evicted"] += 1
@@ -131,17 +372,34 @@ class HostTier:
     def demote_kv(self, node: Node) -> int | None:
         """Move a device leaf's KV block to the host; the device block it held (for the
         caller to free), or None when the host has no room (then it must be dropped)."""
-        if self.blocks is None:
+        if not self.kv_enabled:
             return None
-        while self.blocks.num_free == 0:
-            if not self.evict_leaf():
+        while not self._has_block():
+            if not self._evict_for_kv():
                 return None
-        device_block = self.tree.demote(node, self.blocks.allocate())
+        device_block = self.tree.demote(node, self._allocate_block(node))
         self.saves.append(Transfer(TransferKind.KV_SAVE, node, device_block, node.host_block))
         self.counters["host.kv_demoted_blocks"] += 1
         return device_block
 
     # ------------------------------------------------------------------ host eviction
+    def _evict_for_kv(self) -> bool:
+        """Make room for one host block: a checkpoint-less leaf goes first (no hit ends
+        there); with one budget, else the weaker of the LRU leaf (worth its checkpoint,
+        which goes with it) and the weakest checkpoint (its page turns KV)."""
+        leaf = self.tree.peek_host_leaf()
+        if self.pages is not None and (leaf is None or leaf.host_slot is not None):
+            victim, worth = self._weakest_checkpoint()
+            if victim is not None and (
+                leaf is None or (worth, victim.last_access) <= (self.worth(leaf), leaf.last_access)
+            ):
+                self.drop_checkpoint(victim)
+                return True
+        if leaf is None:
+            return False
+        self.remove(leaf)
+        return True
+
     def evict_leaf(self) -> bool:
         node = self.tree.peek_host_leaf()
         if node is None:
@@ -156,8 +414,7 @@ class HostTier:
         if node.moving:  # its save never ran: forget it
             self.saves = [t for t in self.saves if not (t.node is node and t.kind is TransferKind.KV_SAVE)]
             node.moving = False
-        assert self.blocks is not None
-        self.blocks.free(node.host_block)
+        self._free_block(node.host_block)
         node.host_block = -1
         self.tree.remove_leaf(node)
         self.counters["host.kv_evicted_blocks"] += 1
@@ -178,8 +435,7 @@ class HostTier:
 
     def release_block(self, node: Node) -> None:
         """``node``'s KV is on the device again: its host block goes back to the pool."""
-        assert self.blocks is not None
-        self.blocks.free(node.host_block)
+        self._free_block(node.host_block)
         node.host_block = -1
 
     # ------------------------------------------------------------------ landing
@@ -215,9 +471,17 @@ class HostTier:
     # ------------------------------------------------------------------ reporting
     def usage(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
-        if self.blocks is not None:
-            out["host.kv_blocks"] = self.blocks.num_blocks
-            out["host.kv_used_blocks"] = self.blocks.num_blocks - self.blocks.num_free
+        if self.pages is not None:
+            counts = self.pages.counts()
+            out["host.pages"] = self.pages.num_pages
+            out["host.kv_pages"] = counts[KV]
+            out["host.checkpoint_pages"] = counts[CHECKPOINT]
+            out["host.free_pages"] = counts[FREE]
+        if self.kv_enabled:
+            out["host.kv_blocks"] = (
+                self.pages.num_blocks if self.pages is not None else self.blocks.num_blocks
+            )  # type: ignore[union-attr]
+            out["host.kv_used_blocks"] = len(self.owner)
         if self.num_slots:
             out["host.checkpoint_slots"] = self.num_slots
             out["host.checkpoint_used_slots"] = len(self.attached)
@@ -265,17 +529,22 @@ class HostTier:
             assert n.ckpt_moving == (id(n) in ckpt_moving), f"{n}: ckpt_moving flag != pending copies"
 
     def _check_host_blocks(self, nodes: list[Node]) -> None:
-        """Every host KV block is free or held by exactly one node."""
+        """Every host KV block is free or held by exactly one node (and the owner map agrees);
+        with one budget, every page is exactly one of free / KV / checkpoint."""
         owner: dict[int, Node] = {}
         for n in nodes:
             if n.host_block < 0:
                 continue
-            assert self.blocks is not None and 0 <= n.host_block < self.blocks.num_blocks
             assert n.host_block not in owner, f"host block {n.host_block} on two nodes"
             owner[n.host_block] = n
+        assert owner == self.owner, "host block owner map drift"
+        if self.pages is not None:
+            self.pages.check(owner, {n.host_slot: n for n in nodes if n.host_slot is not None})
+            return
         if self.blocks is None:
             assert not owner, "host blocks without a host KV pool"
             return
+        assert all(0 <= b < self.blocks.num_blocks for b in owner), "host block out of range"
         free = self.blocks.free_ids()
         assert len(set(free)) == len(free) and not set(free) & set(owner), "host block both free and held"
         assert len(free) + len(owner) == self.blocks.num_blocks, "host KV blocks leaked"
@@ -288,5 +557,8 @@ class HostTier:
                 assert n.host_slot not in slots, f"host slot {n.host_slot} on two nodes"
                 slots[n.host_slot] = n
         assert slots == self.attached, "host slot map drift"
+        if self.pages is not None:  # a slot is a page: ``HostPages.check`` accounts for it
+            assert all(0 <= s < self.num_slots for s in slots), "host slot out of range"
+            return
         assert len(self._free_slots) + len(slots) == self.num_slots, "host checkpoint slots leaked"
         assert not set(self._free_slots) & set(slots), "host slot both free and held"

@@ -117,6 +117,7 @@ COUNTER_KEYS = (
     "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
     "kv.moved_blocks", "cache.pages_to_kv", "cache.pages_to_checkpoints", "checkpoints.evicted_for_kv",
     "cache.kv_refused",
+    "host.checkpoints_refused",
 )  # fmt: skip
 
 
@@ -150,6 +151,8 @@ class CacheManager:
             self.eviction,
             num_blocks=config.num_host_kv_blocks if self.enabled else 0,
             num_slots=config.num_host_checkpoint_slots if num_ckpt else 0,
+            num_pages=config.num_host_pages if self.enabled else 0,
+            page_blocks=config.host_page_blocks,
             kv_block_bytes=config.kv_block_bytes,
             checkpoint_bytes=config.checkpoint_bytes,
         )

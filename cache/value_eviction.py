@@ -53,6 +53,7 @@ class ValueEviction(CheckpointEviction):
     """Hit density x compute saved / bytes (see the module docstring)."""
 
     name = "value"
+    per_byte = True
 
     def __init__(self, tree: RadixTree, params: EvictionParams, learner: ReuseLearner | None = None) -> None:
         super().__init__(tree, params)
@@ -191,6 +192,7 @@ class ValueEviction(CheckpointEviction):
             v = self.value(node)
             if v < best_value:
                 best, best_value = node, v
+        node_victim = best  # the weakest published checkpoint (it can move to the host)
         for seq in trackers:
             if seq.pending_tracking_boundary:
                 continue
@@ -200,7 +202,16 @@ class ValueEviction(CheckpointEviction):
         if best is None:
             return None, "pool"
         worth = self.want_value(want)
-        if worth <= best_value and not (isinstance(best, Node) and worth > host_floor):
+        if worth <= best_value:
+            # Not worth more than the weakest here, but the host tier would keep it: with one
+            # host budget the weakest published checkpoint moves down to make room, even when
+            # a tracking slot is weaker still (a tracker cannot move, and skipping loses the
+            # capture outright). A fixed host checkpoint pool is the wall itself: there the
+            # extra demotions only churn it, so a weaker tracker still means a skip.
+            if worth > host_floor and (
+                isinstance(best, Node) or (self.displace_to_host and node_victim is not None)
+            ):
+                return node_victim, ""
             return None, "value"
         return best, ""
 

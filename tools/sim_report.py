@@ -23,6 +23,9 @@ class Bounds:
     kv_lru: float  # KV alone, LRU: what plain prefix caching of that KV memory hits
     kv_belady: float  # KV alone, clairvoyant
     checkpoint_belady: float  # checkpoints alone (KV unlimited), clairvoyant
+    #: with a host tier: KV alone, LRU, over every byte of both tiers (device and host, KV and
+    #: checkpoints): what plain prefix caching of the combined capacity hits (None: no host tier)
+    kv_lru_host: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -35,6 +38,7 @@ def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
         kv_lru=kv_only_lru(oracle.served, cfg.kv_blocks, bs),
         kv_belady=kv_only_belady(oracle.served, cfg.kv_blocks, bs),
         checkpoint_belady=checkpoint_belady(oracle.served, cfg.checkpoint_slots, bs, unit),
+        kv_lru_host=kv_only_lru(oracle.served, cfg.combined_kv_blocks, bs) if cfg.host_bytes else None,
     )
 
 
@@ -46,13 +50,18 @@ def summary_row(name: str, seed: int, results: Sequence[SimResult], bounds: Boun
         "seed": seed,
         **{p: by.get(p) for p in ("v1", "default", "oracle")},
     }
-    row.update(bounds.to_dict() if bounds else {"kv_lru": None, "kv_belady": None, "checkpoint_belady": None})
+    row.update(
+        bounds.to_dict()
+        if bounds
+        else {"kv_lru": None, "kv_belady": None, "checkpoint_belady": None, "kv_lru_host": None}
+    )
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
     d = row["default"]
     row["default/kv_lru"] = ratio(d, row["kv_lru"])
+    row["default/kv_lru_host"] = ratio(d, row["kv_lru_host"])
     row["default/checkpoint_belady"] = ratio(d, row["checkpoint_belady"])
     row["default/v1"] = ratio(d, row["v1"])
     row["default-v1"] = d - row["v1"] if d is not None and row["v1"] is not None else None
@@ -76,6 +85,10 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
             rat(r["default/checkpoint_belady"]), rat(r["default/v1"]),
             "-" if r["default-v1"] is None else f"{100 * r['default-v1']:+.1f}", rat(r["default/oracle"]),
         ])  # fmt: skip
+    if any(r.get("kv_lru_host") is not None for r in rows):  # a host tier: its bound too
+        out[0] += ["KV LRU all tiers", "def/KV-LRU all"]
+        for line, r in zip(out[1:], rows, strict=True):
+            line += [pct(r.get("kv_lru_host")), rat(r.get("default/kv_lru_host"))]
     return _grid(out)
 
 
@@ -169,6 +182,9 @@ def header_line(workload: Workload, cfg: SimConfig, arrival_mode: str) -> str:
             f"; host tier KV {cfg.host_kv_blocks * cfg.block_size * cfg.kv_bytes_per_token / MiB:.0f} MiB + "
             f"checkpoints {cfg.host_checkpoint_slots * cfg.checkpoint_bytes / MiB:.0f} MiB at {cfg.h2d_gbps:g} GB/s"
             if cfg.host_kv_blocks or cfg.host_checkpoint_slots
+            else f"; host tier {cfg.host_pages} pages x {cfg.checkpoint_bytes / MiB:.0f} MiB (KV or checkpoints) "
+            f"at {cfg.h2d_gbps:g} GB/s"
+            if cfg.host_pages
             else ""
         )
     )

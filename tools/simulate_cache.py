@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-checkpoint-mb", type=float, default=0.0, help="host checkpoint pool in MiB (default 0: off)"
     )
     h.add_argument(
+        "--host-memory-mb", type=float, default=0.0,
+        help="one host budget in MiB for KV and checkpoints, traded by value (pages of one checkpoint's "
+        "size, each one checkpoint or N KV blocks); instead of --host-kv-mb / --host-checkpoint-mb",
+    )  # fmt: skip
+    h.add_argument(
         "--h2d-gbps", type=float, default=50.0,
         help="host <-> device bandwidth in GB/s; each step's copies add bytes / bandwidth (default %(default)s)",
     )  # fmt: skip
@@ -254,6 +259,7 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_cost=cost,
         host_kv_blocks=int(args.host_kv_mb * MiB // block_bytes),
         host_checkpoint_slots=int(args.host_checkpoint_mb * MiB // ckpt_bytes),
+        host_memory_bytes=int(args.host_memory_mb * MiB),
         h2d_gbps=args.h2d_gbps,
     )
     if args.memory_mb is not None:  # each kind could take it all: the bounds see the whole budget
@@ -377,6 +383,11 @@ def run_workload(
         print(
             f"bounds: KV alone LRU {100 * bounds.kv_lru:.1f}%, Belady {100 * bounds.kv_belady:.1f}%; "
             f"checkpoints alone Belady {100 * bounds.checkpoint_belady:.1f}%"
+            + (
+                f"; KV alone LRU over all tiers' bytes {100 * bounds.kv_lru_host:.1f}%"
+                if bounds.kv_lru_host is not None
+                else ""
+            )
         )
     summary.append(summary_row(name, args.seed, results, bounds))
     if budgets:
@@ -420,6 +431,8 @@ def _print_summary(summary: Sequence[dict[str, Any]], cfg: SimConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.host_memory_mb and (args.host_kv_mb or args.host_checkpoint_mb):
+        parser.error("--host-memory-mb is one host budget: not with --host-kv-mb / --host-checkpoint-mb")
     configure_logging(args.log_level)
     cfg = sim_config_from_args(args)
     names, budgets = _names_and_budgets(parser, args, cfg)

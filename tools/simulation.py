@@ -58,6 +58,8 @@ class SimConfig:
     model: str = "Qwen3.5-4B-like (default sizes)"
     host_kv_blocks: int = 0  # host tier (0 = off)
     host_checkpoint_slots: int = 0
+    #: one host budget for KV and checkpoints (pages of one checkpoint's size; 0 = the fixed pair)
+    host_memory_bytes: int = 0
     h2d_gbps: float = 50.0  # host <-> device copy bandwidth, GB/s (PCIe 5 x16, effective)
     #: one device budget for KV and checkpoints (pages, ``cache/arena.py``); None: the fixed
     #: pools above (with it, ``kv_blocks`` / ``checkpoint_slots`` are what each kind could take)
@@ -114,6 +116,7 @@ class SimConfig:
             max_num_seqs=self.max_num_seqs,
             num_host_kv_blocks=self.host_kv_blocks,
             num_host_checkpoint_slots=self.host_checkpoint_slots,
+            num_host_pages=self.host_pages,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,6 +131,25 @@ class SimConfig:
     @property
     def checkpoint_pool_bytes(self) -> int:
         return self.checkpoint_slots * self.checkpoint_bytes
+
+    @property
+    def host_pages(self) -> int:
+        """Host pages of one checkpoint's size (``host_memory_bytes``; 0: the fixed pair)."""
+        return self.host_memory_bytes // self.checkpoint_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """The host tier's bytes, either way it is given."""
+        block_bytes = self.block_size * self.kv_bytes_per_token
+        if self.host_pages:
+            return self.host_pages * self.checkpoint_bytes
+        return self.host_kv_blocks * block_bytes + self.host_checkpoint_slots * self.checkpoint_bytes
+
+    @property
+    def combined_kv_blocks(self) -> int:
+        """Every byte of both tiers, KV and checkpoints, as KV blocks (the host tier's bound)."""
+        total = self.kv_bytes + self.checkpoint_pool_bytes + self.host_bytes
+        return total // (self.block_size * self.kv_bytes_per_token)
 
 
 @dataclass
@@ -204,7 +226,7 @@ class Simulation:
         if oracle:
             kv_blocks, slots = oracle_sizes(workload, cfg)
             engine = engine.replace(**{"cache.checkpoint_staging_bytes": None})
-            cfg = replace(cfg, host_kv_blocks=0, host_checkpoint_slots=0)
+            cfg = replace(cfg, host_kv_blocks=0, host_checkpoint_slots=0, host_memory_bytes=0)
         engine = engine.replace(**{"cache.enable_prefix_caching": True})
         self.workload, self.policy, self.admission, self.cfg = workload, policy, admission, cfg
         self.arrival = arrival

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.tools.workloads import (
+    LARGE_WORKLOADS,
     PRESSURE_WORKLOADS,
     WORKLOADS,
     ArrivalParams,
@@ -251,9 +252,10 @@ def test_synthetic_reply_and_codec() -> None:
         "random",
         "trace",
         *PRESSURE_WORKLOADS,
+        *LARGE_WORKLOADS,
     }
     assert Counter(workload_names("all")) == Counter(
-        n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS
+        n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS + LARGE_WORKLOADS
     )
     assert workload_names("pressure") == ["multi-turn", "swe-agent", "tree", "tenants"]
 

@@ -28,13 +28,15 @@ tokens.
 ``agent``           trajectories that grow by the model's outputs plus tool results and
                     branch into several continuations
 ``random``          no sharing (the control)
+``long-reuse``      production-shaped conversations, open loop, heavy-tailed think times:
+                    a turn's prefix comes back after hundreds of other requests
 ``trace``           replay a JSONL file of {arrival_s, prompt | prompt_token_ids |
                     messages, max_tokens} (optional: session, turn)
 ==================  ======================================================================
 
 Modules: ``codecs`` (tokenizers), ``text`` (English-like text), ``request`` (``RequestSpec``),
 ``workload`` (``WorkloadParams``, the ``Workload`` base), one module per workload family
-(``chat``, ``agent``, ``tree``, ``tenants``, ``independent``, ``trace``), ``registry``
+(``chat``, ``agent``, ``tree``, ``tenants``, ``independent``, ``long_reuse``, ``trace``), ``registry``
 (workloads by name), ``replies`` (synthetic replies, ``expand``), ``arrivals`` and ``cli``
 (the flags loadgen, the simulator and the cluster bench share).
 """
@@ -58,7 +60,14 @@ from deltaserve.tools.workloads.independent import (
     SharedPrefixWorkload,
     ShiftedPrefixWorkload,
 )
-from deltaserve.tools.workloads.registry import PRESSURE_WORKLOADS, WORKLOADS, make_workload, workload_names
+from deltaserve.tools.workloads.long_reuse import LongReuseWorkload, describe_reuse, reuse_distances
+from deltaserve.tools.workloads.registry import (
+    LARGE_WORKLOADS,
+    PRESSURE_WORKLOADS,
+    WORKLOADS,
+    make_workload,
+    workload_names,
+)
 from deltaserve.tools.workloads.replies import expand, synthetic_reply
 from deltaserve.tools.workloads.request import RequestSpec, common_prefix_len, prompt_hash
 from deltaserve.tools.workloads.tenants import TenantsWorkload
@@ -69,6 +78,7 @@ from deltaserve.tools.workloads.workload import SLOT, Workload, WorkloadParams
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
+    "LARGE_WORKLOADS",
     "MOONCAKE_BLOCK_TOKENS",
     "PRESSURE_WORKLOADS",
     "SLOT",
@@ -79,6 +89,7 @@ __all__ = [
     "ChatWorkload",
     "Codec",
     "HFCodec",
+    "LongReuseWorkload",
     "MultiTurnWorkload",
     "PrefixRepetitionWorkload",
     "RandomWorkload",
@@ -98,6 +109,7 @@ __all__ = [
     "arrival_from_args",
     "builtin_model_dir",
     "common_prefix_len",
+    "describe_reuse",
     "expand",
     "load_codec",
     "make_workload",
@@ -105,6 +117,7 @@ __all__ = [
     "plan_arrivals",
     "prompt_hash",
     "render_chatml",
+    "reuse_distances",
     "synthetic_reply",
     "workload_names",
 ]

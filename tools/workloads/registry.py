@@ -11,6 +11,7 @@ from deltaserve.tools.workloads.independent import (
     SharedPrefixWorkload,
     ShiftedPrefixWorkload,
 )
+from deltaserve.tools.workloads.long_reuse import LongReuseWorkload
 from deltaserve.tools.workloads.tenants import TenantsWorkload
 from deltaserve.tools.workloads.trace import TraceWorkload
 from deltaserve.tools.workloads.tree import TreeWorkload
@@ -30,12 +31,16 @@ WORKLOADS: dict[str, type[Workload]] = {
         SWEAgentWorkload,
         TreeWorkload,
         TenantsWorkload,
+        LongReuseWorkload,
     )
 }
 
 
 #: more conversations than the pools hold (``--workload pressure``)
 PRESSURE_WORKLOADS = ("multi-turn", "swe-agent", "tree", "tenants")
+
+#: big, open-loop shapes for a host tier, run only by name (not in ``all`` or ``pressure``)
+LARGE_WORKLOADS = ("long-reuse",)
 
 
 def make_workload(params: WorkloadParams, codec: Codec) -> Workload:
@@ -47,10 +52,10 @@ def make_workload(params: WorkloadParams, codec: Codec) -> Workload:
 
 
 def workload_names(spec: str) -> list[str]:
-    """``all``: the small shapes (every workload but trace and the pressure shapes);
+    """``all``: the small shapes (every workload but trace, the pressure and the large shapes);
     ``pressure``: ``PRESSURE_WORKLOADS``; else a comma list."""
     if spec == "all":
-        names = [n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS]
+        names = [n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS + LARGE_WORKLOADS]
     elif spec == "pressure":
         names = list(PRESSURE_WORKLOADS)
     else:
