@@ -379,11 +379,11 @@ class CacheManager:
             self.budget.adjust(hit_tokens)
 
     # ------------------------------------------------------------------ KV blocks
-    def _free_one_block(self) -> bool:
+    def _free_one_block(self, admission: bool = False) -> bool:
         """Free at least one device block (shared budget: ``SharedBudget.free_block``; it may
         keep checkpoints back from KV while another request could give way instead)."""
         if self.budget is not None:
-            return self.budget.free_block(force=len(self.active) <= 1)
+            return self.budget.free_block(force=len(self.active) <= 1, admission=admission)
         node = self.eviction.kv_victim(self.ckpts.residents)
         if node is None:
             return False
@@ -415,7 +415,7 @@ class CacheManager:
             self.host.drop_checkpoint(node)
         self.kv.remove_leaf(node)
 
-    def allocate(self, seq: SeqCache, num_tokens: int) -> bool:
+    def allocate(self, seq: SeqCache, num_tokens: int, *, admission: bool = False) -> bool:
         """Make ``seq.block_table`` cover ``num_tokens`` tokens; False if impossible now.
 
         On False nothing is allocated (so a preempting caller loses nothing).
@@ -424,7 +424,7 @@ class CacheManager:
         if need <= 0:
             return True
         while self.blocks.num_free < need:
-            if not self._free_one_block():
+            if not self._free_one_block(admission):
                 return False
         self.kv.grow(seq, need)
         self.ckpts.compact()

@@ -78,10 +78,10 @@ class SharedBudget:
              "checkpoints.evicted_for_kv", "cache.kv_refused"), 0)  # fmt: skip
 
     # ------------------------------------------------------------------ KV demand
-    def free_block(self, force: bool = False) -> bool:
-        """Make at least one more device block free; False when nothing can give way — or
-        when only a checkpoint could and the checkpoints are down to their floor (unless
-        ``force``: no other request could give way)."""
+    def free_block(self, force: bool = False, admission: bool = False) -> bool:
+        """Make at least one more device block free; False when nothing can give way. While
+        the checkpoints hold no more than their floor (and ``force`` is off: another request
+        could give way) KV does not take their pages: it evicts within its own."""
         if self._kv_page(force):
             return True
         ckpts = self.ckpts
@@ -91,8 +91,13 @@ class SharedBudget:
             self.evict_leaf(leaf)
             return True
         if not force and self.arena.counts[PageUse.CHECKPOINT] <= self.floor:
-            self.counters["cache.kv_refused"] += 1
-            return False
+            # the checkpoints' pages are theirs: KV makes room within its own, as with a fixed
+            # split (the leaf goes, its checkpoint with it, down to the host when it takes them)
+            if leaf is None or admission:  # a new request waits rather than eat into them
+                self.counters["cache.kv_refused"] += 1
+                return False
+            self.evict_leaf(leaf)
+            return True
         weakest = min((n for n in ckpts.residents if not n.ckpt_pins), key=self.eviction.worth, default=None)
         if weakest is not None:
             self.ghost(weakest.key, weakest.depth)

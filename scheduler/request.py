@@ -56,6 +56,7 @@ class Request:
     cache: SeqCache | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
     num_preemptions: int = 0
+    preempted_tokens: int = 0  # computed when last preempted (what its recompute may cost)
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:

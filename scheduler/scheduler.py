@@ -263,6 +263,7 @@ class Scheduler:
             # a sampled token still on its way is no token to recompute or hash; the engine
             # appends the real one on arrival
             victim.token_ids.pop()
+        victim.preempted_tokens = victim.num_computed_tokens
         self.cache.note_preemption(victim.num_computed_tokens)
         self.cache.free(victim.cache, publish_output=True)
         victim.cache = None
@@ -406,7 +407,7 @@ class Scheduler:
             self._start(req, seq)
             self.cache.stage_loads(seq)
             return 0
-        if not self.cache.allocate(seq, end):
+        if not self.cache.allocate(seq, end, admission=True):
             self.cache.free(seq, publish_output=False)
             return None  # new requests never preempt running ones
         self._start(req, seq)
@@ -444,8 +445,8 @@ class Scheduler:
         if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
             req.num_cached_tokens = seq.num_cached_tokens
             self.cache.record_query(req.num_tokens, seq.num_cached_tokens, seq)
-        else:
-            self.cache.note_recompute_hit(seq.num_cached_tokens)
+        else:  # a preemption's recompute, less what the cache serves it (never a gain)
+            self.cache.note_recompute_hit(min(seq.num_cached_tokens, req.preempted_tokens))
         req.status = RequestStatus.RUNNING
         self.waiting.remove(req)
         self.running.append(req)
