@@ -137,3 +137,28 @@ def test_failed_save_drops_items_and_fails_no_request(core_factory: Any, monkeyp
     s = core.stats()
     assert s["host.failed_saves"] > 0 and s["requests.failed"] == 0
     assert s["host.kv_promoted_blocks"] == 0  # nothing was ever usable on the host
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_budget_on_both_tiers_changes_nothing(core_factory: Any, overlap: bool) -> None:
+    """Device and host each one budget of pages (the engine's arenas): demoted and promoted
+    KV and checkpoints, pages changing use on both tiers, outputs equal to cache-off."""
+    page = core_factory().capacity.kv_block_bytes * 14  # the tiny model's page: 14 blocks
+    core = core_factory(
+        **{
+            "cache.num_kv_blocks": None,
+            "cache.memory_bytes": (8 + 8) * page,  # 8 live slots, 8 shared pages
+            "cache.checkpoint_interval": 0,
+            "cache.host_memory_bytes": 40 * page,
+            "engine.async_scheduling": overlap,
+        }
+    )
+    assert core.capacity.num_pages == 8 and core.capacity.num_host_pages == 40
+    assert core.runner.host is not None and core.runner.host.caches.arena is not None
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    _turns(core, plain, random.Random(33), n_turns=3)
+    s = core.stats()
+    assert s["host.kv_demoted_blocks"] > 0 and s["host.kv_promoted_blocks"] > 0
+    assert s["host.checkpoints_demoted"] > 0 and s["host.checkpoints_restored"] > 0
+    assert s["prefix_cache.hit_tokens_host"] > 0
+    assert s["cache.pages_to_kv"] > 0 and s["cache.pages_to_checkpoints"] > 0
