@@ -327,6 +327,8 @@ def _report_splits(
     print(format_splits(sweep, shared, cfg))
     best: dict[str, dict[str, float]] = {}
     for r in shared:
+        if r.policy == "oracle":  # (its pools are unlimited: no split of it is fixed)
+            continue
         fixed = [x.hit_rate for rs in sweep.values() for x in rs if x.policy == r.policy]
         if fixed:
             top = max(fixed)
