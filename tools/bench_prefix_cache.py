@@ -29,6 +29,10 @@ same run; outputs must equal the cache-off ones.
 conversation) and ``all-device`` (device pools that hold every conversation: the ideal the
 host tier is measured against). ``--kv-conversations 2 --checkpoint-slots 2`` with the
 default 8 conversations leaves the device a quarter of the working set.
+
+``--pressure --one-budget``: one more engine, ``one-budget``: the first policy with the same
+bytes as the fixed pools (live slots, KV and checkpoints) as one budget of pages that the
+cache trades between KV and checkpoints by value (docs/cache.md, "One budget").
 """
 
 from __future__ import annotations
@@ -80,6 +84,12 @@ def _pressure_variants(
     }
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     variants: dict[str, dict[str, object]] = {p: {**pools, "cache.checkpoint_policy": p} for p in policies}
+    if args.one_budget:  # the same bytes as the fixed pools, as one budget of pages
+        block = probe.capacity.kv_block_bytes
+        page = -(-state_bytes // block) * block
+        live = probe.capacity.num_live_slots * page
+        variants["one-budget"] = {"cache.checkpoint_policy": policies[0], "cache.num_kv_blocks": None,
+                                  "cache.memory_bytes": live + kv_blocks * block + args.checkpoint_slots * state_bytes}  # fmt: skip
     if args.host:  # room for every conversation (and its older turns) on the host / on the device
         every_block = 2 * args.conversations * final_len // 16
         every_ckpt = 4 * args.conversations * args.turns
@@ -217,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--host", action="store_true", help="--pressure: also the host tier and the all-device ideal"
+    )
+    ap.add_argument(
+        "--one-budget",
+        action="store_true",
+        help="--pressure: also the first policy with the same bytes as one budget for KV and checkpoints",
     )
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")
