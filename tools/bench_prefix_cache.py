@@ -85,11 +85,13 @@ def _pressure_variants(
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     variants: dict[str, dict[str, object]] = {p: {**pools, "cache.checkpoint_policy": p} for p in policies}
     if args.one_budget:  # the same bytes as the fixed pools, as one budget of pages
+        # (requests run one at a time here: 8 live slots, so the cache's bytes are exactly the
+        # fixed pools' and the live slots' cap of half the budget does not move any)
         block = probe.capacity.kv_block_bytes
         page = -(-state_bytes // block) * block
-        live = probe.capacity.num_live_slots * page
+        cache_bytes = kv_blocks * block + args.checkpoint_slots * state_bytes
         variants["one-budget"] = {"cache.checkpoint_policy": policies[0], "cache.num_kv_blocks": None,
-                                  "cache.memory_bytes": live + kv_blocks * block + args.checkpoint_slots * state_bytes}  # fmt: skip
+                                  "scheduler.max_num_seqs": 8, "cache.memory_bytes": 8 * page + cache_bytes}  # fmt: skip
     if args.host:  # room for every conversation (and its older turns) on the host / on the device
         every_block = 2 * args.conversations * final_len // 16
         every_ckpt = 4 * args.conversations * args.turns
