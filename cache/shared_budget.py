@@ -8,11 +8,16 @@ The pages of the arena go where they are worth most; nothing is split in advance
   the least valuable device checkpoint (the eviction strategy's ``worth``; its page turns
   into KV blocks, and the KV only it made reachable becomes the next unreachable leaves).
 * **Checkpoint demand** (a capture; ``CheckpointStore.grow``): a free page; else a KV page,
-  while at least ``headroom`` free blocks stay for the running requests' growth — a wholly
-  free one, or the KV page with the most free blocks whose used blocks all belong to
-  unpinned tree nodes: those blocks *move* into free blocks of other pages (copies in the
-  step plan, ``StepPlan.moves``), after unreachable KV leaves were dropped to make room.
-  Failing that, the capture displaces a resident worth less, as with a fixed split.
+  while at least ``headroom`` free blocks stay for the running requests' growth (none while
+  the checkpoints are below their floor) — a wholly free one, or the KV page with the most
+  free blocks: its used blocks (cached, pinned or a request's private ones; not a node being
+  copied between tiers) *move* into free blocks of other pages (copies in the step plan,
+  ``StepPlan.moves``; block tables follow), after unreachable KV leaves were dropped to make
+  room. Failing that, the capture displaces a resident worth less, as with a fixed split.
+* **The floor**: checkpoint pages KV may not take while another request could give way
+  (below it KV evicts within its own pages, and a new request waits). It follows the two
+  costs of short memory in tokens of prefill (``adjust``): hits lost to checkpoints evicted
+  for KV or never stored (*ghosts*) push it up, what preempted requests recompute pulls it down.
 
 So a capture takes KV bytes only when they are worth nothing now (free or unreachable) and
 KV takes a checkpoint's bytes only by evicting the least valuable one: both directions speak
@@ -63,12 +68,11 @@ class SharedBudget:
         self.headroom = headroom
         self.block_size = block_size
         # checkpoint pages KV demand may not take while another request can give way; it
-        # follows the two costs of memory short (``_adjust``)
+        # follows the two costs of short memory (``adjust``)
         self.floor = 0
         self.balance = 0  # tokens of imbalance not yet turned into a floor move
-        self.ghosts: OrderedDict[int, int] = (
-            OrderedDict()
-        )  # key -> depth (blocks) of checkpoints evicted for KV
+        # key -> depth (blocks) of checkpoints evicted for KV or never stored, oldest first
+        self.ghosts: OrderedDict[int, int] = OrderedDict()
         self.ghost_capacity = 4 * arena.num_pages
         self.max_floor = arena.num_pages // 2  # KV keeps at least half the pages it may need
         self.ckpts: CheckpointStore | None = None  # set once built (it calls back into ``checkpoint_page``)
@@ -120,7 +124,7 @@ class SharedBudget:
 
     def on_query(self, hashes: list[int], limit_blocks: int, hit_tokens: int) -> None:
         """An admitted prompt: the tokens a checkpoint evicted for KV would have added to its
-        hit count for the checkpoints (see ``_adjust``)."""
+        hit count for the checkpoints (see ``adjust``)."""
         if not self.ghosts:
             return
         hit_blocks = hit_tokens // self.block_size
