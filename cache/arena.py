@@ -19,6 +19,11 @@ import enum
 from collections import deque
 
 
+def blocks_per_page(state_bytes: int, kv_block_bytes: int) -> int:
+    """KV blocks in a page: one checkpoint's bytes rounded up to whole blocks (at least one)."""
+    return max(1, -(-max(state_bytes, 1) // max(kv_block_bytes, 1)))
+
+
 class PageUse(enum.Enum):
     FREE = "free"
     KV = "kv"

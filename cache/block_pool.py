@@ -7,6 +7,7 @@ private block, or by a radix-tree node); the cache manager tracks which.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 
 class BlockPool:
@@ -146,9 +147,9 @@ class PagedBlockPool:
     def wholly_free_page(self) -> int | None:
         return next(iter(self._by_free[self.page_blocks]), None)
 
-    def pages_by_free(self) -> list[int]:
-        """Partly used KV pages, the most free blocks first."""
-        return [p for count in range(self.page_blocks - 1, 0, -1) for p in self._by_free[count]]
+    def pages_by_free(self) -> Iterator[int]:
+        """Partly used KV pages, the most free blocks first (lazily: callers look at a few)."""
+        return (p for count in range(self.page_blocks - 1, 0, -1) for p in self._by_free[count])
 
     def used_in(self, page: int) -> list[int]:
         n = self.page_blocks

@@ -41,6 +41,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
+from deltaserve.cache.arena import blocks_per_page
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node, RadixTree
@@ -176,7 +177,7 @@ class HostTier:
         self.pages: HostPages | None = None
         self.blocks: BlockPool | None = None
         if num_pages > 0:  # one budget: the fixed pair is not used
-            page_blocks = page_blocks or -(-max(checkpoint_bytes, 1) // max(kv_block_bytes, 1))
+            page_blocks = page_blocks or blocks_per_page(checkpoint_bytes, kv_block_bytes)
             self.pages = HostPages(num_pages, page_blocks)
             num_slots = num_pages if checkpoint_bytes > 0 else 0
         elif num_blocks > 0:

@@ -26,6 +26,7 @@ the value model's one currency. Torch-free.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -196,7 +197,7 @@ class SharedBudget:
             blocks.remove_page(page)
             return page
         by_block = self.tree.by_block
-        for page in blocks.pages_by_free()[:VACATE_CANDIDATES]:
+        for page in itertools.islice(blocks.pages_by_free(), VACATE_CANDIDATES):
             used = blocks.used_in(page)
             # a used block is a tree node's or a request's private one; only a node being
             # copied between tiers cannot move

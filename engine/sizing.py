@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltaserve.cache.arena import blocks_per_page
 from deltaserve.cache.manager import GDN_CHUNK_SIZE, CacheManager, CacheManagerConfig
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import ConfigError
@@ -209,7 +210,7 @@ def shared_mode(config: EngineConfig, shape: ModelShape) -> bool:
 
 def page_blocks(shape: ModelShape, block_size: int) -> int:
     """KV blocks per shared page: enough bytes for one (padded) state."""
-    return max(1, -(-shape.page_state_bytes // (shape.kv_bytes_per_token * block_size)))
+    return blocks_per_page(shape.page_state_bytes, shape.kv_bytes_per_token * block_size)
 
 
 def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int | None = None) -> Capacity:

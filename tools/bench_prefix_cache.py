@@ -44,6 +44,7 @@ import statistics
 import time
 from pathlib import Path
 
+from deltaserve.cache.arena import blocks_per_page
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.cli import add_config_args, config_from_args
 from deltaserve.logs import configure_logging
@@ -88,7 +89,7 @@ def _pressure_variants(
         # (requests run one at a time here: 8 live slots, so the cache's bytes are exactly the
         # fixed pools' and the live slots' cap of half the budget does not move any)
         block = probe.capacity.kv_block_bytes
-        page = -(-state_bytes // block) * block
+        page = blocks_per_page(state_bytes, block) * block
         cache_bytes = kv_blocks * block + args.checkpoint_slots * state_bytes
         variants["one-budget"] = {"cache.checkpoint_policy": policies[0], "cache.num_kv_blocks": None,
                                   "scheduler.max_num_seqs": 8, "cache.memory_bytes": 8 * page + cache_bytes}  # fmt: skip

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
-from deltaserve.cache.arena import PageUse
+from deltaserve.cache.arena import PageUse, blocks_per_page
 from deltaserve.cache.manager import GDN_CHUNK_SIZE
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.sizing import Capacity, build_scheduler
@@ -69,7 +69,7 @@ class SimConfig:
     def page_blocks(self) -> int:
         """KV blocks per page: one checkpoint's bytes, rounded up to whole blocks."""
         block_bytes = self.block_size * self.kv_bytes_per_token
-        return max(1, -(-self.checkpoint_bytes // block_bytes))
+        return blocks_per_page(self.checkpoint_bytes, block_bytes)
 
     @property
     def num_pages(self) -> int:
