@@ -313,7 +313,7 @@ class EngineCore:
         if params.logprobs is not None:  # filled by the runner when it sampled the token
             logprobs, state.logprobs = state.logprobs, []
         if reason is None:
-            return RequestOutput(
+            out = RequestOutput(
                 request_id=req.request_id,
                 token_ids=[token],
                 text=text,
@@ -321,10 +321,14 @@ class EngineCore:
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 logprobs=logprobs,
             )
-        text += detok.flush()
-        self._end(req, reason)
-        self.counters["requests.finished"] += 1
-        return self._final_output(req, reason, [token], text, logprobs=logprobs)
+        else:
+            text += detok.flush()
+            self._end(req, reason)
+            self.counters["requests.finished"] += 1
+            out = self._final_output(req, reason, [token], text, logprobs=logprobs)
+        if req.first_token_time is None:
+            _stamp_first_token(req, out)
+        return out
 
     def _final_output(
         self,
@@ -366,3 +370,13 @@ class EngineCore:
         drained = self.overlap.drain() if self.overlap is not None else []
         outs = [self.abort_request(rid) for rid in list(self.scheduler.requests)]
         return drained + [o for o in outs if o is not None]
+
+
+def _stamp_first_token(req: Request, out: RequestOutput) -> None:
+    """``out`` carries ``req``'s first token: how long it waited for admission, and how long from
+    admission to this token (its prefill, with any preemption in between)."""
+    now = time.monotonic()
+    req.first_token_time = now
+    scheduled = req.scheduled_time if req.scheduled_time is not None else now
+    out.queue_time_s = max(scheduled - req.arrival_time, 0.0)
+    out.prefill_time_s = max(now - scheduled, 0.0)

@@ -59,6 +59,12 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         Which of the request's ``SamplingParams.n`` completions this delta belongs to.
     logprobs (list[TokenLogprob] | None, default None)
         With ``SamplingParams.logprobs`` set: one ``TokenLogprob`` per id in ``token_ids``.
+    queue_time_s (float | None, default None)
+        On the output carrying a request's first token: seconds from its arrival in the engine
+        to its first admission (waiting in the queue). None on every other output.
+    prefill_time_s (float | None, default None)
+        On the output carrying a request's first token: seconds from its first admission to
+        that token (its prefill). None on every other output.
     """
 
     request_id: str
@@ -72,3 +78,5 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     index: int = 0  # which of the request's n completions (SamplingParams.n) this delta belongs to
     # one per token in token_ids, when SamplingParams.logprobs is set
     logprobs: list[TokenLogprob] | None = None
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None

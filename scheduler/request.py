@@ -58,6 +58,10 @@ class Request:
     num_preemptions: int = 0
     preempted_tokens: int = 0  # computed when last preempted (what its recompute may cost)
     finish_reason: str | None = None
+    # time.monotonic() of its first admission (None while it waits) and of its first output
+    # token (None until then): the queue and prefill times its first output reports
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

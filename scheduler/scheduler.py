@@ -444,6 +444,7 @@ class Scheduler:
         req.num_computed_tokens = seq.num_cached_tokens
         if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
             req.num_cached_tokens = seq.num_cached_tokens
+            req.scheduled_time = time.monotonic()
             self.cache.record_query(req.num_tokens, seq.num_cached_tokens, seq)
         else:  # a preemption's recompute, less what the cache serves it (never a gain)
             self.cache.note_recompute_hit(min(seq.num_cached_tokens, req.preempted_tokens))

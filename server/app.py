@@ -3,8 +3,12 @@
 ``create_app(engine, config)`` serves:
 
 * ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as SSE, ``n``,
-  logprobs, tools), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
-  ``POST /detokenize``, ``GET /metrics`` (Prometheus, a registry per app).
+  logprobs, tools), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
+  ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus, a
+  registry per app).
+
+In front of the routes: CORS (when ``allowed_origins`` is set; outermost, so a preflight and
+a 401 both carry its headers), then the API key check (``auth.py``, when ``api_key`` is set).
 
 The rooms: ``handlers.py`` (the endpoints), ``chat.py`` / ``completions.py`` (responses and
 stream chunks), ``sse.py`` (SSE, disconnects, the one stream skeleton), ``inputs.py`` (API
@@ -21,18 +25,22 @@ a thin layer over ASGI.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from deltaserve.engine.client import EngineClient
 from deltaserve.logs import get_logger
+from deltaserve.server.auth import BearerAuth
 from deltaserve.server.config import ServerConfig
-from deltaserve.server.errors import APIError, translate_error
+from deltaserve.server.errors import APIError, encode, translate_error
 from deltaserve.server.handlers import JSON, OpenAIServer
 
 log = get_logger("deltaserve.server")
@@ -60,6 +68,40 @@ def _endpoint(handler: Callable[[Request], Awaitable[Response]], server: OpenAIS
     return wrapped
 
 
+def package_version() -> str:
+    """The installed distribution's version; the source tree's ``__version__`` when not installed."""
+    try:
+        return importlib.metadata.version("deltaserve")
+    except importlib.metadata.PackageNotFoundError:
+        import deltaserve
+
+        return deltaserve.__version__
+
+
+def _middleware(config: ServerConfig, server: OpenAIServer) -> list[Middleware]:
+    """CORS outermost (its preflight answer and headers also cover a 401), then the key check."""
+    stack = []
+    if config.allowed_origins:
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=config.allowed_origins,
+                allow_methods=config.allowed_methods,
+                allow_headers=config.allowed_headers,
+                allow_credentials=config.allow_credentials,
+            )
+        )
+    if config.api_key:
+        stack.append(
+            Middleware(
+                BearerAuth,
+                api_key=config.api_key,
+                on_reject=lambda: server.metrics.http_errors.labels("401").inc(),
+            )
+        )
+    return stack
+
+
 def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Starlette:
     """The ASGI app over ``engine``. If the engine is not started yet, the app's lifespan starts
     it and shuts it down; a started engine stays the caller's."""
@@ -78,6 +120,11 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
             if owns_engine:
                 await engine.shutdown()
 
+    version_body = encode({"version": package_version()})
+
+    async def version(request: Request) -> Response:
+        return Response(version_body, media_type=JSON)
+
     def route(path: str, handler: Callable, methods: list[str]) -> Route:
         return Route(path, _endpoint(handler, server), methods=methods)
 
@@ -85,7 +132,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
         route("/v1/chat/completions", server.chat, ["POST"]),
         route("/v1/completions", server.completions, ["POST"]),
         route("/v1/models", server.models, ["GET"]),
+        route("/v1/models/{model_id:path}", server.retrieve_model, ["GET"]),
         route("/health", server.health, ["GET"]),
+        route("/version", version, ["GET"]),
         route("/tokenize", server.tokenize, ["POST"]),
         route("/detokenize", server.detokenize, ["POST"]),
         route("/metrics", server.metrics_endpoint, ["GET"]),
@@ -100,6 +149,11 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
         body = APIError(status, message, kind, None, None).body()
         return Response(body, status_code=status, media_type=JSON, headers=getattr(exc, "headers", None))
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(
+        routes=routes,
+        middleware=_middleware(config, server),
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+    )
     app.state.server = server
     return app

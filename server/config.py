@@ -49,6 +49,15 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         headers, or the connection is closed (``server/read_timeouts.py``).
     max_connections
         Connections (and requests) served at once; more get uvicorn's 503 at once. 0: no limit.
+    api_key
+        When set, every route but ``/health``, ``/metrics`` and ``/version`` needs the header
+        ``Authorization: Bearer <api_key>`` (compared in constant time); otherwise 401 in
+        OpenAI's error shape (``server/auth.py``). None: no key is asked for.
+    allowed_origins / allowed_methods / allowed_headers / allow_credentials
+        CORS (vLLM's option names): with ``allowed_origins`` non-empty (``["*"]``: any origin),
+        browsers' preflight ``OPTIONS`` requests are answered and responses carry the
+        ``Access-Control-Allow-*`` headers. Empty (the default): no CORS headers, and a
+        preflight is a 405 like any other unrouted method.
     """
 
     host: str = "127.0.0.1"
@@ -60,6 +69,18 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     max_connections: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    api_key: str | None = None
+    allowed_origins: list[str] = []
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+    def __repr__(self) -> str:  # the key must not reach a log line through a repr
+        def shown(name: str) -> str:
+            return "'***'" if name == "api_key" and self.api_key else repr(getattr(self, name))
+
+        fields = ", ".join(f"{f}={shown(f)}" for f in self.__struct_fields__)
+        return f"ServerConfig({fields})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -76,3 +97,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"server.max_body_bytes = {self.max_body_bytes!r}: must be an integer >= 0")
         if not all(isinstance(n, str) and n for n in self.served_model_names):
             raise ConfigError(f"server.served_model_names = {self.served_model_names!r}: non-empty strings")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ConfigError("server.api_key: must be a non-empty string (or unset: no key)")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not all(isinstance(v, str) and v for v in value):
+                raise ConfigError(f"server.{name} = {value!r}: non-empty strings")

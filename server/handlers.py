@@ -53,7 +53,7 @@ class OpenAIServer:
     def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = ServerMetrics(self._stats)
+        self.metrics = ServerMetrics(self._stats, self.model_names[0])
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self._open: set[OutputStream] = set()  # engine streams of the requests being answered
@@ -78,10 +78,7 @@ class OpenAIServer:
         if model is None or model == "":
             return names[0]
         if model not in names:
-            raise APIError(
-                404, f"the model {model!r} does not exist; this server serves {names}", "not_found_error",
-                "model", "model_not_found",
-            )  # fmt: skip
+            raise _model_not_found(model, names)
         return model
 
     def _require_healthy(self) -> None:
@@ -192,6 +189,15 @@ class OpenAIServer:
             for n in self.model_names
         ]
         return _json(p.ModelList(data=cards))
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}`` (``client.models.retrieve``): one served name's card, or 404."""
+        name = request.path_params["model_id"]
+        if name not in self.model_names:  # (an empty id too: it names no model)
+            raise _model_not_found(name, self.model_names)
+        info = self.engine.model_info
+        card = p.ModelCard(id=name, created=self.created, root=info.name, max_model_len=info.max_model_len)
+        return _json(card)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -325,6 +331,13 @@ class OpenAIServer:
                     cache_salt=req.cache_salt,
                 )
             )
+
+
+def _model_not_found(model: str, names: list[str]) -> APIError:
+    return APIError(
+        404, f"the model {model!r} does not exist; this server serves {names}", "not_found_error",
+        "model", "model_not_found",
+    )  # fmt: skip
 
 
 def _too_large(size: int, limit: int) -> APIError:

@@ -2,7 +2,9 @@
 
 Every app has its own ``CollectorRegistry`` (never the process-global one), so a process — a
 test — can run several servers. Names are prefixed ``deltaserve:`` and follow vLLM's where a
-counterpart exists, so existing dashboards need only the prefix changed:
+counterpart exists, so existing dashboards need only the prefix changed
+(``examples/grafana.json`` is one over these names). Every series has the label
+``model_name``: the first served name (``--served-model-name``, else ``model.path``), as vLLM.
 
 Measured by the server, per engine request (each of ``n`` completions is one):
 
@@ -10,6 +12,13 @@ Measured by the server, per engine request (each of ``n`` completions is one):
 * ``deltaserve:time_to_first_token_seconds`` — request received to the completion's first token;
 * ``deltaserve:inter_token_latency_seconds`` — between consecutive tokens of a completion;
 * ``deltaserve:e2e_request_latency_seconds`` — request received to its last token;
+* ``deltaserve:request_queue_time_seconds`` — engine arrival to first admission, and
+  ``deltaserve:request_prefill_time_seconds`` — first admission to the first token (both
+  measured by the engine: ``RequestOutput.queue_time_s`` / ``prefill_time_s``);
+* ``deltaserve:request_decode_time_seconds`` — first token to last token;
+* ``deltaserve:time_per_output_token_seconds`` — a completion's decode time / (its tokens - 1),
+  once per completion of two or more tokens (the mean gap; the gaps themselves are
+  ``inter_token_latency_seconds``);
 * ``deltaserve:request_prompt_tokens`` / ``deltaserve:request_generation_tokens`` (histograms);
 * ``deltaserve:http_errors_total{status}`` — error responses the API returned;
 * ``deltaserve:client_disconnects_total`` — clients that hung up before their response (while
@@ -39,6 +48,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "deltaserve:"
+#: the label every series has: the first served name
+MODEL_LABEL = "model_name"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -74,24 +85,30 @@ def _ratio(stats: dict[str, Any], used: str, total: str) -> float:
 
 
 class EngineCollector(Collector):
-    """Engine counters and gauges, read from ``stats()`` when Prometheus scrapes."""
+    """Engine counters and gauges, read from ``stats()`` when Prometheus scrapes; every family
+    labelled ``model_name``."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self._stats = stats
+        self._model = model_name
 
     def collect(self) -> Iterator[Any]:
         s = self._stats() or {}
-        yield from _gauges(s)
+        yield from _gauges(s, self._model)
         for key, (name, doc) in _ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=float(s.get(key, 0)))
-        yield from _labelled(s)
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+            counter.add_metric([self._model], float(s.get(key, 0)))
+            yield counter
+        yield from _labelled(s, self._model)
 
 
-def _gauges(s: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
+def _gauges(s: dict[str, Any], model: str) -> Iterator[GaugeMetricFamily]:
     """The engine's gauges from one stats snapshot."""
 
     def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+        family.add_metric([model], float(value))
+        return family
 
     yield gauge(
         "num_requests_running",
@@ -124,87 +141,110 @@ def _gauges(s: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
     )
 
 
-def _labelled(s: dict[str, Any]) -> Iterator[Any]:
+def _labelled(s: dict[str, Any], model: str) -> Iterator[Any]:
     """The engine's labelled families: skipped checkpoints, reuse rates, request outcomes."""
     skipped = CounterMetricFamily(
-        PREFIX + "checkpoints_skipped", "Checkpoint captures skipped.", labels=["reason"]
+        PREFIX + "checkpoints_skipped", "Checkpoint captures skipped.", labels=[MODEL_LABEL, "reason"]
     )
-    skipped.add_metric(["budget"], float(s.get("checkpoints.skipped_budget", 0)))
-    skipped.add_metric(["pool"], float(s.get("checkpoints.skipped_pool", 0)))
-    skipped.add_metric(["value"], float(s.get("checkpoints.skipped_value", 0)))
+    skipped.add_metric([model, "budget"], float(s.get("checkpoints.skipped_budget", 0)))
+    skipped.add_metric([model, "pool"], float(s.get("checkpoints.skipped_pool", 0)))
+    skipped.add_metric([model, "value"], float(s.get("checkpoints.skipped_value", 0)))
     yield skipped
     reuse = GaugeMetricFamily(
         PREFIX + "checkpoint_reuse_rate",
         "Learned probability that a checkpoint of this class serves a hit (cache value model).",
-        labels=["kind"],
+        labels=[MODEL_LABEL, "kind"],
     )
     for key, value in s.items():
         if key.startswith("checkpoints.reuse."):
-            reuse.add_metric([key.removeprefix("checkpoints.reuse.")], float(value))
+            reuse.add_metric([model, key.removeprefix("checkpoints.reuse.")], float(value))
     yield reuse
     if "cache.pages" in s:  # one device budget: the current split of its pages
         pages = GaugeMetricFamily(
-            PREFIX + "cache_pages", "Pages of the one device cache budget, by use.", labels=["use"]
+            PREFIX + "cache_pages",
+            "Pages of the one device cache budget, by use.",
+            labels=[MODEL_LABEL, "use"],
         )
         for use in ("kv", "checkpoint", "free"):
-            pages.add_metric([use], float(s.get(f"cache.pages_{use}", 0)))
+            pages.add_metric([model, use], float(s.get(f"cache.pages_{use}", 0)))
         yield pages
         changes = CounterMetricFamily(
-            PREFIX + "cache_page_conversions", "Pages that changed use, by the use they took.", labels=["to"]
+            PREFIX + "cache_page_conversions",
+            "Pages that changed use, by the use they took.",
+            labels=[MODEL_LABEL, "to"],
         )
-        changes.add_metric(["kv"], float(s.get("cache.pages_to_kv", 0)))
-        changes.add_metric(["checkpoint"], float(s.get("cache.pages_to_checkpoints", 0)))
+        changes.add_metric([model, "kv"], float(s.get("cache.pages_to_kv", 0)))
+        changes.add_metric([model, "checkpoint"], float(s.get("cache.pages_to_checkpoints", 0)))
         yield changes
     outcome = CounterMetricFamily(
-        PREFIX + "engine_requests", "Engine requests by outcome.", labels=["outcome"]
+        PREFIX + "engine_requests", "Engine requests by outcome.", labels=[MODEL_LABEL, "outcome"]
     )
     for label, key in (("finished", "requests.finished"), ("aborted", "requests.aborted"),
                        ("failed", "requests.failed")):  # fmt: skip
-        outcome.add_metric([label], float(s.get(key, 0)))
+        outcome.add_metric([model, label], float(s.get(key, 0)))
     yield outcome  # fmt: skip
 
 
-class ServerMetrics:
-    """The server's metrics on a registry of its own."""
+class Family:
+    """A labelled family whose ``model_name`` is fixed: ``labels(...)`` takes the other labels."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, family: Counter, model_name: str) -> None:
+        self._family = family
+        self._model = model_name
+
+    def labels(self, *values: str) -> Any:
+        return self._family.labels(self._model, *values)
+
+
+class ServerMetrics:
+    """The server's metrics on a registry of its own, labelled with ``model_name``."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]] | None = None, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
         r = self.registry
-        self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
-        )
-        self.http_errors = Counter(
-            PREFIX + "http_errors", "Error responses by HTTP status.", ["status"], registry=r
+        label = [MODEL_LABEL]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        self.request_success = Family(
+            Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                    [MODEL_LABEL, "finished_reason"], registry=r),
+            model_name,
+        )  # fmt: skip
+        self.http_errors = Family(
+            Counter(
+                PREFIX + "http_errors", "Error responses by HTTP status.", [MODEL_LABEL, "status"], registry=r
+            ),
+            model_name,
         )
         self.client_disconnects = Counter(
-            PREFIX + "client_disconnects", "Clients that hung up before their response.", registry=r
+            PREFIX + "client_disconnects", "Clients that hung up before their response.", label, registry=r
+        ).labels(model_name)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request received to last token.", E2E_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Engine arrival to first admission (waiting).", TTFT_BUCKETS
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS, registry=r
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First admission to first token (prefill).", TTFT_BUCKETS
         )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between output tokens.",
-            buckets=ITL_BUCKETS,
-            registry=r,
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token (decode).", E2E_BUCKETS
         )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Request received to last token.",
-            buckets=E2E_BUCKETS,
-            registry=r,
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "A completion's mean time per output token after its first (decode time / (tokens - 1)).",
+            ITL_BUCKETS,
         )
-        self.prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens", "Prompt tokens per request.", buckets=TOKEN_BUCKETS, registry=r
-        )
-        self.generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens",
-            "Generated tokens per request.",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         if stats is not None:
-            r.register(EngineCollector(stats))
+            r.register(EngineCollector(stats, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,10 @@ class Tracker:
                 self.metrics.itl.observe(now - c.last_token_at)  # type: ignore[operator]
             c.last_token_at = now
             c.token_ids.extend(out.token_ids)
+        if out.queue_time_s is not None:  # the engine's split of the first token's wait
+            self.metrics.queue_time.observe(out.queue_time_s)
+        if out.prefill_time_s is not None:
+            self.metrics.prefill_time.observe(out.prefill_time_s)
         if out.index == 0 or not self.num_prompt_tokens:
             self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
             self.num_cached_tokens = out.num_cached_tokens
@@ -63,9 +67,19 @@ class Tracker:
             c.error = out.error
             self.metrics.e2e.observe(now - self.t0)
             self.metrics.generation_tokens.observe(len(c.token_ids))
+            self._observe_decode(c)
             if out.index == 0:
                 self.metrics.prompt_tokens.observe(out.num_prompt_tokens)
         return c
+
+    def _observe_decode(self, c: Choice) -> None:
+        """Decode time and mean time per output token of a finished completion that had tokens."""
+        if c.first_token_at is None or c.last_token_at is None:
+            return
+        decode = c.last_token_at - c.first_token_at
+        self.metrics.decode_time.observe(decode)
+        if len(c.token_ids) > 1:
+            self.metrics.tpot.observe(decode / (len(c.token_ids) - 1))
 
     def count_finish(self, reason: str | None) -> None:
         self.metrics.request_success.labels(reason or "abort").inc()

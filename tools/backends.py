@@ -208,8 +208,11 @@ class OpenAIBackend:
             values: dict[str, float] = {}
             for fam in text_string_to_metric_families(resp.text):
                 for sample in fam.samples:
-                    label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                    values[sample.name + (f"{{{label}}}" if label else "")] = sample.value
+                    # every series is per model_name (ours and vLLM's): summed over the models
+                    labels = sorted((k, v) for k, v in sample.labels.items() if k != "model_name")
+                    label = ",".join(f"{k}={v}" for k, v in labels)
+                    key = sample.name + (f"{{{label}}}" if label else "")
+                    values[key] = values.get(key, 0.0) + sample.value
         except Exception:  # no metrics endpoint, or not Prometheus text
             return {}
         out: dict[str, Any] = {}

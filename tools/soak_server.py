@@ -60,14 +60,15 @@ def sample(pid: int, metrics: str) -> dict[str, float]:
         rss_kb = int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))  # type: ignore[union-attr]
 
     def value(pattern: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", metrics, re.M))
+        # any labels after the pattern (every series has model_name)
+        return sum(float(v) for v in re.findall(rf"^{pattern}(?:\{{[^}}]*\}})? (\S+)$", metrics, re.M))
 
     return {
         "rss_mb": rss_kb / 1024,
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "running": value(r"deltaserve:num_requests_running"),
         "waiting": value(r"deltaserve:num_requests_waiting"),
-        "errors_5xx": value(r'deltaserve:http_errors_total\{status="5\d\d"\}'),
+        "errors_5xx": value(r'deltaserve:http_errors_total\{[^}]*status="5\d\d"\}'),
         "disconnects": value(r"deltaserve:client_disconnects_total"),
     }
 

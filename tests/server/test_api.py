@@ -155,10 +155,10 @@ async def test_metrics_parse_and_move(served: Served) -> None:
             out: dict[str, float] = {}
             for fam in text_string_to_metric_families(text):
                 for s in fam.samples:
+                    labels = dict(s.labels)
+                    assert labels.pop("model_name") == MODEL, s  # every series: the first served name
                     key = s.name + (
-                        "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-                        if s.labels
-                        else ""
+                        "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else ""
                     )
                     out[key] = s.value
             return out

@@ -60,7 +60,7 @@ async def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
             r = await http.post("/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "fine"
             text = (await http.get("/metrics")).text
-        assert metric(text, 'deltaserve:http_errors_total{status="413"}') == 2
+        assert metric(text, 'deltaserve:http_errors_total{model_name="scripted",status="413"}') == 2
 
 
 async def test_the_default_limit_is_sized_from_the_model() -> None:
@@ -96,7 +96,13 @@ async def test_bad_utf8_and_deep_nesting_are_400_and_the_server_stays_healthy() 
         engine.script = ["still here"]
         r = await http.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "still here"
-        assert metric((await http.get("/metrics")).text, 'deltaserve:http_errors_total{status="500"}') == 0
+        assert (
+            metric(
+                (await http.get("/metrics")).text,
+                'deltaserve:http_errors_total{model_name="scripted",status="500"}',
+            )
+            == 0
+        )
 
 
 async def test_a_hang_up_while_uploading_is_no_server_error() -> None:
@@ -109,11 +115,13 @@ async def test_a_hang_up_while_uploading_is_no_server_error() -> None:
             await raw_request(srv.port, head.encode(), b'{"messages": [', read=False)
         for _ in range(100):  # the server notices each hang-up when it reads on
             text = (await http.get("/metrics")).text
-            if metric(text, "deltaserve:client_disconnects_total") >= 5:
+            if metric(text, 'deltaserve:client_disconnects_total{model_name="scripted"}') >= 5:
                 break
             await asyncio.sleep(0.05)
-        assert metric(text, "deltaserve:client_disconnects_total") == 5
-        assert not re.search(r'^deltaserve:http_errors_total\{status="5', text, re.M)  # no 5xx
+        assert metric(text, 'deltaserve:client_disconnects_total{model_name="scripted"}') == 5
+        assert not re.search(
+            r'^deltaserve:http_errors_total\{model_name="scripted",status="5', text, re.M
+        )  # no 5xx
 
 
 async def test_a_text_part_without_text_is_named() -> None:

@@ -208,7 +208,7 @@ async def test_latency_metrics_count_each_of_n_completions(
     def counts(text: str) -> list[float]:
         names = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds")
         return [
-            float(re.search(rf"^deltaserve:{n}_count (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+            float(re.search(rf'^deltaserve:{n}_count\{{model_name="scripted"\}} (\S+)$', text, re.M).group(1))  # type: ignore[union-attr]
             for n in names
         ]
 
