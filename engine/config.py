@@ -118,6 +118,13 @@ class ModelConfig(_Section):
             min_length=1,
         ),
     ] = "builtin:tiny-qwen3.5"
+    tokenizer: Annotated[
+        str | None,
+        _doc(
+            "The tokenizer (and chat template), when not the model's own: a local Hugging Face-format "
+            "folder or `builtin:<name>`. Unset: the model folder's."
+        ),
+    ] = None
     dtype: Annotated[
         DType,
         _doc(

@@ -79,7 +79,11 @@ class EngineCore:
         self.ops = resolve_ops(config, self.device)
         torch.manual_seed(config.model.seed)
         self.loaded = loaded or load_model(
-            config.model.path, dtype=self.dtype, device=self.device, ops=self.ops
+            config.model.path,
+            dtype=self.dtype,
+            device=self.device,
+            ops=self.ops,
+            tokenizer=config.model.tokenizer,
         )
         self.tokenizer = self.loaded.tokenizer
         # Detokenization runs in the step thread while `generate` tokenizes on the event-loop

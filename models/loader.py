@@ -5,7 +5,8 @@ Contract:
 * ``load_model(path, *, dtype, device, ops) -> LoadedModel``. ``path`` is a folder with
   ``config.json``, ``*.safetensors`` (one file or shards, with or without an index) and a
   tokenizer loadable by ``AutoTokenizer``; or ``"builtin:<name>"`` (built on first use by
-  ``models.builtin.ensure_builtin_model``).
+  ``models.builtin.ensure_builtin_model``). ``tokenizer=`` (a folder, or ``builtin:<name>``)
+  loads the tokenizer from there instead.
 * The model class is chosen by ``config.json``'s ``model_type`` (``SUPPORTED_MODEL_TYPES``).
   ``qwen3_5`` (vision-language) folders load only the text model: tensors under
   ``model.language_model.`` become ``model.``; ``model.visual.*`` and ``mtp.*`` (multi-token
@@ -101,7 +102,16 @@ class LoadedModel:
     path: Path
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device | str, ops: Ops) -> LoadedModel:
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: Ops,
+    tokenizer: str | Path | None = None,
+) -> LoadedModel:
+    """The model in ``path``; its tokenizer from ``tokenizer`` (a folder or ``builtin:<name>``)
+    when given, else from ``path``."""
     folder = _resolve_folder(path)
     model_type = _read_model_type(folder)
     entry = SUPPORTED_MODEL_TYPES[model_type]
@@ -129,7 +139,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device | s
     model.to(device)  # non-checkpoint buffers (rope frequencies) follow the weights
     model.eval().requires_grad_(False)
 
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = _load_tokenizer(_tokenizer_folder(tokenizer) if tokenizer is not None else folder)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -239,6 +249,16 @@ def _check_weights(folder: Path, model: CausalLM, state: dict[str, Tensor]) -> N
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_folder(path: str | Path) -> Path:
+    """A tokenizer's folder: ``builtin:<name>``'s, or ``path`` itself (no config.json needed)."""
+    if isinstance(path, str) and path.startswith(BUILTIN_PREFIX):
+        return _resolve_folder(path)
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise TokenizerLoadError(f"tokenizer folder not found: {folder}")
+    return folder
 
 
 def _load_tokenizer(folder: Path) -> Any:

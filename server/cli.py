@@ -3,8 +3,14 @@
 ::
 
     deltaserve serve                                  # the built-in tiny model on 127.0.0.1:8000
+    deltaserve serve /models/Qwen3.5-0.8B --max-model-len 32768 --gpu-memory-utilization 0.85
     deltaserve serve --config serve.toml --set scheduler.policy=lpm --port 9000
-    python -m deltaserve serve --served-model-name qwen --host 0.0.0.0
+    python -m deltaserve serve --served-model-name qwen --host 0.0.0.0 --api-key "$KEY"
+    deltaserve export-tokenizer ./tiny-tokenizer      # the built-in model's tokenizer, for clients
+
+``MODEL`` (or ``--model``), ``--tokenizer``, ``--dtype``, ``--max-model-len`` and
+``--gpu-memory-utilization`` are shorthands of config keys (``SHORTHANDS``); they override the
+``--config`` file, and ``--set`` overrides them.
 
 Startup loads the model, prints the URL and the planned capacity (``EngineCore.capacity``) on
 stdout, then serves. SIGINT / SIGTERM drain: no new connections, in-flight requests get up to
@@ -17,10 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import os
 import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from deltaserve.engine.errors import ConfigError
@@ -28,6 +37,48 @@ from deltaserve.logs import configure_logging, get_logger
 from deltaserve.server.config import ServerConfig
 
 log = get_logger("deltaserve.server")
+
+#: ``serve`` options that set an engine config key: option dest -> dotted key
+SHORTHANDS = {
+    "tokenizer": "model.tokenizer",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "gpu_memory_utilization": "cache.gpu_memory_utilization",
+}
+#: where the API key is read from when ``--api-key`` is not given
+API_KEY_ENV = "DELTASERVE_API_KEY"
+
+
+def _add_model_args(s: argparse.ArgumentParser) -> None:
+    """The model and the shorthands of engine config keys."""
+    s.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="model.path: builtin:<name> or a Hugging Face-format folder (default: the config's)",
+    )  # fmt: skip
+    s.add_argument("--model", default=None, help="the same as MODEL")
+    s.add_argument("--tokenizer", default=None, help="model.tokenizer: a tokenizer folder or builtin:<name>")
+    s.add_argument("--dtype", default=None, help="model.dtype: float32 | bfloat16 | float16 | auto")
+    s.add_argument("--max-model-len", type=int, default=None, metavar="N", help="model.max_model_len")
+    s.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, metavar="F",
+        help="cache.gpu_memory_utilization: share of the GPU's memory the engine may use (CUDA)",
+    )  # fmt: skip
+
+
+def _add_http_args(s: argparse.ArgumentParser) -> None:
+    """The API key and CORS."""
+    s.add_argument(
+        "--api-key", default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )  # fmt: skip
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):  # fmt: skip
+        s.add_argument(
+            flag, action="append", default=None, metavar="LIST",
+            help=f"CORS: allowed {what}, a JSON list or comma-separated (repeatable; '*': any)",
+        )  # fmt: skip
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
 
 
 def build_parser(
@@ -48,14 +99,18 @@ def build_parser(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(s)
+    _add_model_args(s)
+    _add_http_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0: any free port)")
     s.add_argument(
         "--served-model-name",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="NAME",
-        help="name(s) clients use as `model` (repeatable; default: the config's model.path)",
+        help="name(s) clients use as `model`, the first reported (one or several, repeatable; put MODEL "
+        "before this option; default: the config's model.path)",
     )
     s.add_argument(
         "--drain-timeout",
@@ -87,7 +142,87 @@ def build_parser(
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
     for add in extra_args:
         add(s)
+    e = sub.add_parser(
+        "export-tokenizer",
+        help="write a model's tokenizer (and chat template) to a folder clients can load",
+        description="Writes the tokenizer files of MODEL (default: the built-in tiny model) to DIR, "
+        "for clients that load the served model's tokenizer by path (AutoTokenizer.from_pretrained(DIR)).",
+    )
+    e.add_argument("dir", metavar="DIR", help="the folder to write (created if missing)")
+    e.add_argument("--model", default="builtin:tiny-qwen3.5", help="builtin:<name> or a model folder")
     return parser
+
+
+def _str_list(values: list[str] | None, option: str) -> list[str] | None:
+    """The items of a list option: each value a JSON list or comma-separated (vLLM passes JSON)."""
+    if values is None:
+        return None
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{option} {value!r}: not a JSON list ({e})") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ConfigError(f"{option} {value!r}: must be a list of strings")
+            out += items
+        else:
+            out += [v.strip() for v in value.split(",") if v.strip()]
+    return out
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The engine config keys the model argument and the shorthands set (only those given)."""
+    models = {m for m in (args.model_tag, args.model) if m is not None}
+    if len(models) > 1:
+        raise ConfigError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ: give one")
+    out: dict[str, object] = {"model.path": models.pop()} if models else {}
+    for dest, key in SHORTHANDS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def server_config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> ServerConfig:
+    """The ``ServerConfig`` of a parsed ``serve`` command (``env``: where ``API_KEY_ENV`` is read)."""
+    env = os.environ if env is None else env
+    cors: dict[str, object] = {}
+    for dest, option in (("allowed_origins", "--allowed-origins"), ("allowed_methods", "--allowed-methods"),
+                         ("allowed_headers", "--allowed-headers")):  # fmt: skip
+        items = _str_list(getattr(args, dest), option)
+        if items is not None:
+            cors[dest] = items
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_names=list(args.served_model_name),
+        drain_timeout_s=args.drain_timeout,
+        access_log=args.access_log,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        api_key=args.api_key or env.get(API_KEY_ENV) or None,
+        allow_credentials=args.allow_credentials,
+        **cors,  # type: ignore[arg-type]
+    )
+
+
+def export_tokenizer(model: str, out_dir: str | os.PathLike) -> Path:
+    """Write ``model``'s tokenizer files (``builtin:<name>`` or a folder) to ``out_dir``."""
+    from transformers import AutoTokenizer
+
+    from deltaserve.models.builtin import ensure_builtin_model
+
+    prefix = "builtin:"
+    folder = ensure_builtin_model(model[len(prefix) :]) if model.startswith(prefix) else Path(model)
+    if not folder.is_dir():
+        raise ConfigError(f"--model {model!r}: no such folder")
+    out = Path(out_dir)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
 
 
 #: after the drain deadline, how long the requests it aborted get to send their 503 / error frame
@@ -274,23 +409,15 @@ def main(
 ) -> int:
     parser = build_parser(extra_args)
     args = parser.parse_args(argv)
+    if args.command == "export-tokenizer":
+        return _export_main(args)
     configure_logging(args.log_level)
     from deltaserve.engine import install_uvloop
     from deltaserve.engine.cli import config_from_args
 
     try:
-        engine_config = config_from_args(args)
-        server_config = ServerConfig(
-            host=args.host,
-            port=args.port,
-            served_model_names=list(args.served_model_name),
-            drain_timeout_s=args.drain_timeout,
-            access_log=args.access_log,
-            max_body_bytes=args.max_body_bytes,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            max_connections=args.max_connections,
-        )
+        engine_config = config_from_args(args, engine_overrides(args))
+        server_config = server_config_from_args(args)
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
@@ -307,3 +434,13 @@ def main(
     except OSError as e:  # the address is in use, ...
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 1
+
+
+def _export_main(args: argparse.Namespace) -> int:
+    try:
+        out = export_tokenizer(args.model, args.dir)
+    except (ConfigError, ValueError, OSError) as e:  # ValueError: an unknown built-in name
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        return 2
+    print(f"deltaserve: wrote the tokenizer of {args.model} to {out}")
+    return 0
