@@ -11,6 +11,7 @@ import msgspec
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.server import protocol as p
 from deltaserve.server.errors import bad_request
+from deltaserve.server.unsupported import check_unsupported
 
 # optional sampling fields passed on only when the request sets them (else the engine's default)
 _OPTIONAL_SAMPLING = (
@@ -19,8 +20,7 @@ _OPTIONAL_SAMPLING = (
 
 
 def sampling_params(req: p._SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+    check_unsupported(req)  # fields accepted in shape but not implemented: 400 naming the field
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request(
             "response_format other than text is not supported (no constrained decoding)",

@@ -70,7 +70,38 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _UnimplementedFields(msgspec.Struct, kw_only=True):
+    """Fields of OpenAI's and vLLM's APIs this server does not implement: declared so that each
+    is either refused when used or knowingly ignored (``server/unsupported.py`` has the rule and
+    the list; docs/server.md the table). Fields no one declares are ignored."""
+
+    best_of: int | None = None
+    reasoning_effort: str | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    # vLLM's extras
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    documents: list[Any] | None = None
+    # informational: accepted and ignored
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class _SamplingFields(_UnimplementedFields, kw_only=True):
     """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -95,6 +126,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     return_token_ids: bool = False  # vLLM's extra: each choice (and each chunk) carries its token ids
     # accepted so that a request using them gets a clear 400 instead of being silently ignored
+    # (logit_bias: by the rule in unsupported.py)
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 import pytest_asyncio
 
-from deltaserve.server import auth
+from deltaserve.server import auth, protocol, unsupported
 from deltaserve.server.app import create_app, package_version
 from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
@@ -195,3 +197,99 @@ async def test_version(plain: str) -> None:
 
         want = deltaserve.__version__
     assert package_version() == want and want.count(".") >= 1
+
+
+# ---------------------------------------------------------------------------- unsupported fields
+#: a value that uses each refused field (a field added to the rule needs one here)
+USING: dict[str, dict[str, Any]] = {
+    "best_of": {"best_of": 2},
+    "logit_bias": {"logit_bias": {"5": 10.0}},
+    "reasoning_effort": {"reasoning_effort": "low"},
+    "functions": {"functions": [{"name": "f", "parameters": {"type": "object"}}]},
+    "function_call": {"function_call": "auto"},
+    "prediction": {"prediction": {"type": "content", "content": "x"}},
+    "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+    "modalities": {"modalities": ["text", "audio"]},
+    "suffix": {"suffix": "the end"},
+    "stream_options.continuous_usage_stats": {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    },
+    "use_beam_search": {"use_beam_search": True},
+    "include_stop_str_in_output": {"include_stop_str_in_output": True},
+    "skip_special_tokens": {"skip_special_tokens": False},
+    "spaces_between_special_tokens": {"spaces_between_special_tokens": False},
+    "truncate_prompt_tokens": {"truncate_prompt_tokens": 8},
+    "allowed_token_ids": {"allowed_token_ids": [1, 2]},
+    "bad_words": {"bad_words": ["no"]},
+    "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {"continue_final_message": True},
+    "chat_template": {"chat_template": "{{ messages[0]['content'] }}"},
+    "documents": {"documents": [{"title": "t", "text": "x"}]},
+}
+#: values that do not use a field: accepted, the output unchanged
+NEUTRAL = {
+    "best_of": 1, "logit_bias": {}, "modalities": ["text"], "suffix": "", "use_beam_search": False,
+    "skip_special_tokens": True, "add_generation_prompt": True, "functions": [], "bad_words": [],
+    "stream_options": {"include_usage": False, "continuous_usage_stats": False},
+    "user": "user-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+}  # fmt: skip
+
+
+async def test_every_refused_field_has_a_case() -> None:
+    assert set(USING) == {f.name for f in unsupported.REFUSED}
+
+
+@pytest.mark.parametrize("field", sorted(USING))
+async def test_a_refused_field_gets_the_same_400(plain: str, field: str) -> None:
+    async with httpx.AsyncClient(base_url=plain, timeout=30) as http:
+        if field == "suffix":
+            resp = await http.post("/v1/completions", json={"prompt": "x", **USING[field]})
+        else:
+            resp = await http.post("/v1/chat/completions", json={**CHAT, **USING[field]})
+            if field in ("best_of", "logit_bias", "truncate_prompt_tokens", "bad_words"):  # both endpoints
+                other = await http.post("/v1/completions", json={"prompt": "x", **USING[field]})
+                assert other.status_code == 400 and other.json()["error"]["param"] == field
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported"
+    assert error["param"] == field and error["message"].startswith(f"{field} is not supported")
+
+
+async def test_neutral_values_and_ignored_fields_are_accepted(plain: str) -> None:
+    async with httpx.AsyncClient(base_url=plain, timeout=30) as http:
+        base = await http.post("/v1/chat/completions", json=CHAT)
+        resp = await http.post("/v1/chat/completions", json={**CHAT, **NEUTRAL})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"] == base.json()["choices"]
+        done = await http.post(
+            "/v1/completions", json={"prompt": "x", "suffix": "", "user": "u", "best_of": 1}
+        )
+        assert done.status_code == 200, done.text
+
+
+async def test_the_official_client_sees_the_refusal(plain: str) -> None:
+    c = client(plain, "none")
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.chat.completions.create(model="scripted", reasoning_effort="low", **CHAT)  # type: ignore[call-overload]
+    assert info.value.code == "unsupported" and info.value.param == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.completions.create(model="scripted", prompt="x", best_of=3, n=1)
+    assert info.value.param == "best_of"
+    ok = await c.chat.completions.create(model="scripted", user="someone", store=False, **CHAT)  # type: ignore[call-overload]
+    assert ok.choices[0].message.content == "a"
+
+
+async def test_the_declared_fields_and_the_docs_follow_the_rule() -> None:
+    declared = {f.name for f in msgspec.structs.fields(protocol._UnimplementedFields)}
+    listed = {f.name.split(".")[0] for f in unsupported.FIELDS}
+    # every declared field is in the rule; the rule's others are declared by the request structs
+    assert declared <= listed
+    for name in listed - declared:
+        assert any(
+            name in {f.name for f in msgspec.structs.fields(t)}
+            for t in (protocol.ChatCompletionRequest, protocol.CompletionRequest)
+        ), name
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text(encoding="utf-8")
+    for f in unsupported.FIELDS:
+        assert f"| `{f.name}` | {f.rule.value} |" in doc, f"docs/server.md lacks the row of {f.name}"
