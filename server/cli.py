@@ -421,6 +421,14 @@ def main(
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "replicas", None) and (server_config.api_key or server_config.allowed_origins):
+        # the replicas' ingress is built by deltaserve.cluster from the served names alone: refuse
+        # rather than serve without the key or the CORS policy the command asked for
+        print(
+            "deltaserve: error: --api-key and the CORS options are not applied with --replicas",
+            file=sys.stderr,
+        )
+        return 2
     if dispatch is not None:
         code = dispatch(args, engine_config, server_config)
         if code is not None:

@@ -145,3 +145,11 @@ def test_model_tokenizer_key_loads_that_tokenizer(tmp_path: Path) -> None:
         load_model(
             "builtin:tiny-qwen3.5", dtype=torch.float32, device="cpu", ops=ops, tokenizer=str(tmp_path / "no")
         )
+
+
+def test_a_key_with_replicas_is_refused_not_dropped(capsys: pytest.CaptureFixture[str]) -> None:
+    from deltaserve.__main__ import main as package_main
+
+    assert package_main(["serve", "--replicas", "2", "--api-key", "k"]) == 2
+    assert "--api-key and the CORS options are not applied with --replicas" in capsys.readouterr().err
+    assert package_main(["serve", "--replicas", "2", "--allowed-origins", "*"]) == 2
