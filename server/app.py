@@ -13,7 +13,8 @@ a 401 both carry its headers), then the API key check (``auth.py``, when ``api_k
 The rooms: ``handlers.py`` (the endpoints), ``chat.py`` / ``completions.py`` (responses and
 stream chunks), ``sse.py`` (SSE, disconnects, the one stream skeleton), ``inputs.py`` (API
 fields -> engine inputs), ``tracker.py`` (per-request bookkeeping and latency metrics),
-``errors.py`` (OpenAI's error shape; 4xx for client mistakes, never a traceback).
+``errors.py`` (OpenAI's error shape; 4xx for client mistakes, never a traceback), ``auth.py``
+(the API key), ``unsupported.py`` (fields accepted in shape but not implemented).
 
 Why Starlette and not FastAPI: the schemas are msgspec structs (the engine's own types are
 msgspec, and msgspec decodes/validates and encodes several times faster than pydantic);

@@ -63,19 +63,21 @@ FIELDS: tuple[Field, ...] = (
     Field("service_tier", Rule.IGNORED),
 )  # fmt: skip
 REFUSED = tuple(f for f in FIELDS if f.rule is Rule.REFUSED)
+# (field, its path): what each request is checked against
+_CHECKS = tuple((f, tuple(f.name.split("."))) for f in REFUSED)
 
 
-def _value(req: Any, dotted: str) -> Any:
-    """The value of a (dotted) field; None where a part is absent (another endpoint's field)."""
-    value = req
-    for part in dotted.split("."):
-        value = getattr(value, part, None)
-    return value
+def _uses(value: Any, neutral: tuple[Any, ...]) -> bool:
+    if value is neutral[0]:  # the common case, the field's default (None, False, True): no compare
+        return False
+    return not any(value == n and type(value) is type(n) for n in neutral)
 
 
 def check_unsupported(req: Any) -> None:
     """400 ``unsupported`` naming the first refused field ``req`` uses."""
-    for field in REFUSED:
-        value = _value(req, field.name)
-        if not any(value == n and type(value) is type(n) for n in field.neutral):
+    for field, path in _CHECKS:
+        value = req
+        for part in path:  # None where a part is absent (another endpoint's field, no stream_options)
+            value = getattr(value, part, None)
+        if _uses(value, field.neutral):
             raise bad_request(f"{field.name} is not supported{field.hint}", field.name, "unsupported")
