@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -173,6 +173,12 @@ class DiskTier:
             self.counters["disk.fetch_damaged"] += f.end_block == 0
             f.future = None
         return f.start_block <= hit_blocks < f.end_block
+
+    def wait(self, timeout: float) -> None:
+        """Block until a read in flight finishes, at most ``timeout`` seconds."""
+        running = [f.future for f in self.fetches.values() if f.future is not None and not f.future.done()]
+        if running:
+            wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def discard(self, request_id: str) -> None:
         """Forget a request's fetch (used, or the request is gone); a read still running

@@ -358,6 +358,12 @@ class CacheManager:
             request_id, match.hashes, match.hit_blocks, (len(token_ids) - 1) // self.block_size
         )
 
+    def wait_for_disk(self, timeout: float = 0.005) -> None:
+        """Block up to ``timeout`` seconds for a read from disk to finish (when nothing else
+        can run, instead of spinning); returns at once when none is being read."""
+        if self.disk is not None:
+            self.disk.wait(timeout)
+
     def forget(self, request_id: str) -> None:
         """A request that was never admitted (or has ended) is gone: its fetch too."""
         if self.disk is not None:
