@@ -330,6 +330,8 @@ class CacheManager:
         if seq.loads:
             seq.load_since = time.monotonic()
         self.active[request_id] = seq
+        if self.disk is not None:
+            self.disk.discard(request_id)  # used (its loads hold the bytes), or not needed now
         return seq
 
     def _load_from_disk(self, seq: SeqCache, disk: DiskFetch, hit: int) -> None:
@@ -347,7 +349,6 @@ class CacheManager:
         )
         seq.num_cached_tokens = end * self.block_size
         seq.disk_hit_tokens = (end - hit) * self.block_size
-        self.disk.discard(seq.request_id)  # the loads hold the bytes now
 
     def disk_fetch(self, request_id: str, token_ids: Sequence[int], match: PrefixMatch) -> DiskFetch | None:
         """The request's disk hit beyond ``match`` (``DiskTier.fetch``): None when the disk

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from deltaserve.engine.errors import ConfigError
-from tests.engine.test_prefix_cache import rand_tokens, serve
+from tests.engine.test_prefix_cache import converse, rand_tokens, serve
 
 TURNS = 3
 
@@ -188,4 +188,31 @@ def test_with_a_host_tier_under_pressure_every_tier_serves_and_nothing_changes(
         + s["prefix_cache.hit_tokens_host"]
         + s["prefix_cache.hit_tokens_disk"]
     )
+    core.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+def test_one_budget_under_pressure_with_a_disk_changes_nothing(
+    core_factory: Any, tmp_path: Path, overlap: bool
+) -> None:
+    """One device budget too small for the conversations (served side by side: KV blocks move
+    out of pages that captures take, so a disk load's block may move before its copy runs),
+    with a disk below it: outputs equal cache-off at every turn."""
+    page = 14 * 32 * 1024  # the tiny model's page: 14 KV blocks of 16 tokens, one checkpoint
+    core = core_factory(
+        **_disk(
+            tmp_path,
+            **{
+                "cache.num_kv_blocks": None,
+                "cache.memory_bytes": (8 + 16) * page,  # 8 live slots, 16 shared pages
+                "cache.checkpoint_interval": 64,
+                "engine.async_scheduling": overlap,
+            },
+        )
+    )
+    assert core.capacity.num_pages == 16 and core.cache.budget is not None
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    converse(core, plain, random.Random(32), 8)
+    s = core.stats()
+    assert s["prefix_cache.hit_tokens_disk"] > 0 and s["kv.moved_blocks"] > 0
     core.close()
