@@ -16,7 +16,16 @@ from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node
 from deltaserve.cache.state_pool import SlotState, StatePool
-from deltaserve.cache.types import Capture, CaptureCandidate, CaptureKind, CheckpointClass, SeqCache, StepPlan
+from deltaserve.cache.types import (
+    Capture,
+    CaptureCandidate,
+    CaptureKind,
+    CheckpointClass,
+    SeqCache,
+    StepPlan,
+    Tier,
+    TransferKind,
+)
 
 
 class CheckpointStore:
@@ -42,6 +51,10 @@ class CheckpointStore:
         self.eviction = eviction
         self.host = host  # where evicted checkpoints go (when it takes them)
         self.checkpoint_bytes = checkpoint_bytes
+        # the disk tier's hooks (``cache/disk_tier.py``): a checkpoint published; a checkpoint
+        # evicted from the device that the host did not take (slot detached, bytes intact)
+        self.on_publish: Callable[[Node], None] | None = None
+        self.on_drop: Callable[[Node, Tier, int], None] | None = None
         self.attached: dict[int, Node] = {}  # slot -> node holding it
         self.trackers: dict[int, SeqCache] = {}  # tracking slot -> its decoding request
         self.counters: dict[str, int] = dict.fromkeys(
@@ -74,6 +87,8 @@ class CheckpointStore:
             self.slots.set_state(slot, state)
             raise
         self.counters["checkpoints.stored"] += 1
+        if self.on_publish is not None:
+            self.on_publish(node)
 
     def detach(self, node: Node) -> int:
         """Unpublish ``node``'s checkpoint; its slot stays in use (the caller's)."""
@@ -90,7 +105,8 @@ class CheckpointStore:
         """Evict ``node``'s checkpoint from the device: demoted to the host tier when it
         takes it (the save runs before this step reuses the slot), else dropped."""
         slot = self.detach(node)
-        self.host.demote_checkpoint(node, slot)
+        if not self.host.demote_checkpoint(node, slot) and self.on_drop is not None:
+            self.on_drop(node, Tier.DEVICE, slot)
         self.slots.free_checkpoint(slot)
 
     # ------------------------------------------------------------------ slots
@@ -313,7 +329,7 @@ class CheckpointStore:
                 pins[id(seq.restore_node)] = pins.get(id(seq.restore_node), 0) + 1
                 assert seq.restore_node.checkpoint_slot is not None, "restore source lost its checkpoint"
             for t in seq.loads:  # a restore from the host tier, pinned until it lands
-                if not t.kind.is_kv:
+                if t.kind is TransferKind.STATE_LOAD:
                     pins[id(t.node)] = pins.get(id(t.node), 0) + 1
                     assert t.node.host_slot == t.src, "host restore source lost its checkpoint"
         for n in nodes:

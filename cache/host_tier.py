@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from deltaserve.cache.arena import blocks_per_page
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node, RadixTree
-from deltaserve.cache.types import SeqCache, Transfer, TransferKind
+from deltaserve.cache.types import SeqCache, Tier, Transfer, TransferKind
 
 FREE, KV, CHECKPOINT = 0, 1, 2  # what a host page holds
 
@@ -188,6 +188,9 @@ class HostTier:
         self.attached: dict[int, Node] = {}  # host slot -> node holding it
         self.owner: dict[int, Node] = {}  # host block -> node holding it
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
+        # the disk tier's hook: a host checkpoint evicted (its bytes intact until the next
+        # step's copies), called before it goes
+        self.on_drop: Callable[[Node, Tier, int], None] | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             ("host.kv_demoted_blocks", "host.kv_evicted_blocks", "host.checkpoints_demoted",
              "host.checkpoints_evicted", "host.checkpoints_refused", "host.bytes_saved",
@@ -344,8 +347,10 @@ class HostTier:
             if weakest > worth or (self.pages is None and weakest >= worth) or (victim is None and not nodes):
                 return -1
             if victim is not None and victim_worth <= page_worth:
+                self._evict_checkpoints([victim])
                 self.drop_checkpoint(victim)
             else:
+                self._evict_checkpoints(nodes, below=True)
                 self._drop_nodes(nodes)
         return self._take()
 
@@ -394,10 +399,12 @@ class HostTier:
             if victim is not None and (
                 leaf is None or (worth, victim.last_access) <= (self.worth(leaf), leaf.last_access)
             ):
+                self._evict_checkpoints([victim])
                 self.drop_checkpoint(victim)
                 return True
         if leaf is None:
             return False
+        self._evict_checkpoints([leaf])
         self.remove(leaf)
         return True
 
@@ -405,8 +412,22 @@ class HostTier:
         node = self.tree.peek_host_leaf()
         if node is None:
             return False
+        self._evict_checkpoints([node])
         self.remove(node)
         return True
+
+    def _evict_checkpoints(self, nodes: list[Node], *, below: bool = False) -> None:
+        """The host checkpoints of ``nodes`` (and, with ``below``, of the host nodes under
+        them) are being evicted: the disk tier's hook sees each first."""
+        if self.on_drop is None:
+            return
+        stack = list(nodes)
+        while stack:
+            n = stack.pop()
+            if n.host_slot is not None and not n.ckpt_moving:
+                self.on_drop(n, Tier.HOST, n.host_slot)
+            if below:
+                stack.extend(n.children.values())
 
     def remove(self, node: Node) -> None:
         """Drop a host node with no children (and its host checkpoint) from the tree."""

@@ -13,6 +13,9 @@ by ``CacheManager.admit``. This queue owns their life after that:
 * ``cancel(seq)``: a request ends before its loads landed; what it promoted goes back
   to the host, its host restore is unpinned.
 
+Disk loads (``TransferKind.DISK_*``: bytes read before admission into the request's private
+blocks and live slot) ride the same queue, budget and landing; they touch no tree node.
+
 Invariant: a staged load is in exactly one of ``staged`` (waiting for a step) or the
 in-flight plan's ``loads``; ``CacheManager.check_integrity`` checks the two together.
 Torch-free.
@@ -42,7 +45,8 @@ class LoadQueue:
         self.tree, self.blocks, self.host, self.ckpts = tree, blocks, host, ckpts
         self.counters: dict[str, int] = dict.fromkeys(
             ("host.loads_completed", "host.load_wait_ms", "host.kv_promoted_blocks",
-             "host.checkpoints_restored", "host.bytes_loaded", "host.failed_loads"), 0)  # fmt: skip
+             "host.checkpoints_restored", "host.bytes_loaded", "host.failed_loads", "disk.loads_completed",
+             "disk.kv_loaded_blocks", "disk.checkpoints_loaded", "disk.bytes_loaded", "disk.failed_loads", "disk.load_wait_ms"), 0)  # fmt: skip
         self.budget = budget  # bytes of loads per step; None = unbounded
         self.staged: list[Transfer] = []  # loads staged for the next step's plan
         self.staged_bytes = 0
@@ -53,13 +57,16 @@ class LoadQueue:
         for t in seq.loads:
             if t.staged:
                 continue
-            size = self.host.nbytes(t.kind)
+            size = self._nbytes(t)
             if self.budget is not None and self.staged and self.staged_bytes + size > self.budget:
                 return False
             t.staged = True
             self.staged.append(t)
             self.staged_bytes += size
         return True
+
+    def _nbytes(self, t: Transfer) -> int:
+        return t.nbytes_hint if t.kind.from_disk else self.host.nbytes(t.kind)
 
     def take(self) -> list[Transfer]:
         """The staged loads, for the step being planned (the queue starts empty again)."""
@@ -109,9 +116,13 @@ class LoadQueue:
         counters = self.counters
         if broken:
             t.staged = False
-            counters["host.failed_loads"] += failed
+            counters["disk.failed_loads" if t.kind.from_disk else "host.failed_loads"] += failed
+            return
+        if t.kind.from_disk:
+            self._land_disk(t, seq, now)
             return
         if t.kind is TransferKind.KV_LOAD:
+            assert t.node is not None
             self.tree.set_moving(t.node, False)
             try:
                 self.host.release_block(t.node)
@@ -120,6 +131,7 @@ class LoadQueue:
                 raise
             counters["host.kv_promoted_blocks"] += 1
         else:
+            assert t.node is not None
             self.ckpts.unpin_source(t.node)
             seq.restored_from = t.node
             counters["host.checkpoints_restored"] += 1
@@ -130,13 +142,28 @@ class LoadQueue:
             counters["host.loads_completed"] += 1
             counters["host.load_wait_ms"] += round(1000 * (now - seq.load_since))
 
+    def _land_disk(self, t: Transfer, seq: SeqCache, now: float) -> None:
+        """A disk load ran: its bytes are in the request's block or live slot."""
+        counters = self.counters
+        kv = t.kind is TransferKind.DISK_KV_LOAD
+        counters["disk.kv_loaded_blocks" if kv else "disk.checkpoints_loaded"] += 1
+        counters["disk.bytes_loaded"] += t.nbytes_hint
+        t.staged = False
+        t.payload = None
+        seq.loads.remove(t)
+        if not seq.loads:
+            counters["disk.loads_completed"] += 1
+            counters["disk.load_wait_ms"] += round(1000 * (now - seq.load_since))
+
     def cancel(self, seq: SeqCache) -> None:
         """``seq`` ends before its loads landed: its promoted nodes go back to the host
         (deepest first; the request has unpinned them), its host restore is unpinned."""
         if any(t.staged for t in seq.loads):
             self.staged = [t for t in self.staged if t.seq is not seq]
-            self.staged_bytes = sum(self.host.nbytes(t.kind) for t in self.staged)
+            self.staged_bytes = sum(self._nbytes(t) for t in self.staged)
         for t in reversed(seq.loads):
+            if t.kind.from_disk or t.node is None:
+                continue  # private blocks and the live slot: the request's release frees them
             if t.kind is TransferKind.KV_LOAD:
                 self.blocks.free(self.tree.demote(t.node, t.node.host_block))
                 self.tree.set_moving(t.node, False)

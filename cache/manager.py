@@ -43,6 +43,7 @@ from deltaserve.cache.admission import get_admission_policy
 from deltaserve.cache.arena import Arena
 from deltaserve.cache.block_pool import BlockPool, PagedBlockPool
 from deltaserve.cache.checkpoint_store import CheckpointStore
+from deltaserve.cache.disk_tier import DiskFetch, DiskTier
 from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import make_eviction
 from deltaserve.cache.host_tier import HostTier
@@ -58,6 +59,7 @@ from deltaserve.cache.types import (
     SeqCache,
     StepItem,
     StepPlan,
+    Tier,
     Transfer,
     TransferKind,
 )
@@ -118,6 +120,8 @@ COUNTER_KEYS = (
     "kv.moved_blocks", "cache.pages_to_kv", "cache.pages_to_checkpoints", "checkpoints.evicted_for_kv",
     "cache.kv_refused",
     "host.checkpoints_refused",
+    "prefix_cache.hit_tokens_disk", "disk.loads_completed", "disk.kv_loaded_blocks",
+    "disk.checkpoints_loaded", "disk.bytes_loaded", "disk.failed_loads", "disk.load_wait_ms",
 )  # fmt: skip
 
 
@@ -197,8 +201,9 @@ class CacheManager:
         )
         self._counters: dict[str, int] = dict.fromkeys(
             ("prefix_cache.queries", "prefix_cache.query_tokens", "prefix_cache.hit_tokens",
-             "prefix_cache.hit_tokens_device", "prefix_cache.hit_tokens_host", "checkpoints.restored",
-             "checkpoints.duplicate", "kv.evicted_blocks"), 0)  # fmt: skip
+             "prefix_cache.hit_tokens_device", "prefix_cache.hit_tokens_host", "prefix_cache.hit_tokens_disk",
+             "checkpoints.restored", "checkpoints.duplicate", "kv.evicted_blocks"), 0)  # fmt: skip
+        self.disk: DiskTier | None = None  # the persistent tier (``attach_disk``)
         self.active: dict[str, SeqCache] = {}
         self._inflight: StepPlan | None = None
         self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
@@ -209,6 +214,21 @@ class CacheManager:
         self.config.prefill_cost_per_token = per_token
         self.config.prefill_cost_per_token_pair = per_token_pair
         self.eviction.set_cost(CostModel(per_token, per_token_pair))
+
+    def attach_disk(self, disk: DiskTier) -> None:
+        """Use ``disk`` as the tier below the host (``cache/disk_tier.py``): published
+        checkpoints are written through, evicted ones written back, hits read from it."""
+        if not (self.enabled and self.has_gdn):
+            raise ValueError("a disk tier needs prefix caching and a model with GDN layers")
+        self.disk = disk
+        self.ckpts.on_publish = disk.note_checkpoint
+        self.ckpts.on_drop = disk.write_back
+        self.host.on_drop = disk.write_back
+
+    def detach_disk(self) -> None:
+        """Go on without the disk tier (it is being closed); fetches in flight are dropped."""
+        self.disk = None
+        self.ckpts.on_publish = self.ckpts.on_drop = self.host.on_drop = None
 
     @property
     def counters(self) -> dict[str, int]:
@@ -269,9 +289,12 @@ class CacheManager:
         prompt_len: int | None = None,
         hashes: list[int] | None = None,
         match: PrefixMatch | None = None,
+        disk: DiskFetch | None = None,
     ) -> SeqCache | None:
         """Start caching for a request; None when no live state slot is free. ``match``: the
-        request's ``match`` result (used when still current, else matched again).
+        request's ``match`` result (used when still current, else matched again). ``disk``:
+        its disk fetch (``disk_fetch``), used when it extends the hit: the request then loads
+        the disk's KV into private blocks and its checkpoint into the live slot.
 
         Hit-rate stats are the caller's to record (``record_query``), once per request: an
         admission may be undone (no KV for it yet) and retried on a later step.
@@ -283,8 +306,11 @@ class CacheManager:
         if match is None or match.version != self.kv.version or match.num_tokens != len(token_ids):
             match = self.match(token_ids, salt, hashes, key=request_id)
         path, hit = match.path, match.hit_blocks
+        if disk is not None and (self.disk is None or not self.disk.usable(disk, hit)):
+            disk = None
+        from_disk = disk.end_block - hit if disk is not None else 0
         on_host = [n for n in path[:hit] if n.block_id < 0]
-        if on_host and not self._make_room(path[:hit], len(on_host)):
+        if (on_host or from_disk) and not self._make_room(path[:hit], len(on_host) + from_disk):
             return None  # no device blocks to promote the hit into now: retry later
         self._matches.pop(request_id, None)
         seq = SeqCache(request_id, salt, prompt_len or len(token_ids), hashes=match.hashes)
@@ -294,15 +320,55 @@ class CacheManager:
         seq.host_hit_tokens = len(on_host) * self.block_size
         if self.has_gdn:
             seq.state_slot = self.slots.allocate_live()
+        if disk is not None:
+            self._load_from_disk(seq, disk, hit)
+        elif self.has_gdn and self.enabled and hit > 0:
+            self._pin_restore_source(seq, path[hit - 1])
         if self.has_gdn and self.enabled:
-            if hit > 0:
-                self._pin_restore_source(seq, path[hit - 1])
             seq.branch_boundary = self.kv.branch_boundary(match, token_ids, self.unit)
             self.kv.hold_inflight(seq, len(token_ids) // self.block_size)
         if seq.loads:
             seq.load_since = time.monotonic()
         self.active[request_id] = seq
+        if self.disk is not None:
+            self.disk.discard(request_id)  # used (its loads hold the bytes), or not needed now
         return seq
+
+    def _load_from_disk(self, seq: SeqCache, disk: DiskFetch, hit: int) -> None:
+        """``seq`` resumes at ``disk.end_block``: private blocks for the disk's KV after the
+        tree hit, loads of those blocks (by index in the block table: a block may move before
+        its load runs) and of the checkpoint into the live slot."""
+        assert self.disk is not None
+        end = disk.end_block
+        self.kv.grow(seq, end - hit)
+        for i in range(hit, end):
+            payload = disk.kv[i - disk.start_block]
+            seq.loads.append(Transfer(TransferKind.DISK_KV_LOAD, None, i, -1, seq, payload=payload))
+        seq.loads.append(
+            Transfer(TransferKind.DISK_STATE_LOAD, None, 0, seq.state_slot, seq, payload=disk.state)
+        )
+        seq.num_cached_tokens = end * self.block_size
+        seq.disk_hit_tokens = (end - hit) * self.block_size
+
+    def disk_fetch(self, request_id: str, token_ids: Sequence[int], match: PrefixMatch) -> DiskFetch | None:
+        """The request's disk hit beyond ``match`` (``DiskTier.fetch``): None when the disk
+        adds nothing; else being read (``done`` false: the request waits) or read."""
+        if self.disk is None or not match.hashes:
+            return None
+        return self.disk.fetch(
+            request_id, match.hashes, match.hit_blocks, (len(token_ids) - 1) // self.block_size
+        )
+
+    def wait_for_disk(self, timeout: float = 0.005) -> None:
+        """Block up to ``timeout`` seconds for a read from disk to finish (when nothing else
+        can run, instead of spinning); returns at once when none is being read."""
+        if self.disk is not None:
+            self.disk.wait(timeout)
+
+    def forget(self, request_id: str) -> None:
+        """A request that was never admitted (or has ended) is gone: its fetch too."""
+        if self.disk is not None:
+            self.disk.discard(request_id)
 
     def _promote(self, seq: SeqCache, on_host: list[Node]) -> None:
         """Give each host node of ``seq``'s hit a device block and queue its load."""
@@ -326,14 +392,16 @@ class CacheManager:
         the checkpoint that ends it: making room may demote, and so evict on the host)."""
         for node in path:
             self.tree.pin(node)
-        self.tree.pin_checkpoint(path[-1])
+        if path:
+            self.tree.pin_checkpoint(path[-1])
         try:
             while self.blocks.num_free < need:
                 if not self._free_one_block():
                     return False
             return True
         finally:
-            self.tree.unpin_checkpoint(path[-1])
+            if path:
+                self.tree.unpin_checkpoint(path[-1])
             for node in path:
                 self.tree.unpin(node)
 
@@ -344,7 +412,7 @@ class CacheManager:
 
     def has_transfers(self) -> bool:
         """Copies wait for a step (a step with no forward may run just for them)."""
-        return bool(self.load_queue.staged or self.host.saves)
+        return bool(self.load_queue.staged or self.host.saves or (self.disk is not None and self.disk.saves))
 
     def land_transfers(self, plan: StepPlan, failed: Collection[Transfer] = ()) -> list[SeqCache]:
         """The plan's copies ran; the requests whose loads failed (``LoadQueue.land``)."""
@@ -358,8 +426,10 @@ class CacheManager:
         counters["prefix_cache.query_tokens"] += query_tokens
         counters["prefix_cache.hit_tokens"] += hit_tokens
         host = seq.host_hit_tokens if seq is not None else 0
+        disk = seq.disk_hit_tokens if seq is not None else 0
         counters["prefix_cache.hit_tokens_host"] += host
-        counters["prefix_cache.hit_tokens_device"] += hit_tokens - host
+        counters["prefix_cache.hit_tokens_disk"] += disk
+        counters["prefix_cache.hit_tokens_device"] += hit_tokens - host - disk
         if seq is not None and self.budget is not None:
             self.budget.on_query(seq.hashes, (query_tokens - 1) // self.block_size, hit_tokens)
         if seq is not None and self.has_gdn and self.enabled:
@@ -408,6 +478,11 @@ class CacheManager:
                 self.ckpts.evict(node)
             self.blocks.free(device_block)
             return
+        if self.disk is not None:  # the last tier above lets it go: keep it on disk
+            if node.checkpoint_slot is not None:
+                self.disk.write_back(node, Tier.DEVICE, node.checkpoint_slot)
+            elif node.host_slot is not None and not node.ckpt_moving:
+                self.disk.write_back(node, Tier.HOST, node.host_slot)
         if node.checkpoint_slot is not None:
             self.ckpts.drop(node)
         self.host.drop_below(node)
@@ -444,6 +519,12 @@ class CacheManager:
         if self.budget is not None:
             plan.moves = self.budget.take_moves()
         plan.loads = self.load_queue.take()
+        if self.disk is not None:
+            self.disk.plan_writes()
+            plan.disk_saves = self.disk.take_saves()
+            for t in plan.loads:  # by index: the block may have moved since admission
+                if t.kind is TransferKind.DISK_KV_LOAD:
+                    t.dst = t.seq.block_table[t.src]  # type: ignore[union-attr]
         return plan
 
     def _plan_checkpoints(self, plan: StepPlan) -> StepPlan:
@@ -611,7 +692,8 @@ class CacheManager:
     def usage(self) -> dict[str, int | float]:
         """Pool occupancy; O(1), so it can be sampled after every step."""
         shared = self.budget.usage() if self.budget is not None else {}
-        return {**self.kv.usage(), **self.ckpts.usage(), **self.host.usage(), **shared}
+        disk = self.disk.stats() if self.disk is not None else {}
+        return {**self.kv.usage(), **self.ckpts.usage(), **self.host.usage(), **shared, **disk}
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.counters)

@@ -13,6 +13,35 @@ from dataclasses import dataclass, field
 from deltaserve.cache.radix_tree import Node
 
 
+class Tier(enum.Enum):
+    """Where a disk save reads its bytes."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+class DiskItemKind(enum.IntEnum):
+    """What a disk item holds (the store's kinds, ``cache/disk_store.py``)."""
+
+    KV = 1  # one KV block, every attention layer
+    CHECKPOINT = 2  # one GDN checkpoint, every GDN layer
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSave:
+    """One item to copy out to the disk tier: ``src`` is a block id (KV) or checkpoint slot
+    in ``tier``; ``key`` its chained block hash, ``parent`` the hash of the KV block before
+    it (a checkpoint's parent is the KV block it ends: the same key); ``cost`` what a hit
+    through it saves, in tokens of prefill (0 for KV: its value is the checkpoints')."""
+
+    kind: DiskItemKind
+    key: int
+    parent: int
+    tier: Tier
+    src: int
+    cost: float
+
+
 class CheckpointClass(enum.IntEnum):
     """``v1`` eviction classes (lowest evicted first; LRU within a class)."""
 
@@ -47,16 +76,24 @@ class CaptureKind(enum.Enum):
 
 
 class TransferKind(enum.Enum):
-    """A copy between the device and host tiers (``cache/host_tier.py``)."""
+    """A copy between tiers: device and host (``cache/host_tier.py``), disk (``cache/disk_tier.py``)."""
 
     KV_SAVE = "kv_save"  # device KV block -> host block (demotion)
     CKPT_SAVE = "ckpt_save"  # device checkpoint slot -> host checkpoint slot (demotion)
     KV_LOAD = "kv_load"  # host block -> device block (promotion of a hit)
     STATE_LOAD = "state_load"  # host checkpoint slot -> the request's live slot (a restore)
+    # a disk hit, read and verified before admission (``Transfer.payload``): its KV into the
+    # request's private blocks, its checkpoint into the request's live slot
+    DISK_KV_LOAD = "disk_kv_load"
+    DISK_STATE_LOAD = "disk_state_load"
 
     @property
     def is_load(self) -> bool:
         return self in (TransferKind.KV_LOAD, TransferKind.STATE_LOAD)
+
+    @property
+    def from_disk(self) -> bool:
+        return self in (TransferKind.DISK_KV_LOAD, TransferKind.DISK_STATE_LOAD)
 
     @property
     def is_kv(self) -> bool:
@@ -66,14 +103,21 @@ class TransferKind(enum.Enum):
 @dataclass(eq=False)
 class Transfer:
     """One item copied between tiers: ``src`` and ``dst`` are block ids (KV) or slot ids
-    (checkpoints; a live slot for ``STATE_LOAD``) in their tiers' id spaces."""
+    (checkpoints; a live slot for ``STATE_LOAD``) in their tiers' id spaces. A disk load has
+    no node and no source id: its bytes are ``payload``."""
 
     kind: TransferKind
-    node: Node
+    node: Node | None
     src: int
     dst: int
     seq: SeqCache | None = None  # loads: the request waiting for it
     staged: bool = False  # in the next (or in-flight) step's plan
+    payload: bytes | None = None  # a disk load's verified bytes
+
+    @property
+    def nbytes_hint(self) -> int:
+        """A disk load's size (host copies are sized by the host tier)."""
+        return len(self.payload) if self.payload is not None else 0
 
 
 @dataclass(eq=False)
@@ -111,6 +155,7 @@ class SeqCache:
     # blocks, and its restore when the checkpoint is on the host), oldest first
     loads: list[Transfer] = field(default_factory=list)
     host_hit_tokens: int = 0  # tokens of the hit whose KV came from the host tier
+    disk_hit_tokens: int = 0  # tokens of the hit read from the disk tier
     load_since: float = 0.0  # time.monotonic() at admission, while loads are pending
 
 
@@ -182,4 +227,8 @@ class StepPlan:
     # (src, dst) device KV blocks copied after the saves, before the loads: a KV page vacated
     # for a checkpoint (shared budget, ``cache/arena.py``); part of the copies that land
     moves: list[tuple[int, int]] = field(default_factory=list)
+    # items copied out to the disk tier, first of all (before the host saves and moves may
+    # overwrite what they read); the runner hands the bytes to the store's writer and
+    # nothing waits for the disk
+    disk_saves: list[DiskSave] = field(default_factory=list)
     landed: bool = False

@@ -230,8 +230,9 @@ class AsyncEngine(EngineClient[RequestStream]):
         if self.core is not None:
             # the forward worker of async scheduling (abort_all above finished the step in flight;
             # after a dead loop, whatever is left is not worth another error)
+            # (in the worker: closing a disk tier writes what it lacks and flushes the store)
             with contextlib.suppress(Exception) if self._dead is not None else contextlib.nullcontext():
-                self.core.close()
+                await asyncio.get_running_loop().run_in_executor(self._executor, self.core.close)
         self._executor.shutdown(wait=True)
 
     @property

@@ -11,14 +11,20 @@ from typing import Any
 
 import torch
 
+from deltaserve.cache.disk_store import DiskStore, DiskStoreError
+from deltaserve.cache.disk_tier import DiskTier
 from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.client import ModelInfo
 from deltaserve.engine.config import DType, EngineConfig
+from deltaserve.engine.disk_io import DiskIO, identity
 from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.model_runner import ModelRunner, RunnerSizes
 from deltaserve.engine.sizing import Capacity, ModelShape, plan_capacity
 from deltaserve.kernels import Ops, get_ops
+from deltaserve.logs import get_logger
 from deltaserve.models import CacheSpec, LoadedModel
+
+log = get_logger("deltaserve.engine")
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
@@ -156,3 +162,49 @@ def model_info(config: EngineConfig, loaded: LoadedModel, capacity: Capacity, un
         checkpoint_unit=unit,
         capacity=capacity.describe(),
     )
+
+
+def open_disk_tier(
+    config: EngineConfig, loaded: LoadedModel, spec: CacheSpec, cache: CacheManager, runner: ModelRunner
+) -> DiskTier | None:
+    """The disk tier of ``cache.disk_path`` (None when unset), attached to the cache and the
+    runner. A store of another model or format is set aside by the store; a path another
+    engine holds is a ``ConfigError``. A model the tier cannot serve (no GDN layers) logs a
+    warning and runs without it."""
+    c = config.cache
+    if c.disk_path is None:
+        return None
+    if not (cache.enabled and cache.has_gdn and spec.num_attn_layers):
+        log.warning("disk.off", reason="the disk tier serves hybrid models (GDN and attention layers)")
+        return None
+    ident = identity(loaded, runner.caches, c.block_size, spec.gdn_chunk_size)
+    try:
+        store = DiskStore(c.disk_path, c.disk_bytes, ident)
+    except DiskStoreError as e:
+        raise ConfigError(f"cache.disk_path = {c.disk_path!r}: {e}") from None
+    tier = DiskTier(
+        store,
+        block_size=c.block_size,
+        unit_blocks=cache.unit // c.block_size,
+        kv_block_bytes=ident.kv_block_bytes,
+        checkpoint_bytes=ident.checkpoint_bytes,
+        write_bytes_per_s=c.disk_write_bytes_per_s,
+        read_buffer_bytes=c.disk_read_buffer_bytes,
+    )
+    cache.attach_disk(tier)
+    runner.disk = DiskIO(store)
+    return tier
+
+
+def close_disk_tier(tier: DiskTier, cache: CacheManager, runner: ModelRunner) -> None:
+    """Write every cached checkpoint the disk lacks (with its KV path), flush, unlock; the
+    cache and the runner go on without a disk tier. No step may be running."""
+    try:
+        tier.plan_all(cache.tree.nodes())
+        if runner.disk is not None:
+            runner.disk.save(tier.take_saves(), runner.caches, runner.host.caches if runner.host else None)
+    finally:
+        cache.detach_disk()
+        runner.disk = None
+        tier.close()
+        log.info("disk.closed", **tier.store.stats())

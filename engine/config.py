@@ -255,6 +255,32 @@ class CacheConfig(_Section):
             "hit needs more waits for them over several steps while others run. None: unbounded."
         ),
     ] = 256 * 2**20
+    disk_path: Annotated[
+        str | None,
+        _doc(
+            "Disk tier: a directory for a persistent store of KV blocks and checkpoints (below the host "
+            "tier, or the device when there is none). A restarted engine with the same model serves hits "
+            "from it; a store of another model or format is set aside. One engine per path (locked). "
+            "Unset = off."
+        ),
+    ] = None
+    disk_bytes: Annotated[
+        PosInt, _doc("Disk tier capacity in bytes; items beyond it are evicted by value per byte.")
+    ] = 16 * 2**30
+    disk_write_bytes_per_s: Annotated[
+        PosInt | None,
+        _doc(
+            "Disk tier: bytes per second written through (published checkpoints with their KV path) and "
+            "back (checkpoints the tiers above evict); beyond it items are skipped. None: unbounded."
+        ),
+    ] = 256 * 2**20
+    disk_read_buffer_bytes: Annotated[
+        PosInt,
+        _doc(
+            "Disk tier: host memory for hits read from disk and not yet loaded; a hit beyond it is "
+            "computed instead."
+        ),
+    ] = 2**30
 
     @property
     def fixed_split(self) -> bool:
@@ -276,6 +302,10 @@ class CacheConfig(_Section):
                 self.host_memory_bytes,
                 "one host budget or the fixed pair (host_kv_cache_bytes / host_checkpoint_pool_bytes), not both",
             )
+        if self.disk_path is not None and not self.disk_path.strip():
+            raise _bad("cache.disk_path", self.disk_path, "an empty path; unset it to turn the disk tier off")
+        if self.disk_path is not None and not self.enable_prefix_caching:
+            raise _bad("cache.disk_path", self.disk_path, "the disk tier needs enable_prefix_caching")
 
 
 class SchedulerConfig(_Section):

@@ -26,7 +26,9 @@ import torch
 
 from deltaserve.engine.builder import (
     build_runner,
+    close_disk_tier,
     model_info,
+    open_disk_tier,
     plan_engine_capacity,
     resolve_device,
     resolve_dtype,
@@ -115,6 +117,7 @@ class EngineCore:
         self.async_scheduling = config.engine.async_scheduling
         self.overlap = Overlap(self) if self.async_scheduling else None
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
         log.info(
             "engine.ready",
             model=str(self.loaded.path),
@@ -125,6 +128,7 @@ class EngineCore:
             block_size=config.cache.block_size,
             checkpoint_unit=self.cache.unit,
             **self.model_info.capacity,
+            **({"disk": self.disk.store.describe()} if self.disk is not None else {}),
         )
 
     # ------------------------------------------------------------------ requests
@@ -195,10 +199,14 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the forward worker thread (async scheduling), after the step in flight has been
-        processed (its outputs are dropped: call ``abort_all`` first to get them). Idempotent;
-        a later ``step`` starts the worker again."""
+        processed (its outputs are dropped: call ``abort_all`` first to get them), and close the
+        disk tier: every cached checkpoint it lacks is written, then the store is flushed and
+        unlocked. Idempotent; a later ``step`` starts the worker again (without a disk tier)."""
         if self.overlap is not None:
             self.overlap.close()
+        if self.disk is not None:
+            close_disk_tier(self.disk, self.cache, self.runner)
+            self.disk = None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -212,6 +220,7 @@ class EngineCore:
             return self.overlap.step()
         out = self.scheduler.schedule()
         if out is None:
+            self.cache.wait_for_disk()  # nothing runs: a read from disk may let a request in
             return []
         # copies between the device and host tiers first; a failed load ends its request only
         outputs = self._land(out, self.runner.transfer(out))

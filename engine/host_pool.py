@@ -77,7 +77,8 @@ class HostPool:
         """Run ``plan``'s saves, then ``between`` (if given; what it raises propagates), then the
         loads; the copies that failed, with their error."""
         failed: list[Failure] = []
-        if not plan.saves and not plan.loads:
+        loads = [t for t in plan.loads if not t.kind.from_disk]  # (the runner runs those)
+        if not plan.saves and not loads:
             if between is not None:
                 between()
             return failed
@@ -98,7 +99,7 @@ class HostPool:
             if self.stream is not None:
                 self.stream.wait_stream(current)  # loads land where the moves have vacated
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for group in _by_request(plan.loads):
+            for group in _by_request(loads):
                 try:
                     self._copy(group, device)
                 except Exception as e:

@@ -43,16 +43,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltaserve.cache.types import Transfer
 from deltaserve.engine.batch_buffer import BatchBuffer
+from deltaserve.engine.disk_io import DiskIO
 from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.request_state import RequestState
 from deltaserve.engine.sampling import Sampler, greedy
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.kernels import Ops
+from deltaserve.logs import get_logger
 from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
 from deltaserve.scheduler.request import Request, is_placeholder, placeholder_row
 from deltaserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
+
+log = get_logger("deltaserve.engine")
 
 
 @dataclass(eq=False)
@@ -166,6 +171,7 @@ class ModelRunner:
         self.default_generator = self.sampler.default_generator
         self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
         self.host: HostPool | None = None
+        self.disk: DiskIO | None = None  # the disk tier's copies (``EngineCore`` attaches it)
         if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots or sizes.num_host_pages:
             self.host = HostPool(
                 self.spec,
@@ -180,13 +186,36 @@ class ModelRunner:
         """The step's copies before its forward: host saves, device block moves, host loads; the
         host copies that failed, with their error. A failed move raises: blocks the cache
         believes whole would hold the wrong tokens, so the step cannot go on."""
-        moves = out.plan.moves
+        plan = out.plan
+        if plan.disk_saves and self.disk is not None:  # first: later copies may overwrite their rows
+            self.disk.save(plan.disk_saves, self.caches, self.host.caches if self.host is not None else None)
+        moves = plan.moves
         run_moves = (lambda: self.move_blocks(moves)) if moves else None
         if self.host is None:
             if run_moves is not None:
                 run_moves()
-            return []
-        return self.host.transfer(out.plan, self.caches, between=run_moves)
+            failed: list[Failure] = []
+        else:
+            failed = self.host.transfer(plan, self.caches, between=run_moves)
+        if self.disk is not None and any(t.kind.from_disk for t in plan.loads):
+            failed += self._disk_loads(plan.loads)
+        return failed
+
+    def _disk_loads(self, loads: Sequence[Transfer]) -> list[Failure]:
+        """The step's disk loads, one request at a time (a failure fails only its request)."""
+        assert self.disk is not None
+        failed: list[Failure] = []
+        groups: dict[int, list[Transfer]] = {}
+        for t in loads:
+            if t.kind.from_disk:
+                groups.setdefault(id(t.seq), []).append(t)
+        for group in groups.values():
+            try:
+                self.disk.load(group, self.caches)
+            except Exception as e:
+                log.error("disk.load_failed", request_id=group[0].seq.request_id, error=repr(e))  # type: ignore[union-attr]
+                failed += [(t, e) for t in group]
+        return failed
 
     def move_blocks(self, moves: Sequence[tuple[int, int]]) -> None:
         """KV block copies ``block[dst] = block[src]`` for every layer at once: in an arena each

@@ -104,6 +104,8 @@ class Overlap:
         out = self.core.scheduler.schedule()
         if out is not None:
             self.flight = self._submit(out, prev, outputs)
+        elif prev is None:
+            self.core.cache.wait_for_disk()  # nothing runs: a read from disk may let a request in
         if prev is not None:
             self._process_result(prev, outputs)
         return outputs

@@ -386,6 +386,9 @@ class Scheduler:
         step, 0 if not."""
         match = self._match(req)
         hit = match.hit_tokens
+        disk = self.cache.disk_fetch(req.request_id, req.token_ids, match)
+        if disk is not None and not disk.done:
+            return 0  # its disk hit is being read: the others go on meanwhile
         end = self._chunk_end(hit, req.num_tokens, step.budget)
         if end == hit:
             return None  # not even one chunk fits this step: keep the order, wait
@@ -398,12 +401,13 @@ class Scheduler:
             prompt_len=req.num_prompt_tokens,
             hashes=req.block_hashes,
             match=match,
+            disk=disk,
         )
         if seq is None:
             return None
-        # nothing changed since the match: admission found the same hit
-        assert seq.num_cached_tokens == hit
-        if seq.loads:  # host-tier hit: it computes once its copies have landed
+        # nothing changed since the match: admission found the same hit (or the disk's beyond it)
+        assert seq.num_cached_tokens == hit + seq.disk_hit_tokens
+        if seq.loads:  # host- or disk-tier hit: it computes once its copies have landed
             self._start(req, seq)
             self.cache.stage_loads(seq)
             return 0
@@ -499,6 +503,7 @@ class Scheduler:
         if req.cache is not None:
             self.cache.free(req.cache, publish_output=publish_output)
             req.cache = None
+        self.cache.forget(req.request_id)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         else:

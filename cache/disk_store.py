@@ -1,0 +1,759 @@
+"""The disk store: the storage layer of the disk tier (torch-free, opaque byte payloads).
+
+Items are byte payloads of two kinds (``ItemKind``: a KV block, a GDN checkpoint) keyed by
+128-bit ints (the chained block hashes). Contract:
+
+* ``put`` never waits on disk: it hands the item to one writer thread through a queue bounded
+  in items and bytes, and returns False (a counted drop) when it cannot take it.
+* An item is served by ``read`` only if it verifies (header checksum, kind, key, length and
+  the xxh3-64 of the payload); anything else is a miss, counted and forgotten, never an
+  exception. A kill -9 at any moment leaves only complete items under their final names
+  (each is written to ``tmp/`` and renamed into place); leftovers are removed at open.
+* ``capacity_bytes`` bounds the accounted bytes (payload + header rounded up to whole 4 KiB
+  filesystem blocks). Eviction is GreedyDual-Size-Frequency over *leaves* only: an item that
+  another stored or queued item depends on (its ``parent``) stays until its dependents go.
+* One process at a time: ``flock`` on ``<path>/lock``; a second opener gets ``DiskStoreLocked``.
+* A store is reused only if its manifest's ``StoreIdentity`` equals the caller's; otherwise
+  its contents are moved to ``<path>/set-aside-<utc stamp>/`` and a warning names the fields
+  that differ.
+
+Layout (one file per item; ``tools/bench_disk_store.py`` measures it against segment files):
+``manifest.json``, ``items/<first byte of key>/<kind>-<key hex>``, ``tmp/``, ``index.bin``
+(the index saved at close, with frequencies, so an open reads no item headers; an open
+still lists ``items/`` and reconciles, so a stale or missing ``index.bin`` only costs time).
+
+fsync policy: none per item. A crash of the process cannot tear a renamed file (its writes
+are in the page cache before the rename); a power loss can, and then the payload checksum
+fails and the item is a miss. Durability of the last items across a power loss is not
+promised. ``manifest.json`` and ``index.bin`` are fsynced before their rename (rare writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import fcntl
+import heapq
+import math
+import os
+import shutil
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import msgspec
+import xxhash
+
+from deltaserve.logs import get_logger
+
+log = get_logger("deltaserve.cache")
+
+FORMAT_VERSION = 1
+
+_MAGIC = b"DSI1"
+# magic, format, kind, reserved, key, parent, payload length, cost, payload xxh3_64
+_HEAD_BODY = struct.Struct("<4sHBB16s16sQdQ")
+_HEAD_SUM = struct.Struct("<Q")  # xxh3_64 of the body: a torn header never parses
+HEADER_BYTES = _HEAD_BODY.size + _HEAD_SUM.size
+FS_BLOCK = 4096
+_FANOUT_BITS = 8  # 256 item directories: ~2.5 k files each for 10 GB of 16 KiB items
+
+_INDEX_MAGIC = b"DSX1"
+_INDEX_HEAD = struct.Struct("<4sHQdQ")  # magic, format, count, L, xxh3_64 of the records
+_INDEX_REC = struct.Struct("<B16s16sQdQ")  # kind, key, parent, length, cost, freq
+_MAX_CHAIN = 1 << 16  # bound on the walk for a checkpoint's exclusive KV path
+_ERROR_LOG_INTERVAL_S = 60.0
+_KEY_LIMIT = 1 << 128
+
+
+class ItemKind(enum.IntEnum):
+    KV = 1
+    CHECKPOINT = 2
+
+
+class StoreIdentity(msgspec.Struct, frozen=True):
+    """What must match for a store to be reused: else it is set aside, never mixed."""
+
+    model: str  # hash of the model config
+    weights: str  # weights fingerprint
+    dtype: str
+    block_size: int
+    gdn_chunk_size: int
+    salt_rule: str  # how cache salts/namespaces are formed (a version string)
+    kv_block_bytes: int
+    checkpoint_bytes: int
+    format: int = FORMAT_VERSION  # the on-disk format of this module
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "gdn_chunk_size", "kv_block_bytes", "checkpoint_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"StoreIdentity.{name} must be > 0, got {getattr(self, name)}")
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    identity: StoreIdentity
+    created: float  # unix time the store was created
+
+
+class DiskStoreError(Exception):
+    """The disk store cannot be opened or used as asked."""
+
+
+class DiskStoreLocked(DiskStoreError):
+    """Another DiskStore (this process or another) holds the path."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    kind: ItemKind
+    key: int
+    parent: int
+    length: int  # payload bytes
+    size: int  # accounted bytes on disk
+    cost: float
+    freq: int
+    base: float = 0.0  # GDSF's L when the item was last written, read or made a leaf
+    h: float = 0.0  # GDSF priority as last pushed
+    gen: int = 0  # heap entries with another gen are stale
+
+
+@dataclass(slots=True)
+class _Pending:
+    kind: ItemKind
+    key: int
+    parent: int
+    payload: bytes
+    cost: float
+
+
+def accounted_bytes(length: int) -> int:
+    """Bytes an item of ``length`` payload bytes costs on disk: header + data, whole blocks."""
+    return -(-(HEADER_BYTES + length) // FS_BLOCK) * FS_BLOCK
+
+
+def encode_header(kind: ItemKind, key: int, parent: int, payload: bytes, cost: float) -> bytes:
+    body = _HEAD_BODY.pack(
+        _MAGIC,
+        FORMAT_VERSION,
+        int(kind),
+        0,
+        key.to_bytes(16, "little"),
+        parent.to_bytes(16, "little"),
+        len(payload),
+        cost,
+        xxhash.xxh3_64_intdigest(payload),
+    )
+    return body + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(raw: bytes) -> tuple[ItemKind, int, int, int, float, int] | None:
+    """(kind, key, parent, length, cost, payload checksum), or None if not a valid header."""
+    if len(raw) < HEADER_BYTES:
+        return None
+    body = raw[: _HEAD_BODY.size]
+    (checksum,) = _HEAD_SUM.unpack_from(raw, _HEAD_BODY.size)
+    if xxhash.xxh3_64_intdigest(body) != checksum:
+        return None
+    magic, fmt, kind, _, key, parent, length, cost, psum = _HEAD_BODY.unpack(body)
+    if magic != _MAGIC or fmt != FORMAT_VERSION or kind not in (1, 2):
+        return None
+    return (
+        ItemKind(kind),
+        int.from_bytes(key, "little"),
+        int.from_bytes(parent, "little"),
+        length,
+        cost,
+        psum,
+    )
+
+
+def _write_file(path: Path, header: bytes, payload: bytes) -> None:
+    """Write ``header + payload`` to a new file (the writer thread's only payload I/O)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        total = len(header) + len(payload)
+        done = os.writev(fd, [header, payload])
+        if done < total:  # a short write (rare, very large payloads): finish the rest
+            rest = memoryview(header + payload)[done:]
+            while rest:
+                rest = rest[os.write(fd, rest) :]
+    finally:
+        os.close(fd)
+
+
+def _fsync_replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class DiskStore:
+    """A bounded, crash-consistent, single-process store of KV blocks and checkpoints."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        identity: StoreIdentity,
+        *,
+        queue_items: int = 1024,
+        queue_bytes: int = 256 << 20,
+    ) -> None:
+        if capacity_bytes <= 0 or queue_items <= 0 or queue_bytes <= 0:
+            raise ValueError(
+                f"capacity_bytes, queue_items and queue_bytes must be > 0, got "
+                f"{capacity_bytes}, {queue_items}, {queue_bytes}"
+            )
+        if identity.format != FORMAT_VERSION:
+            raise DiskStoreError(
+                f"this module writes format {FORMAT_VERSION}, identity asks for {identity.format}"
+            )
+        t0 = time.perf_counter()
+        self._path = Path(path)
+        self._capacity = capacity_bytes
+        self._identity = identity
+        self._queue_items = queue_items
+        self._queue_bytes = queue_bytes
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._index: dict[tuple[ItemKind, int], _Entry] = {}
+        # number of stored *or queued* items whose parent is this key: a KV block with
+        # dependents is not a leaf (queued ones count so that a chain is not evicted from
+        # under a checkpoint that is still on its way to disk)
+        self._deps: dict[int, int] = {}
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._inflate = 0.0  # GDSF's L
+        self._used = 0
+        self._queue: deque[_Pending] = deque()
+        self._queued: set[tuple[ItemKind, int]] = set()
+        self._queued_bytes = 0
+        self._writing = False
+        self._closed = False
+        self._counters = dict.fromkeys(
+            (
+                "bytes_written",
+                "bytes_read",
+                "items_written",
+                "items_read",
+                "queue_drops",
+                "write_errors",
+                "damaged_items",
+                "evicted_items",
+            ),
+            0,
+        )
+        self._error_log_at: dict[str, float] = {}
+        self._path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._take_lock()
+        try:
+            self._set_aside: Path | None = None
+            self._created = self._open_manifest()
+            self._prepare_dirs()
+            self._load_index()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._opened_in_ms = (time.perf_counter() - t0) * 1e3
+        self._writer = threading.Thread(target=self._run_writer, name="disk-store-writer")
+        self._writer.daemon = True
+        self._writer.start()
+        log.info(
+            "disk_store.opened",
+            path=str(self._path),
+            items=len(self._index),
+            bytes=self._used,
+            capacity=self._capacity,
+            opened_in_ms=round(self._opened_in_ms, 1),
+        )
+
+    # ------------------------------------------------------------------ open
+    def _take_lock(self) -> int:
+        fd = os.open(self._path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DiskStoreLocked(
+                    f"disk store {self._path} is in use by another DiskStore (lock held)"
+                ) from e
+            raise DiskStoreError(f"cannot lock disk store {self._path}: {e}") from e
+        return fd
+
+    def _open_manifest(self) -> float:
+        """The store's creation time; sets a foreign or unreadable store aside first."""
+        mpath = self._path / "manifest.json"
+        contents = [
+            p for p in self._path.iterdir() if p.name != "lock" and not p.name.startswith("set-aside-")
+        ]
+        old: Manifest | None = None
+        reason = "empty"
+        if contents:
+            try:
+                old = msgspec.json.decode(mpath.read_bytes(), type=Manifest)
+                reason = "identity differs"
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+                reason = f"manifest unreadable: {type(e).__name__}"
+        if old is not None and old.identity == self._identity:
+            return old.created
+        if contents:
+            self._set_aside_contents(contents, old, reason)
+        created = time.time()
+        manifest = Manifest(identity=self._identity, created=created)
+        _fsync_replace(mpath, msgspec.json.encode(manifest))
+        return created
+
+    def _set_aside_contents(self, contents: list[Path], old: Manifest | None, reason: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest = self._path / f"set-aside-{stamp}"
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self._path / f"set-aside-{stamp}-{n}"
+        dest.mkdir()
+        for p in contents:
+            p.rename(dest / p.name)
+        self._set_aside = dest
+        differs: dict[str, object] = {}
+        if old is not None:
+            mine = msgspec.structs.asdict(self._identity)
+            theirs = msgspec.structs.asdict(old.identity)
+            differs = {k: {"store": theirs[k], "ours": v} for k, v in mine.items() if theirs[k] != v}
+        log.warning(
+            "disk_store.set_aside",
+            path=str(self._path),
+            set_aside=str(dest),
+            reason=reason,
+            differs=differs,
+        )
+
+    def _prepare_dirs(self) -> None:
+        tmp = self._path / "tmp"
+        if tmp.exists():  # partial writes of a crashed process
+            shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(exist_ok=True)
+        items = self._path / "items"
+        items.mkdir(exist_ok=True)
+        for i in range(1 << _FANOUT_BITS):
+            (items / f"{i:02x}").mkdir(exist_ok=True)
+
+    def _item_path(self, kind: ItemKind, key: int) -> Path:
+        return self._path / "items" / f"{key >> 120:02x}" / f"{int(kind)}-{key:032x}"
+
+    def _list_items(self) -> set[tuple[ItemKind, int]]:
+        found: set[tuple[ItemKind, int]] = set()
+        for sub in os.scandir(self._path / "items"):
+            for entry in os.scandir(sub.path):
+                name = entry.name
+                parsed = None
+                if len(name) == 34 and name[0] in "12" and name[1] == "-":
+                    with contextlib.suppress(ValueError):
+                        parsed = (ItemKind(int(name[0])), int(name[2:], 16))
+                if parsed is None or (parsed[1] >> 120) != int(sub.name, 16):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+                    continue
+                found.add(parsed)
+        return found
+
+    def _load_snapshot(self) -> dict[tuple[ItemKind, int], _Entry]:
+        """The index saved at the last close (empty if absent or damaged)."""
+        try:
+            raw = (self._path / "index.bin").read_bytes()
+        except OSError:
+            return {}
+        if len(raw) < _INDEX_HEAD.size:
+            return {}
+        magic, fmt, count, inflate, checksum = _INDEX_HEAD.unpack_from(raw)
+        body = memoryview(raw)[_INDEX_HEAD.size :]
+        ok = magic == _INDEX_MAGIC and fmt == FORMAT_VERSION and len(body) == count * _INDEX_REC.size
+        if not ok or xxhash.xxh3_64_intdigest(body) != checksum:
+            return {}
+        self._inflate = inflate
+        out: dict[tuple[ItemKind, int], _Entry] = {}
+        for kind, key, parent, length, cost, freq in _INDEX_REC.iter_unpack(body):
+            k = int.from_bytes(key, "little")
+            e = _Entry(
+                ItemKind(kind),
+                k,
+                int.from_bytes(parent, "little"),
+                length,
+                accounted_bytes(length),
+                cost,
+                freq,
+            )
+            out[(e.kind, k)] = e
+        return out
+
+    def _read_entry(self, kind: ItemKind, key: int) -> _Entry | None:
+        """An entry from an item's header (no payload read); None (file removed) if invalid."""
+        path = self._item_path(kind, key)
+        try:
+            with open(path, "rb") as f:
+                head = decode_header(f.read(HEADER_BYTES))
+                size = os.fstat(f.fileno()).st_size
+        except OSError:
+            return None
+        if head is None or head[0] != kind or head[1] != key or size != HEADER_BYTES + head[3]:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        _, _, parent, length, cost, _ = head
+        return _Entry(kind, key, parent, length, accounted_bytes(length), cost, 1)
+
+    def _load_index(self) -> None:
+        on_disk = self._list_items()
+        saved = self._load_snapshot()
+        for ident in on_disk:
+            e = saved.get(ident) or self._read_entry(*ident)
+            if e is not None:
+                self._index[ident] = e
+                self._used += e.size
+        for e in self._index.values():
+            if e.parent:
+                self._deps[e.parent] = self._deps.get(e.parent, 0) + 1
+        for e in self._index.values():
+            self._push(e)
+
+    # ------------------------------------------------------------------ eviction (lock held)
+    def _exclusive_size(self, e: _Entry) -> int:
+        """A checkpoint's bytes plus the KV path only it keeps useful."""
+        total = e.size
+        k = e.parent
+        for _ in range(_MAX_CHAIN):
+            kv = self._index.get((ItemKind.KV, k)) if k else None
+            if kv is None or self._deps.get(k, 0) != 1:
+                break
+            total += kv.size
+            k = kv.parent
+        return total
+
+    def _priority(self, e: _Entry) -> float:
+        """GDSF: H = L + freq * cost / size; a KV block's value lives in its checkpoints."""
+        if e.kind == ItemKind.KV or e.cost <= 0:
+            return e.base
+        return e.base + e.freq * e.cost / self._exclusive_size(e)
+
+    def _is_leaf(self, e: _Entry) -> bool:
+        return e.kind == ItemKind.CHECKPOINT or self._deps.get(e.key, 0) == 0
+
+    def _push(self, e: _Entry) -> None:
+        """(Re)insert ``e`` in the heap if it is a leaf; older heap entries become stale."""
+        e.gen += 1
+        if not self._is_leaf(e):
+            return
+        e.base = self._inflate
+        e.h = self._priority(e)
+        self._seq += 1
+        heapq.heappush(self._heap, (e.h, self._seq, e.gen, int(e.kind), e.key))
+
+    def _drop_dependent(self, parent: int) -> None:
+        """One dependent of ``parent`` is gone; the KV block there may now be a leaf."""
+        if not parent:
+            return
+        left = self._deps.get(parent, 0) - 1
+        if left > 0:
+            self._deps[parent] = left
+            return
+        self._deps.pop(parent, None)
+        kv = self._index.get((ItemKind.KV, parent))
+        if kv is not None:
+            self._push(kv)
+
+    def _remove(self, e: _Entry) -> None:
+        del self._index[(e.kind, e.key)]
+        self._used -= e.size
+        e.gen += 1
+        self._drop_dependent(e.parent)
+
+    def _pop_victim(self) -> _Entry | None:
+        while self._heap:
+            h, _, gen, kind, key = heapq.heappop(self._heap)
+            e = self._index.get((ItemKind(kind), key))
+            if e is None or e.gen != gen or not self._is_leaf(e):
+                continue
+            if e.kind == ItemKind.CHECKPOINT and e.cost > 0:
+                # lazily re-priced: a fork that appeared above it since it was pushed shortened
+                # its exclusive path, so its value per byte rose
+                now = e.base + e.freq * e.cost / self._exclusive_size(e)
+                if now > h:
+                    e.h = now
+                    self._seq += 1
+                    heapq.heappush(self._heap, (now, self._seq, e.gen, kind, key))
+                    continue
+            self._inflate = max(self._inflate, h)
+            return e
+        return None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def has(self, kind: ItemKind, key: int) -> bool:
+        """Written and indexed (a later ``read`` may still miss if the file was damaged)."""
+        with self._lock:
+            return (kind, key) in self._index
+
+    def items(self) -> list[tuple[ItemKind, int]]:
+        """Every (kind, key) written and indexed, in no particular order (a snapshot)."""
+        with self._lock:
+            return list(self._index)
+
+    def queued(self, kind: ItemKind, key: int) -> bool:
+        """Accepted by ``put``, not yet written."""
+        with self._lock:
+            return (kind, key) in self._queued
+
+    def put(
+        self,
+        kind: ItemKind,
+        key: int,
+        parent: int,
+        payload: bytes | bytearray | memoryview,
+        cost: float,
+    ) -> bool:
+        """Queue an item for the writer; False (a counted drop) if it cannot be taken now.
+
+        Never waits on disk. ``bytes`` are kept as they are; a ``bytearray`` or
+        ``memoryview`` is copied (the caller may reuse its buffer).
+        """
+        if not isinstance(kind, ItemKind):
+            raise ValueError(f"kind must be an ItemKind, got {kind!r}")
+        if not (0 <= key < _KEY_LIMIT and 0 <= parent < _KEY_LIMIT):
+            raise ValueError(f"key and parent must be 128-bit unsigned ints, got {key}, {parent}")
+        if not (math.isfinite(cost) and cost >= 0):
+            raise ValueError(f"cost must be finite and >= 0, got {cost}")
+        data = payload if isinstance(payload, bytes) else bytes(payload)
+        ident = (kind, key)
+        with self._lock:
+            refuse = (
+                self._closed
+                or ident in self._index
+                or ident in self._queued
+                or len(self._queue) >= self._queue_items
+                or self._queued_bytes + len(data) > self._queue_bytes
+                or accounted_bytes(len(data)) > self._capacity
+            )
+            if refuse:
+                self._counters["queue_drops"] += 1
+                return False
+            self._queue.append(_Pending(kind, key, parent, data, float(cost)))
+            self._queued.add(ident)
+            self._queued_bytes += len(data)
+            if parent:
+                self._deps[parent] = self._deps.get(parent, 0) + 1
+            self._cond.notify_all()
+        return True
+
+    def read(self, kind: ItemKind, key: int) -> bytes | None:
+        """The verified payload, or None (missing or damaged: counted and forgotten)."""
+        with self._lock:
+            e = self._index.get((kind, key))
+        if e is None:
+            return None
+        path = self._item_path(kind, key)
+        payload = None
+        try:
+            with open(path, "rb") as f:
+                head = decode_header(f.read(HEADER_BYTES))
+                if os.fstat(f.fileno()).st_size == HEADER_BYTES + e.length:
+                    payload = f.read(e.length)
+        except OSError:
+            head = None
+        ok = (
+            head is not None
+            and payload is not None
+            and head[:4] == (kind, key, e.parent, e.length)
+            and len(payload) == e.length
+            and xxhash.xxh3_64_intdigest(payload) == head[5]
+        )
+        with self._lock:
+            current = self._index.get((kind, key)) is e
+            if not ok:
+                if current:  # damaged; an item evicted meanwhile is just a miss
+                    self._counters["damaged_items"] += 1
+                    self._remove(e)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    log.warning("disk_store.damaged_item", kind=kind.name, key=f"{key:032x}")
+                return None
+            self._counters["items_read"] += 1
+            self._counters["bytes_read"] += e.length
+            if current:
+                e.freq += 1
+                self._push(e)
+        return payload
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is written (or dropped); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._writing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer, save the index, release the lock."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._writer.join()
+        try:
+            self._save_index()
+        except OSError as e:
+            log.warning("disk_store.index_save_failed", path=str(self._path), error=str(e))
+        os.close(self._lock_fd)
+        log.info("disk_store.closed", path=str(self._path), items=len(self._index))
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            out: dict[str, int | float] = {
+                "disk.items": len(self._index),
+                "disk.bytes": self._used,
+                "disk.capacity_bytes": self._capacity,
+                "disk.queue_items": len(self._queue),
+                "disk.queue_bytes": self._queued_bytes,
+            }
+            out.update({f"disk.{k}": v for k, v in self._counters.items()})
+        return out
+
+    def describe(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "path": str(self._path),
+                "items": len(self._index),
+                "bytes": self._used,
+                "capacity": self._capacity,
+                "age_s": round(time.time() - self._created, 1),
+                "opened_in_ms": round(self._opened_in_ms, 1),
+                "set_aside": None if self._set_aside is None else str(self._set_aside),
+            }
+
+    # ------------------------------------------------------------------ writer thread
+    def _run_writer(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:  # closed and drained
+                    self._cond.notify_all()
+                    return
+                item = self._queue.popleft()
+                self._writing = True
+            try:
+                self._write(item)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._queued.discard((item.kind, item.key))
+                    self._queued_bytes -= len(item.payload)
+                    self._cond.notify_all()
+
+    def _make_room(self, size: int) -> list[_Entry] | None:
+        """Victims to evict so ``size`` more bytes fit (removed from the index); None if
+        not enough can go. Lock held."""
+        victims: list[_Entry] = []
+        while self._used + size > self._capacity:
+            v = self._pop_victim()
+            if v is None:
+                return None if self._used + size > self._capacity else victims
+            self._remove(v)
+            victims.append(v)
+        return victims
+
+    def _write(self, item: _Pending) -> None:
+        size = accounted_bytes(len(item.payload))
+        with self._lock:
+            victims = self._make_room(size)
+            if victims is None:
+                self._counters["queue_drops"] += 1
+                self._drop_dependent(item.parent)
+                return
+            self._counters["evicted_items"] += len(victims)
+            self._used += size  # reserved while the file is written
+        for v in victims:
+            with contextlib.suppress(OSError):
+                os.unlink(self._item_path(v.kind, v.key))
+        header = encode_header(item.kind, item.key, item.parent, item.payload, item.cost)
+        final = self._item_path(item.kind, item.key)
+        tmp = self._path / "tmp" / final.name
+        try:
+            _write_file(tmp, header, item.payload)
+            os.rename(tmp, final)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            with self._lock:
+                self._used -= size
+                self._counters["write_errors"] += 1
+                self._drop_dependent(item.parent)
+            self._log_write_error(e)
+            return
+        with self._lock:
+            e = _Entry(item.kind, item.key, item.parent, len(item.payload), size, item.cost, 1)
+            self._index[(item.kind, item.key)] = e
+            self._push(e)
+            self._counters["items_written"] += 1
+            self._counters["bytes_written"] += len(item.payload)
+
+    def _log_write_error(self, e: OSError) -> None:
+        """Once per error kind per interval: a full disk would otherwise log every item."""
+        kind = errno.errorcode.get(e.errno or 0, type(e).__name__)
+        now = time.monotonic()
+        last = self._error_log_at.get(kind)
+        if last is not None and now - last < _ERROR_LOG_INTERVAL_S:
+            return
+        self._error_log_at[kind] = now
+        log.warning(
+            "disk_store.write_error",
+            path=str(self._path),
+            error=kind,
+            detail=str(e),
+            write_errors=self._counters["write_errors"],
+        )
+
+    def _save_index(self) -> None:
+        with self._lock:
+            entries = list(self._index.values())
+            inflate = self._inflate
+        body = b"".join(
+            _INDEX_REC.pack(
+                int(e.kind),
+                e.key.to_bytes(16, "little"),
+                e.parent.to_bytes(16, "little"),
+                e.length,
+                e.cost,
+                e.freq,
+            )
+            for e in entries
+        )
+        head = _INDEX_HEAD.pack(
+            _INDEX_MAGIC, FORMAT_VERSION, len(entries), inflate, xxhash.xxh3_64_intdigest(body)
+        )
+        _fsync_replace(self._path / "index.bin", head + body)
