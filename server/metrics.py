@@ -35,7 +35,11 @@ Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling
   vLLM), ``num_preemptions``, ``checkpoints_stored``, ``checkpoints_restored``,
   ``checkpoints_evicted``, ``checkpoints_skipped{reason=budget|pool|value}``, ``kv_evicted_blocks``,
   ``kv_moved_blocks``, ``checkpoints_evicted_for_kv``, ``cache_page_conversions{to=kv|checkpoint}``,
-  ``engine_requests{outcome=finished|aborted|failed}``, ``engine_steps``, ``engine_steps_failed``.
+  ``engine_requests{outcome=finished|aborted|failed}``, ``engine_steps``, ``engine_steps_failed``,
+  ``prefix_cache_hits_by_tier{tier=device|host|disk}``; with a disk tier ``disk_bytes_written``,
+  ``disk_bytes_read``, ``disk_queue_drops``, ``disk_write_errors``, ``disk_damaged_items``,
+  ``disk_evicted_items``, ``disk_reads``, ``disk_read_wait_seconds``, ``disk_load_wait_seconds``
+  and gauges ``disk_cache_bytes``, ``disk_cache_items``, ``disk_cache_capacity_bytes``.
 """
 
 from __future__ import annotations
@@ -100,6 +104,45 @@ class EngineCollector(Collector):
             counter.add_metric([self._model], float(s.get(key, 0)))
             yield counter
         yield from _labelled(s, self._model)
+        yield from _tiers(s, self._model)
+
+
+# the disk tier's counters (present when ``cache.disk_path`` is set): stats key -> (name, help, scale)
+_DISK_COUNTERS = {
+    "disk.bytes_written": ("disk_bytes_written", "Bytes written to the disk tier.", 1.0),
+    "disk.bytes_read": ("disk_bytes_read", "Bytes read from the disk tier (hits, verified).", 1.0),
+    "disk.queue_drops": ("disk_queue_drops", "Items not written: the writer queue was full or the item too large.", 1.0),
+    "disk.write_errors": ("disk_write_errors", "Items not written: an I/O error (disk full, ...).", 1.0),
+    "disk.damaged_items": ("disk_damaged_items", "Items that failed to verify on read (a miss; forgotten).", 1.0),
+    "disk.evicted_items": ("disk_evicted_items", "Items evicted from the disk tier by value per byte.", 1.0),
+    "disk.fetches": ("disk_reads", "Hits read from the disk tier before admission.", 1.0),
+    "disk.read_wait_ms": ("disk_read_wait_seconds", "Time requests waited for their disk reads (sum).", 1e-3),
+    "disk.load_wait_ms": ("disk_load_wait_seconds", "Time from admission until a disk hit's loads landed (sum).", 1e-3),
+}  # fmt: skip
+
+
+def _tiers(s: dict[str, Any], model: str) -> Iterator[Any]:
+    """Prefix hits by the tier that served them; the disk tier's counters and gauges."""
+    hits = CounterMetricFamily(
+        PREFIX + "prefix_cache_hits_by_tier",
+        "Prompt tokens served from the prefix cache, by the tier their KV came from.",
+        labels=[MODEL_LABEL, "tier"],
+    )
+    for tier in ("device", "host", "disk"):
+        hits.add_metric([model, tier], float(s.get(f"prefix_cache.hit_tokens_{tier}", 0)))
+    yield hits
+    if "disk.capacity_bytes" not in s:
+        return
+    for key, (name, doc, scale) in _DISK_COUNTERS.items():
+        counter = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+        counter.add_metric([model], float(s.get(key, 0)) * scale)
+        yield counter
+    for key, name, doc in (("disk.bytes", "disk_cache_bytes", "Bytes the disk tier holds."),
+                           ("disk.items", "disk_cache_items", "Items the disk tier holds."),
+                           ("disk.capacity_bytes", "disk_cache_capacity_bytes", "The disk tier's capacity.")):  # fmt: skip
+        gauge = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+        gauge.add_metric([model], float(s.get(key, 0)))
+        yield gauge
 
 
 def _gauges(s: dict[str, Any], model: str) -> Iterator[GaugeMetricFamily]:
