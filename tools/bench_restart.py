@@ -15,6 +15,7 @@ request), the tokens served from disk, and checks that the greedy outputs are eq
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import shutil
 import statistics
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         first = _engine(args, root / "store")
         _, answers = _turn(first, turn1, args.output_len)
         first.close()
+        del first  # one model in memory at a time
+        gc.collect()
         turn2 = [
             c + a + [rng.randrange(3, vocab) for _ in range(args.user_len)]
             for c, a in zip(turn1, answers, strict=True)
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cold = _engine(args, None)
         cold_ttft, cold_out = _turn(cold, turn2, args.output_len)
         del cold
+        gc.collect()
         warm = _engine(args, root / "store")
         opened = warm.disk.store.describe() if warm.disk is not None else {}
         warm_ttft, warm_out = _turn(warm, turn2, args.output_len)
