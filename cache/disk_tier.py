@@ -99,6 +99,7 @@ class DiskTier:
         self._refilled = clock()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="deltaserve-disk-read")
         self.fetches: dict[str, DiskFetch] = {}
+        self._gave_up: set[str] = set()  # requests whose read found nothing (until they end)
         self.buffered = 0  # bytes reserved by fetches
         self.pending: deque[Node] = deque(maxlen=4096)  # write-through candidates, newest last
         self.saves: list[DiskSave] = []
@@ -128,7 +129,12 @@ class DiskTier:
         if f is not None:
             if f.start_block <= hit_blocks and (not f.done or f.end_block > hit_blocks):
                 return f
-            self.discard(request_id)  # the tree moved under it: read again from the new hit
+            self.discard(request_id)
+            if f.end_block == 0:  # its read found nothing usable: no second try (no livelock)
+                self._gave_up.add(request_id)
+            # else the tree moved under it: read again from the new hit
+        if request_id in self._gave_up:
+            return None
         _, bounds = self.probe(keys, hit_blocks, max_blocks)
         if not bounds:
             return None
@@ -179,6 +185,11 @@ class DiskTier:
         running = [f.future for f in self.fetches.values() if f.future is not None and not f.future.done()]
         if running:
             wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def forget(self, request_id: str) -> None:
+        """The request has ended (or left the queue): its fetch and its mark go."""
+        self.discard(request_id)
+        self._gave_up.discard(request_id)
 
     def discard(self, request_id: str) -> None:
         """Forget a request's fetch (used, or the request is gone); a read still running

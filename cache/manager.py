@@ -368,7 +368,7 @@ class CacheManager:
     def forget(self, request_id: str) -> None:
         """A request that was never admitted (or has ended) is gone: its fetch too."""
         if self.disk is not None:
-            self.disk.discard(request_id)
+            self.disk.forget(request_id)
 
     def _promote(self, seq: SeqCache, on_host: list[Node]) -> None:
         """Give each host node of ``seq``'s hit a device block and queue its load."""

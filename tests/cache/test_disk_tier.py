@@ -233,3 +233,24 @@ def test_a_request_gone_before_its_read_is_used_frees_its_buffers() -> None:
     assert fetch is not None and second.disk.buffered > 0
     second.forget("b")
     assert second.disk.buffered == 0 and not second.disk.fetches
+
+
+def test_a_store_that_lists_what_it_cannot_read_is_tried_once_per_request() -> None:
+    """A read that finds nothing usable while the store still lists the items: the request
+    goes on without the disk instead of being read again and again (a livelock)."""
+    store = DictStore()
+    first = Runner(manager(store), store)
+    convo = list(range(100))
+    serve(first, "a", convo)
+    store.read = lambda kind, key: None  # type: ignore[method-assign]
+    cm = manager(store)
+    assert cm.disk is not None
+    prompt = convo + [1]
+    match = cm.match(prompt, b"s", [], key="b")
+    fetch = cm.disk_fetch("b", prompt, match)
+    assert fetch is not None and fetch.future is not None
+    fetch.future.result(timeout=10)
+    assert fetch.done and fetch.end_block == 0
+    assert cm.disk_fetch("b", prompt, match) is None  # given up for this request
+    cm.forget("b")
+    assert cm.disk_fetch("b", prompt, match) is not None  # a new request of that id may try again
