@@ -85,6 +85,15 @@ def build_parser(
         help="request bodies over B bytes get 413 before they are read (default 0: max(1 MiB, 32 x max_model_len))",
     )
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
+    # how chat replies are parsed (server/output_parser.py)
+    s.add_argument(
+        "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_xml", "none"],
+        help="tool calls in chat replies (default auto: from the chat template)",
+    )  # fmt: skip
+    s.add_argument(
+        "--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+        help="<think> reasoning as reasoning_content (default auto: from the chat template)",
+    )  # fmt: skip
     for add in extra_args:
         add(s)
     return parser
@@ -290,6 +299,8 @@ def main(
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             max_connections=args.max_connections,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
