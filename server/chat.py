@@ -79,8 +79,8 @@ def _called(reason: str | None) -> str | None:
 
 
 def _deltas(pieces: list[Piece]) -> Iterator[p.DeltaMessage]:
-    """Parsed pieces as delta messages, in order: a run of one kind is one delta (a call's
-    consecutive pieces one ``tool_calls`` entry)."""
+    """Parsed pieces as delta messages, in order: a run of reasoning or content is one delta, a
+    call's consecutive argument pieces one delta after its header's."""
     i = 0
     while i < len(pieces):
         kind = type(pieces[i])
@@ -92,8 +92,9 @@ def _deltas(pieces: list[Piece]) -> Iterator[p.DeltaMessage]:
             yield p.DeltaMessage(reasoning_content="".join(r.text for r in run))  # type: ignore[union-attr]
         elif kind is str:
             yield p.DeltaMessage(content="".join(run))  # type: ignore[arg-type]
-        else:
-            yield p.DeltaMessage(tool_calls=_call_deltas(run))  # type: ignore[arg-type]
+        else:  # one call's delta per chunk: clients that read only the first entry still work
+            for call in _call_deltas(run):  # type: ignore[arg-type]
+                yield p.DeltaMessage(tool_calls=[call])
         i = j
 
 
@@ -101,7 +102,14 @@ def _call_deltas(run: list[CallDelta]) -> list[p.DeltaToolCall]:
     out: list[p.DeltaToolCall] = []
     for d in run:
         last = out[-1] if out else None
-        if last is not None and last.index == d.index and d.name is None and last.function is not None:
+        # a call's header delta stays alone (arguments ""), as OpenAI streams it
+        if (
+            last is not None
+            and last.index == d.index
+            and d.name is None
+            and last.id is None
+            and last.function
+        ):
             last.function.arguments = (last.function.arguments or "") + d.arguments
             continue
         header = d.name is not None

@@ -21,8 +21,8 @@ that does not parse stays a string), strings and parameters the schema does not 
 kept verbatim. The ``arguments`` JSON streams per parameter, and a string value streams as
 it arrives. A value may also end at the next ``<parameter=`` or at ``</function>`` (models
 drop ``</parameter>``); text between parameters is skipped; several ``<function=`` in one
-block are several calls. At the end of the text an open call is closed: its arguments are
-always a JSON object.
+block are several calls. At the end of the text an open call is closed (a value cut inside its
+closing tag ends before it): its arguments are always a JSON object.
 """
 
 from __future__ import annotations
@@ -208,9 +208,10 @@ class Qwen3XmlToolParser(ToolCallParser):
             if not self.types:
                 self._stream_string()
             return bool(piece)
-        at, tag = found if found is not None else (len(self.buf), "")
+        # at the end of the text, a value cut inside its closing tag ends before the tag
+        at, tag = found if found is not None else (len(self.buf) - held_prefix(self.buf, _VALUE_ENDS), "")
         self.value += self.buf[:at]
-        self.buf = self.buf[at + (len(tag) if tag == PARAMETER_END else 0) :]
+        self.buf = self.buf[at + (len(tag) if tag == PARAMETER_END else 0) :] if tag else ""
         self._close_value()
         self.state = _State.FUNCTION
         return True
