@@ -122,7 +122,7 @@ def collect(pieces: Sequence[Piece]) -> ParsedMessage:
 class ChatParsing:
     """The server's parsers (module docstring). ``tokenizer`` returns the engine's tokenizer
     (its ``chat_template`` and ``apply_chat_template``); it is asked on first use, when the
-    engine has started."""
+    engine has started. Without a template, ``auto`` means ``hermes`` and no reasoning."""
 
     def __init__(
         self, tool_parser: ToolParserName, reasoning_parser: ReasoningParserName, tokenizer: Callable[[], Any]
@@ -136,7 +136,10 @@ class ChatParsing:
     def _resolve(self) -> None:
         if self._resolved:
             return
-        tokenizer = self._tokenizer()
+        try:
+            tokenizer = self._tokenizer()
+        except Exception:  # an engine without a tokenizer (a stand-in): as a template-less one
+            tokenizer = None
         template = getattr(tokenizer, "chat_template", None)
         text = "\n".join(template.values()) if isinstance(template, dict) else str(template or "")
         self.tool_parser = resolve_tool_parser(self.tool_parser, text)

@@ -157,3 +157,20 @@ def test_auto_parsers_from_the_template(qwen35_tokenizer: Any) -> None:
     # neither parser wanted: no parsing at all
     off = ChatParsing(ToolParserName.NONE, ReasoningParserName.NONE, lambda: qwen35_tokenizer)
     assert off.for_request(TOOLS, True, None) is None
+
+
+def test_an_engine_without_a_tokenizer_parses_hermes_and_no_reasoning() -> None:
+    def missing() -> Any:
+        raise AttributeError("no input_processor")
+
+    parsing = ChatParsing(ToolParserName.AUTO, ReasoningParserName.AUTO, missing)
+    assert parsing.for_request(None, False, None) is None
+    make = parsing.for_request(TOOLS, True, None)
+    assert (parsing.tool_parser, parsing.reasoning_parser) == (
+        ToolParserName.HERMES,
+        ReasoningParserName.NONE,
+    )
+    assert (
+        make is not None
+        and make().parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>').calls[0].name == "f"
+    )
