@@ -10,6 +10,7 @@ with ``tool_calls``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 
@@ -81,44 +82,29 @@ def _called(reason: str | None) -> str | None:
 def _deltas(pieces: list[Piece]) -> Iterator[p.DeltaMessage]:
     """Parsed pieces as delta messages, in order: a run of reasoning or content is one delta, a
     call's consecutive argument pieces one delta after its header's."""
-    i = 0
-    while i < len(pieces):
-        kind = type(pieces[i])
-        j = i
-        while j < len(pieces) and type(pieces[j]) is kind:
-            j += 1
-        run = pieces[i:j]
+    for kind, group in itertools.groupby(pieces, key=type):
+        run = list(group)
         if kind is Reasoning:
-            yield p.DeltaMessage(reasoning_content="".join(r.text for r in run))  # type: ignore[union-attr]
+            yield p.DeltaMessage(reasoning_content="".join(r.text for r in run if isinstance(r, Reasoning)))
         elif kind is str:
-            yield p.DeltaMessage(content="".join(run))  # type: ignore[arg-type]
+            yield p.DeltaMessage(content="".join(r for r in run if isinstance(r, str)))
         else:  # one call's delta per chunk: clients that read only the first entry still work
-            for call in _call_deltas(run):  # type: ignore[arg-type]
+            for call in _call_deltas([r for r in run if isinstance(r, CallDelta)]):
                 yield p.DeltaMessage(tool_calls=[call])
-        i = j
 
 
 def _call_deltas(run: list[CallDelta]) -> list[p.DeltaToolCall]:
+    """A call's header alone (index, id, type, name; arguments ""), as OpenAI streams it, then
+    its consecutive argument pieces as one delta."""
     out: list[p.DeltaToolCall] = []
     for d in run:
-        last = out[-1] if out else None
-        # a call's header delta stays alone (arguments ""), as OpenAI streams it
-        if (
-            last is not None
-            and last.index == d.index
-            and d.name is None
-            and last.id is None
-            and last.function
-        ):
-            last.function.arguments = (last.function.arguments or "") + d.arguments
-            continue
-        header = d.name is not None
-        out.append(
-            p.DeltaToolCall(
-                index=d.index, id=d.id if header else None, type="function" if header else None,
-                function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments),
-            )
-        )  # fmt: skip
+        if d.name is not None:
+            function = p.DeltaFunctionCall(name=d.name, arguments=d.arguments)
+            out.append(p.DeltaToolCall(index=d.index, id=d.id, type="function", function=function))
+        elif out and out[-1].index == d.index and out[-1].id is None and out[-1].function is not None:
+            out[-1].function.arguments = (out[-1].function.arguments or "") + d.arguments
+        else:
+            out.append(p.DeltaToolCall(index=d.index, function=p.DeltaFunctionCall(arguments=d.arguments)))
     return out
 
 
