@@ -26,6 +26,8 @@ from typing import Any
 from deltaserve.engine.errors import ConfigError
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.reasoning import ReasoningParserName
+from deltaserve.server.tool_parsers import ToolParserName
 
 log = get_logger("deltaserve.server")
 
@@ -87,11 +89,11 @@ def build_parser(
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
     # how chat replies are parsed (server/output_parser.py)
     s.add_argument(
-        "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_xml", "none"],
+        "--tool-call-parser", default="auto", choices=[n.value for n in ToolParserName],
         help="tool calls in chat replies (default auto: from the chat template)",
     )  # fmt: skip
     s.add_argument(
-        "--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+        "--reasoning-parser", default="auto", choices=[n.value for n in ReasoningParserName],
         help="<think> reasoning as reasoning_content (default auto: from the chat template)",
     )  # fmt: skip
     for add in extra_args:

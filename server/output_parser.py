@@ -133,7 +133,9 @@ class ChatParsing:
         self._probe: ThinkProbe | None = None
         self._resolved = False
 
-    def _resolve(self) -> None:
+    def resolve(self) -> None:
+        """Turn ``auto`` into the parsers the chat template asks for (once; then
+        ``tool_parser`` / ``reasoning_parser`` are the names in use)."""
         if self._resolved:
             return
         try:
@@ -160,7 +162,7 @@ class ChatParsing:
     ) -> Callable[[], OutputParser] | None:
         """A maker of one completion's parser, or None when nothing is parsed (the text is the
         content, as generated)."""
-        self._resolve()
+        self.resolve()
         tool_class = parser_class(self.tool_parser) if parse_tools else None
         opened: bool | None = None
         if self.reasoning_parser is ReasoningParserName.QWEN3:
