@@ -112,6 +112,7 @@ class Qwen3XmlToolParser(ToolCallParser):
 
     def _open_block(self) -> None:
         self.state = _State.OPEN
+        self.block_calls = 0  # calls begun in this block
         self.function = ""
         self.params = 0  # parameters written into the current call's arguments
         self.types: list[str] = []  # the current parameter's JSON types ([]: a plain string)
@@ -129,28 +130,26 @@ class Qwen3XmlToolParser(ToolCallParser):
 
     # ------------------------------------------------------------------ states
     def _read_function(self, final: bool) -> bool:
+        """``<function=NAME>``: a call begins; anything else: not a call."""
         rest = self.buf.lstrip()
         if not rest.startswith(FUNCTION):
-            if FUNCTION.startswith(rest) and not final:
-                return False
-            return self._not_a_call()
+            return False if FUNCTION.startswith(rest) and not final else self._not_a_call()
         close = rest.find(">")
-        name = rest[len(FUNCTION) : close if close >= 0 else len(rest)]
-        if (name and not _NAME.fullmatch(name)) or len(name) > MAX_NAME_CHARS:
+        name = rest[len(FUNCTION) : close] if close >= 0 else rest[len(FUNCTION) :]
+        if len(name) > MAX_NAME_CHARS or (name and not _NAME.fullmatch(name)) or (close >= 0 and not name):
             return self._not_a_call()
         if close < 0:
             return False if not final else self._not_a_call()
-        if not name:
-            return self._not_a_call()
         self.buf = rest[close + 1 :]
         self.function, self.params = name, 0
+        self.block_calls += 1
         self._begin_call(name)
         self.state = _State.FUNCTION
         return True
 
     def _not_a_call(self) -> bool:
-        if self.calls_in_block:
-            self._end_block()  # a second call in the block did not open: the block ends here
+        if self.block_calls:
+            self._end_block()  # a later function of the block did not open: the block ends here
         else:
             self._malformed()
         return True
@@ -234,10 +233,6 @@ class Qwen3XmlToolParser(ToolCallParser):
         return True
 
     # ------------------------------------------------------------------ values
-    @property
-    def calls_in_block(self) -> bool:
-        return self.state is _State.OPEN and bool(self.function)
-
     def _stream_string(self) -> None:
         """Write what is safe of a string value: not its layout newlines, which are known
         only when the value ends."""

@@ -119,6 +119,9 @@ def test_xml_leniency() -> None:
         ("ping", {}),
     ]
     assert msg.content == "tail"
+    # a later function of a block that does not open ends the block: the rest is content
+    msg = whole(Qwen3XmlToolParser, "<tool_call>\n<function=ping>\n</function>\n<function=a b>\n</tool_call>")
+    assert [c.name for c in msg.calls] == ["ping"] and msg.content == "<function=a b>\n</tool_call>"
 
 
 def test_hermes_streams_its_header_and_reads_other_forms_whole() -> None:
@@ -192,6 +195,8 @@ SPLIT_TEXTS = [
     + xml_call("get_weather", days="2"),
     '<tool_call>{"name": "f", "arguments": {"s": "a \\" } <x>"}}</tool_call> end',
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+    "<tool_call>\n<function=ping>\n</function>\n<function=a b>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=days>\n12\n</parameter>\n<parameter=note>\nx\n</param",
 ]
 
 
