@@ -241,7 +241,7 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = Tracker(self.metrics, req.n)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        tools = [msgspec.to_builtins(t) for t in req.tools or []]
+        tools = [msgspec.to_builtins(t) for t in req.tools or []] if parse_tools else None
         parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs)
         if req.stream:
             fmt = ChatChunks(
