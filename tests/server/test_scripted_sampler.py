@@ -73,7 +73,7 @@ class ScriptedSampler:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[ScriptedSampler, Any]]:
+async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[ScriptedSampler, Any, Any]]:
     from openai import AsyncOpenAI
 
     folder = Path(tmp_path_factory.mktemp("model")) / "qwen35-tiny"
@@ -85,14 +85,19 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tupl
     engine = AsyncEngine(core=core)
     await engine.start()
     try:
-        async with BackgroundServer(create_app(engine)) as srv:
-            yield sampler, AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60.0)
+        app = create_app(engine)
+        async with BackgroundServer(app) as srv:
+            yield (
+                sampler,
+                AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60.0),
+                app,
+            )
     finally:
         await engine.shutdown()
 
 
-async def test_reasoning_then_a_tool_call(served: tuple[ScriptedSampler, Any]) -> None:
-    sampler, client = served
+async def test_reasoning_then_a_tool_call(served: tuple[ScriptedSampler, Any, Any]) -> None:
+    sampler, client, app = served
     sampler.say(REPLY)
     model = (await client.models.list()).data[0].id
     resp = await client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, temperature=0)
@@ -103,6 +108,8 @@ async def test_reasoning_then_a_tool_call(served: tuple[ScriptedSampler, Any]) -
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris, Île-de-France", "days": 3, "metric": True}
     assert resp.usage.completion_tokens == len(sampler.ids)
+    parsing = app.state.server.parsing  # what the template asked for
+    assert (parsing.tool_parser.value, parsing.reasoning_parser.value) == ("qwen3_xml", "qwen3")
 
     reasoning, content, deltas, reasons = "", "", [], []
     stream = await client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, stream=True)
@@ -125,8 +132,8 @@ async def test_reasoning_then_a_tool_call(served: tuple[ScriptedSampler, Any]) -
     assert "".join(d.function.arguments for d in rest) == call.function.arguments
 
 
-async def test_enable_thinking_false_and_a_cut_reply(served: tuple[ScriptedSampler, Any]) -> None:
-    sampler, client = served
+async def test_enable_thinking_false_and_a_cut_reply(served: tuple[ScriptedSampler, Any, Any]) -> None:
+    sampler, client, _ = served
     model = (await client.models.list()).data[0].id
     sampler.say("Paris is sunny.")
     resp = await client.chat.completions.create(
