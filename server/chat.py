@@ -1,12 +1,16 @@
 """``/v1/chat/completions`` responses: the whole response, and the chunks of a stream.
 
-Tool calls (when the request has tools and ``tool_choice`` is not ``none``) are parsed out of
-the text: at the end for a whole response, incrementally for a stream (text before a call
-streams as it comes; the calls arrive with the completion's end, finish reason ``tool_calls``).
+Reasoning and tool calls (when the request has tools and ``tool_choice`` is not ``none``) are
+parsed out of the text by ``output_parser.OutputParser``: the whole text for a whole response,
+piece by piece for a stream, where reasoning streams as ``delta.reasoning_content``, content as
+``delta.content``, and each call as ``tool_calls`` deltas (the first with its index, id, type
+and name, then pieces of its arguments). A completion that called a tool and stopped finishes
+with ``tool_calls``.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,11 +19,14 @@ import msgspec
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.server import protocol as p
 from deltaserve.server.errors import engine_failure
+from deltaserve.server.output_parser import OutputParser, Piece, Reasoning
 from deltaserve.server.sse import data_frame, error_frame
-from deltaserve.server.tool_parser import StreamingToolParser, parse_tool_calls
+from deltaserve.server.tool_parsers import CallDelta
 from deltaserve.server.tracker import Choice, Tracker, usage
 
 TokenText = Callable[[int], str]
+#: makes one completion's output parser; None: the text is the content as generated
+MakeParser = Callable[[], OutputParser] | None
 
 
 def chat_logprobs(token_text: TokenText, entries: list[TokenLogprob]) -> p.ChatLogprobs:
@@ -35,27 +42,27 @@ def chat_logprobs(token_text: TokenText, entries: list[TokenLogprob]) -> p.ChatL
 
 
 def chat_response(
-    tracker: Tracker, token_text: TokenText, rid: str, model: str, parse_tools: bool, return_ids: bool
+    tracker: Tracker, token_text: TokenText, rid: str, model: str, parsing: MakeParser, return_ids: bool
 ) -> p.ChatCompletionResponse:
     """The whole response once every completion of ``tracker`` has finished."""
     choices = []
     for c in tracker.choices:
         c.raise_if_failed()
-        content: str | None = c.text
-        tool_calls = None
+        message = p.ResponseMessage(content=c.text)
         reason = c.finish_reason
-        if parse_tools:
-            content, calls = parse_tool_calls(c.text)
-            if calls:
-                tool_calls = [
+        if parsing is not None:
+            parsed = parsing().parse(c.text)
+            message = p.ResponseMessage(content=parsed.content, reasoning_content=parsed.reasoning)
+            if parsed.calls:
+                message.tool_calls = [
                     p.ToolCall(id=call.id, function=p.FunctionCall(name=call.name, arguments=call.arguments))
-                    for call in calls
+                    for call in parsed.calls
                 ]
-                reason = "tool_calls"
+                reason = _called(reason)
         choices.append(
             p.ChatChoice(
                 index=c.index,
-                message=p.ResponseMessage(content=content, tool_calls=tool_calls),
+                message=message,
                 finish_reason=reason,
                 logprobs=chat_logprobs(token_text, c.logprobs) if c.logprobs else None,
                 token_ids=list(c.token_ids) if return_ids else msgspec.UNSET,
@@ -66,9 +73,44 @@ def chat_response(
     )
 
 
+def _called(reason: str | None) -> str | None:
+    """A completion that called tools and stopped finishes with ``tool_calls``; one cut short
+    keeps its reason (``length``: the last call may be incomplete)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _deltas(pieces: list[Piece]) -> Iterator[p.DeltaMessage]:
+    """Parsed pieces as delta messages, in order: a run of reasoning or content is one delta, a
+    call's consecutive argument pieces one delta after its header's."""
+    for kind, group in itertools.groupby(pieces, key=type):
+        run = list(group)
+        if kind is Reasoning:
+            yield p.DeltaMessage(reasoning_content="".join(r.text for r in run if isinstance(r, Reasoning)))
+        elif kind is str:
+            yield p.DeltaMessage(content="".join(r for r in run if isinstance(r, str)))
+        else:  # one call's delta per chunk: clients that read only the first entry still work
+            for call in _call_deltas([r for r in run if isinstance(r, CallDelta)]):
+                yield p.DeltaMessage(tool_calls=[call])
+
+
+def _call_deltas(run: list[CallDelta]) -> list[p.DeltaToolCall]:
+    """A call's header alone (index, id, type, name; arguments ""), as OpenAI streams it, then
+    its consecutive argument pieces as one delta."""
+    out: list[p.DeltaToolCall] = []
+    for d in run:
+        if d.name is not None:
+            function = p.DeltaFunctionCall(name=d.name, arguments=d.arguments)
+            out.append(p.DeltaToolCall(index=d.index, id=d.id, type="function", function=function))
+        elif out and out[-1].index == d.index and out[-1].id is None and out[-1].function is not None:
+            out[-1].function.arguments = (out[-1].function.arguments or "") + d.arguments
+        else:
+            out.append(p.DeltaToolCall(index=d.index, function=p.DeltaFunctionCall(arguments=d.arguments)))
+    return out
+
+
 class ChatChunks:
-    """A chat stream's ``ChunkFormat``: a role chunk first, content deltas, then per completion
-    the parsed tool calls (if any) and a chunk with the finish reason."""
+    """A chat stream's ``ChunkFormat``: a role chunk first, then per completion its deltas as
+    parsed (reasoning, content, tool calls; module docstring) and a chunk with the finish reason."""
 
     def __init__(
         self,
@@ -78,13 +120,13 @@ class ChatChunks:
         n: int,
         *,
         want_logprobs: bool,
-        parse_tools: bool,
+        parsing: MakeParser,
         return_ids: bool,
     ) -> None:
         self.token_text = token_text
         self.rid, self.model, self.created = rid, model, int(time.time())
         self.want_logprobs, self.return_ids = want_logprobs, return_ids
-        self.parsers = [StreamingToolParser() if parse_tools else None for _ in range(n)]
+        self.parsers = [parsing() if parsing is not None else None for _ in range(n)]
         self.started = [False] * n
 
     def _chunk(self, choice: p.ChatChunkChoice) -> bytes:
@@ -97,15 +139,27 @@ class ChatChunks:
         if not self.started[i]:
             self.started[i] = True
             yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content="")))
-        text = out.text
         parser = self.parsers[i]
-        if parser is not None:
-            text = parser.feed(text)
+        deltas = (
+            [p.DeltaMessage(content=out.text)] if parser is None else list(_deltas(parser.feed(out.text)))
+        )
         lp = chat_logprobs(self.token_text, out.logprobs) if (self.want_logprobs and out.logprobs) else None
-        if text or lp is not None or (self.return_ids and out.token_ids):
-            ids = list(out.token_ids) if self.return_ids else msgspec.UNSET
-            delta = p.DeltaMessage(content=text)
-            yield self._chunk(p.ChatChunkChoice(index=i, delta=delta, logprobs=lp, token_ids=ids))
+        ids = list(out.token_ids) if self.return_ids else msgspec.UNSET
+        if not any(d.content or d.reasoning_content or d.tool_calls for d in deltas):
+            # nothing to show (yet): one chunk still carries the step's logprobs / token ids
+            deltas = (
+                [p.DeltaMessage(content="")] if lp is not None or (self.return_ids and out.token_ids) else []
+            )
+        for k, delta in enumerate(deltas):
+            first = k == 0
+            yield self._chunk(
+                p.ChatChunkChoice(
+                    index=i,
+                    delta=delta,
+                    logprobs=lp if first else None,
+                    token_ids=ids if first else msgspec.UNSET,
+                )
+            )
         if out.finished:
             yield from self._finish(out, choice, tracker)
 
@@ -115,19 +169,10 @@ class ChatChunks:
             yield error_frame(engine_failure(choice.error))
         parser = self.parsers[i]
         if parser is not None:
-            rest, calls = parser.finish()
-            if rest:
-                yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(content=rest)))
-            if calls:
-                reason = "tool_calls"
-                deltas = [
-                    p.DeltaToolCall(
-                        index=k, id=call.id, type="function",
-                        function=p.DeltaFunctionCall(name=call.name, arguments=call.arguments),
-                    )
-                    for k, call in enumerate(calls)
-                ]  # fmt: skip
-                yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(tool_calls=deltas)))
+            for delta in _deltas(parser.finish()):
+                yield self._chunk(p.ChatChunkChoice(index=i, delta=delta))
+            if parser.called:
+                reason = _called(reason)
         tracker.count_finish(reason)
         yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(), finish_reason=reason))
 

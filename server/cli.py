@@ -35,6 +35,8 @@ from typing import Any
 from deltaserve.engine.errors import ConfigError
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.reasoning import ReasoningParserName
+from deltaserve.server.tool_parsers import ToolParserName
 
 log = get_logger("deltaserve.server")
 
@@ -140,6 +142,15 @@ def build_parser(
         help="request bodies over B bytes get 413 before they are read (default 0: max(1 MiB, 32 x max_model_len))",
     )
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
+    # how chat replies are parsed (server/output_parser.py)
+    s.add_argument(
+        "--tool-call-parser", default="auto", choices=[n.value for n in ToolParserName],
+        help="tool calls in chat replies (default auto: from the chat template)",
+    )  # fmt: skip
+    s.add_argument(
+        "--reasoning-parser", default="auto", choices=[n.value for n in ReasoningParserName],
+        help="<think> reasoning as reasoning_content (default auto: from the chat template)",
+    )  # fmt: skip
     for add in extra_args:
         add(s)
     e = sub.add_parser(
@@ -206,6 +217,8 @@ def server_config_from_args(args: argparse.Namespace, env: dict[str, str] | None
         max_connections=args.max_connections,
         api_key=args.api_key or env.get(API_KEY_ENV) or None,
         allow_credentials=args.allow_credentials,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         **cors,  # type: ignore[arg-type]
     )
 

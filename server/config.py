@@ -11,6 +11,8 @@ from typing import Annotated
 import msgspec
 
 from deltaserve.engine.errors import ConfigError
+from deltaserve.server.reasoning import ReasoningParserName
+from deltaserve.server.tool_parsers import ToolParserName
 
 #: the smallest body limit sized from the model, and the bytes per token of ``max_model_len``
 MIN_BODY_BYTES = 1 << 20
@@ -58,6 +60,13 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         browsers' preflight ``OPTIONS`` requests are answered and responses carry the
         ``Access-Control-Allow-*`` headers. Empty (the default): no CORS headers, and a
         preflight is a 405 like any other unrouted method.
+    tool_call_parser
+        How chat replies are read for tool calls: ``qwen3_xml`` (``<function=NAME>`` blocks:
+        Qwen3.5, Qwen3-Coder), ``hermes`` (JSON blocks: Qwen2.5 / Qwen3 / Qwen3-Next), ``none``;
+        ``auto``: ``qwen3_xml`` if the chat template writes ``<function=``, else ``hermes``.
+    reasoning_parser
+        ``qwen3``: ``<think>`` text becomes ``reasoning_content``; ``none``: it stays content;
+        ``auto``: ``qwen3`` if the chat template writes ``<think>``.
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +78,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     max_connections: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    tool_call_parser: ToolParserName = ToolParserName.AUTO
+    reasoning_parser: ReasoningParserName = ReasoningParserName.AUTO
     api_key: str | None = None
     allowed_origins: list[str] = []
     allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
@@ -95,6 +106,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"server.max_connections = {self.max_connections!r}: must be an integer >= 0")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 0:
             raise ConfigError(f"server.max_body_bytes = {self.max_body_bytes!r}: must be an integer >= 0")
+        for name, kind in (("tool_call_parser", ToolParserName), ("reasoning_parser", ReasoningParserName)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                try:
+                    setattr(self, name, kind(value))
+                except ValueError:
+                    choices = [k.value for k in kind]
+                    raise ConfigError(f"server.{name} = {value!r}: must be one of {choices}") from None
         if not all(isinstance(n, str) and n for n in self.served_model_names):
             raise ConfigError(f"server.served_model_names = {self.served_model_names!r}: non-empty strings")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):

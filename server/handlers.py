@@ -29,6 +29,7 @@ from deltaserve.server.errors import APIError, bad_request, encode, translate_er
 from deltaserve.server.inputs import completion_prompts, messages_to_dicts, sampling_params, template_extras
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.offload import Tokenizer
+from deltaserve.server.output_parser import ChatParsing
 from deltaserve.server.sse import ChunkFormat, SSEResponse, run_or_disconnect, stream_frames
 from deltaserve.server.tracker import Tracker
 
@@ -59,6 +60,9 @@ class OpenAIServer:
         self._open: set[OutputStream] = set()  # engine streams of the requests being answered
         self.expired = False  # the drain ran out of time (``expire``)
         self.tokenizer = Tokenizer(engine)  # long prompts are tokenized off the event loop
+        self.parsing = ChatParsing(
+            config.tool_call_parser, config.reasoning_parser, lambda: engine.input_processor.tokenizer
+        )
 
     # ------------------------------------------------------------------ helpers
     def _stats(self) -> dict[str, Any]:
@@ -243,17 +247,19 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = Tracker(self.metrics, req.n)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = [msgspec.to_builtins(t) for t in req.tools or []] if parse_tools else None
+        parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs)
         if req.stream:
             fmt = ChatChunks(
                 self.token_text, rid, model, req.n,
-                want_logprobs=req.logprobs, parse_tools=parse_tools, return_ids=req.return_token_ids,
+                want_logprobs=req.logprobs, parsing=parsing, return_ids=req.return_token_ids,
             )  # fmt: skip
             return self._stream(rid, [stream], [tracker], fmt, _include_usage(req))
 
         async def full() -> p.ChatCompletionResponse:
             await self._collect(stream, tracker)
             self._check_drain([tracker])
-            return chat_response(tracker, self.token_text, rid, model, parse_tools, req.return_token_ids)
+            return chat_response(tracker, self.token_text, rid, model, parsing, req.return_token_ids)
 
         return await self._answer(request, full(), [stream])
 

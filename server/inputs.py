@@ -63,12 +63,22 @@ def _content_text(content: str | list[p.ContentPart] | None, i: int) -> str:
     return "\n".join(parts)
 
 
+def _arguments(text: str) -> str | dict[str, Any]:
+    """A call's arguments as an object when they are a JSON object (templates that write one
+    line per parameter iterate it), else the text as sent."""
+    try:
+        value = msgspec.json.decode(text)
+    except (msgspec.DecodeError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
+
+
 def _tool_calls(m: p.ChatMessage) -> list[dict[str, Any]]:
     return [
         {
             "id": tc.id,
             "type": tc.type,
-            "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+            "function": {"name": tc.function.name, "arguments": _arguments(tc.function.arguments)},
         }
         for tc in m.tool_calls or []
     ]
@@ -76,8 +86,8 @@ def _tool_calls(m: p.ChatMessage) -> list[dict[str, Any]]:
 
 def messages_to_dicts(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the template expects them: string content (text parts joined), assistant
-    ``tool_calls`` with their ``function`` (arguments kept as the JSON string), tool results with
-    their ``tool_call_id``."""
+    ``tool_calls`` with their ``function`` (arguments as an object when they are a JSON object,
+    as vLLM passes them), tool results with their ``tool_call_id``."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": m.role, "content": _content_text(m.content, i)}

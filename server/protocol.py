@@ -208,6 +208,7 @@ class ResponseMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # the model's reasoning (a reasoning parser is on)
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -243,6 +244,7 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -8,7 +8,10 @@ Nothing can be downloaded here, but capacity planning, memory sizing and speed d
 on a model's shape: this writes ``config.json`` with the real architecture numbers, random
 weights (the built-in models' deterministic init) as safetensors, and the built-in byte-level
 tokenizer (the vocabulary is the real size; token ids past the tokenizer's are never produced
-by it, which does not matter for sizing or throughput). Loadable by ``model.path = FOLDER``.
+by it, which does not matter for sizing or throughput) with a Qwen3.5-style chat template
+(``tools/qwen35_template.py``: XML tool calls, ``<think>`` opened by the generation prompt),
+so ``deltaserve serve FOLDER`` parses tool calls and reasoning as it would for the real model.
+Loadable by ``model.path = FOLDER``.
 """
 
 from __future__ import annotations
@@ -46,11 +49,23 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def save_tokenizer(out: Path) -> Any:
+    """The built-in tokenizer with the Qwen3.5-style chat template, saved into ``out``."""
+    from deltaserve.models.builtin import build_tokenizer
+    from deltaserve.tools.qwen35_template import QWEN35_CHAT_TEMPLATE
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = QWEN35_CHAT_TEMPLATE  # type: ignore[attr-defined]
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    return tokenizer
+
+
 def write_shaped_model(name: str, out: Path, dtype: str = "bfloat16") -> Path:
     import torch
     from transformers import GenerationConfig, Qwen3_5TextConfig
 
-    from deltaserve.models.builtin import WEIGHT_SEED, _special_ids, build_tokenizer, init_random_weights
+    from deltaserve.models.builtin import WEIGHT_SEED, _special_ids, init_random_weights
 
     shape = dict(SHAPES[name])
     model_type = shape.pop("model_type")
@@ -58,7 +73,7 @@ def write_shaped_model(name: str, out: Path, dtype: str = "bfloat16") -> Path:
     interval = shape.pop("full_attention_interval")
     n = shape["num_hidden_layers"]
     layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-    tokenizer = build_tokenizer()
+    tokenizer = save_tokenizer(out)
     config = Qwen3_5TextConfig(**shape, layer_types=layer_types, **_special_ids(tokenizer))
     import transformers
 
@@ -71,7 +86,6 @@ def write_shaped_model(name: str, out: Path, dtype: str = "bfloat16") -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     (out / "SHAPED.json").write_text(
         json.dumps({"shape": name, "seed": WEIGHT_SEED, "dtype": dtype}, indent=2) + "\n"
     )
