@@ -156,6 +156,7 @@ class EngineCore:
             stop_ids=stop_ids,
             generator=generator,
             plain_greedy=plain_greedy(params),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * req.num_prompt_tokens,
         )
 
     def check_capacity(self, pending: int = 0) -> None:
@@ -171,6 +172,8 @@ class EngineCore:
         """Queue a request built by ``make_request``; its engine-side state is created here."""
         self.check_capacity()
         state = self._new_state(req)
+        # prompt log-probabilities need every prompt position computed: no prefix hit
+        req.compute_whole_prompt = state.prompt_logprobs is not None
         self.scheduler.add(req)
         self.states[req.request_id] = state
         self.counters["tokens.prompt"] += req.num_prompt_tokens
@@ -313,7 +316,7 @@ class EngineCore:
         if params.logprobs is not None:  # filled by the runner when it sampled the token
             logprobs, state.logprobs = state.logprobs, []
         if reason is None:
-            return RequestOutput(
+            out = RequestOutput(
                 request_id=req.request_id,
                 token_ids=[token],
                 text=text,
@@ -321,10 +324,14 @@ class EngineCore:
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 logprobs=logprobs,
             )
-        text += detok.flush()
-        self._end(req, reason)
-        self.counters["requests.finished"] += 1
-        return self._final_output(req, reason, [token], text, logprobs=logprobs)
+        else:
+            text += detok.flush()
+            self._end(req, reason)
+            self.counters["requests.finished"] += 1
+            out = self._final_output(req, reason, [token], text, logprobs=logprobs)
+        if req.compute_whole_prompt:  # its first token: the prompt is computed
+            _hand_out_prompt_logprobs(req, state, out)
+        return out
 
     def _final_output(
         self,
@@ -366,3 +373,12 @@ class EngineCore:
         drained = self.overlap.drain() if self.overlap is not None else []
         outs = [self.abort_request(rid) for rid in list(self.scheduler.requests)]
         return drained + [o for o in outs if o is not None]
+
+
+def _hand_out_prompt_logprobs(req: Request, state: RequestState, out: RequestOutput) -> None:
+    """The prompt log-probabilities go out with the request's first output; after that a
+    recompute (a preemption) may take prefix hits again."""
+    out.prompt_logprobs = state.prompt_logprobs
+    out.prompt_token_ids = list(req.prompt_token_ids)
+    state.prompt_logprobs = None
+    req.compute_whole_prompt = False

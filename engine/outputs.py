@@ -59,6 +59,12 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         Which of the request's ``SamplingParams.n`` completions this delta belongs to.
     logprobs (list[TokenLogprob] | None, default None)
         With ``SamplingParams.logprobs`` set: one ``TokenLogprob`` per id in ``token_ids``.
+    prompt_logprobs (list[TokenLogprob | None] | None, default None)
+        With ``SamplingParams.prompt_logprobs`` set, on the request's first output only: one
+        entry per prompt token, None for the first (nothing predicts it), then each token's
+        ``TokenLogprob`` given the tokens before it (vLLM's ``prompt_logprobs``).
+    prompt_token_ids (list[int] | None, default None)
+        The prompt's token ids, alongside ``prompt_logprobs``.
     """
 
     request_id: str
@@ -72,3 +78,6 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     index: int = 0  # which of the request's n completions (SamplingParams.n) this delta belongs to
     # one per token in token_ids, when SamplingParams.logprobs is set
     logprobs: list[TokenLogprob] | None = None
+    # on the first output, when SamplingParams.prompt_logprobs is set (None at position 0)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None

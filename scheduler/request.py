@@ -58,6 +58,9 @@ class Request:
     num_preemptions: int = 0
     preempted_tokens: int = 0  # computed when last preempted (what its recompute may cost)
     finish_reason: str | None = None
+    # the prompt is computed whole, without a prefix-cache hit, until the engine clears it
+    # (prompt log-probabilities need the logits of every prompt position)
+    compute_whole_prompt: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -150,8 +150,12 @@ class Scheduler:
 
     def _match(self, r: Request) -> PrefixMatch:
         """The request's prefix match: computed once per request while the index is unchanged
-        (the policy's ordering, the chunking and ``admit`` share it)."""
-        return self.cache.match(r.token_ids, r.cache_salt, r.block_hashes, key=r.request_id)
+        (the policy's ordering, the chunking and ``admit`` share it). A request that computes
+        its whole prompt gets its path with no hit (it still publishes what it computes)."""
+        m = self.cache.match(r.token_ids, r.cache_salt, r.block_hashes, key=r.request_id)
+        if r.compute_whole_prompt and m.hit_blocks:
+            return PrefixMatch(m.path, 0, m.hashes, m.num_tokens, m.version, m.block_size)
+        return m
 
     def _ctx(self) -> PolicyContext:
         def cached_prefix(r: Request) -> int:
