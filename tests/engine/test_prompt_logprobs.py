@@ -9,6 +9,7 @@ log-probabilities within ``2 b``.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +20,8 @@ import torch
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.errors import InvalidRequestError
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
-from tests.engine.conftest import greedy, run_to_completion
-from tests.tolerances import CPU_FP32
+from tests.engine.conftest import greedy, make_config, run_to_completion
+from tests.tolerances import CPU_FP32, GPU_FP32, LogitTolerance
 
 TOP = 5
 
@@ -30,16 +31,22 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def _reference(hf_model: Any, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(hf_model: Any, prompt: list[int], tol: LogitTolerance) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' log-probabilities at every prompt position (float64 from fp32 logits) and
     each row's bound (twice the logits tolerance)."""
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt])).logits[0].float()
-    return torch.log_softmax(logits.double(), dim=-1), 2 * CPU_FP32.bound(logits)[:, 0]
+    return torch.log_softmax(logits.double(), dim=-1), 2 * tol.bound(logits)[:, 0]
 
 
-def _check(entries: list[TokenLogprob | None], prompt: list[int], hf_model: Any, top: int) -> None:
-    ref, bound = _reference(hf_model, prompt)
+def _check(
+    entries: list[TokenLogprob | None],
+    prompt: list[int],
+    hf_model: Any,
+    top: int,
+    tol: LogitTolerance = CPU_FP32,
+) -> None:
+    ref, bound = _reference(hf_model, prompt, tol)
     assert len(entries) == len(prompt)
     assert entries[0] is None
     for p in range(1, len(prompt)):
@@ -161,3 +168,27 @@ def test_prompt_logprobs_range_is_checked() -> None:
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs=-1"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA device (and TRITON_INTERPRET unset)",
+)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "async"])
+def test_prompt_logprobs_on_gpu(tiny_path: Any, hf_tiny: Any, overlap: bool) -> None:
+    """The Triton kernels on CUDA (fp32), chunked: within tests/tolerances.py's ``GPU_FP32``."""
+    core = EngineCore(
+        make_config(**{
+            "model.path": str(tiny_path),
+            "model.device": "cuda",
+            "model.dtype": "float32",
+            "kernels.backend": "triton",
+            "scheduler.max_num_batched_tokens": 64,
+            "engine.async_scheduling": overlap,
+        })
+    )  # fmt: skip
+    prompts = [_prompt(core.vocab_size, n, seed) for seed, n in enumerate([200, 65, 3])]
+    results = _run(core, prompts, [greedy(2, prompt_logprobs=TOP), greedy(3, prompt_logprobs=1), greedy(2)])
+    for prompt, outs, top in zip(prompts[:2], results[:2], [TOP, 1], strict=True):
+        _check(_prompt_entries(outs), prompt, hf_tiny, top, GPU_FP32)
