@@ -192,3 +192,37 @@ def test_prompt_logprobs_on_gpu(tiny_path: Any, hf_tiny: Any, overlap: bool) -> 
     results = _run(core, prompts, [greedy(2, prompt_logprobs=TOP), greedy(3, prompt_logprobs=1), greedy(2)])
     for prompt, outs, top in zip(prompts[:2], results[:2], [TOP, 1], strict=True):
         _check(_prompt_entries(outs), prompt, hf_tiny, top, GPU_FP32)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "async"])
+def test_prompt_logprobs_survive_preemption(
+    core_factory: Callable[..., EngineCore], hf_tiny: Any, overlap: bool
+) -> None:
+    """A KV pool too small for the batch: requests are preempted and recompute; every prompt's
+    entries still match, and come out once."""
+    core = core_factory(**{"cache.num_kv_blocks": 24, "engine.async_scheduling": overlap})
+    prompts = [_prompt(core.vocab_size, n, seed) for seed, n in enumerate((40, 45, 50, 55, 60, 65))]
+    results = _run(core, prompts, [greedy(40, prompt_logprobs=2) for _ in prompts])
+    assert core.stats()["scheduler.preemptions"] > 0
+    for prompt, outs in zip(prompts, results, strict=True):
+        assert outs[-1].finish_reason == "length"
+        _check(_prompt_entries(outs), prompt, hf_tiny, 2)
+
+
+def test_prompt_logprobs_after_a_preemption_mid_prompt(
+    core_factory: Callable[..., EngineCore], hf_tiny: Any
+) -> None:
+    """Preempted after its first chunk, the request computes its prompt again from the start
+    (still no hit, although its first chunk was published) and its entries are whole."""
+    core = core_factory(**{"scheduler.max_num_batched_tokens": 64})
+    prompt = _prompt(core.vocab_size, 200, seed=9)
+    req = core.make_request(prompt, greedy(3, prompt_logprobs=TOP))
+    core.add_request(req)
+    assert core.step() == []  # the first chunk
+    assert req.num_computed_tokens == 64
+    core.scheduler._preempt(req)
+    core.check_integrity()
+    outs = run_to_completion(core)[req.request_id]
+    assert core.stats()["scheduler.preemptions"] == 1
+    assert core.counters["tokens.computed"] >= 64 + 200
+    _check(_prompt_entries(outs), prompt, hf_tiny, TOP)
