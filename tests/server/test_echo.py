@@ -207,6 +207,18 @@ async def test_streamed_echo_puts_the_prompt_in_the_first_chunk(served: Served) 
     ]
     assert streamed == whole.choices[0].logprobs.token_logprobs
     assert offsets == whole.choices[0].logprobs.text_offset
+    # the prompt alone, streamed: one chunk with it and the finish reason, no completion tokens
+    alone = await client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=0,
+        echo=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    got = [c async for c in alone]
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in got if c.choices] == [(PROMPT, "length")]
+    assert got[-1].usage.completion_tokens == 0
 
 
 async def test_echo_with_n_gives_every_choice_the_prompt(served: Served) -> None:
