@@ -59,6 +59,11 @@ log = get_logger("deltaserve.scheduler")
 
 _FALLBACK = FCFSPolicy()  # answers a policy call that failed
 
+#: prompt tokens a request that computes its whole prompt (prompt log-probabilities) computes
+#: per step, at most (at least one checkpoint unit): the runner keeps a ``[tokens, vocab]``
+#: float32 logits row per token for it, 0.5 GB at 248k vocabulary for 512 tokens
+WHOLE_PROMPT_CHUNK = 512
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -261,6 +266,12 @@ class Scheduler:
             end = (end // self.unit) * self.unit
         return end if end > start else start
 
+    def _piece_budget(self, req: Request, budget: int) -> int:
+        """The step's budget for ``req``'s next prefill piece (``WHOLE_PROMPT_CHUNK``)."""
+        if req.compute_whole_prompt:
+            return min(budget, max(WHOLE_PROMPT_CHUNK, self.unit))
+        return budget
+
     def _preempt(self, victim: Request) -> None:
         assert victim.cache is not None
         if victim.token_ids and is_placeholder(victim.token_ids[-1]):
@@ -355,7 +366,7 @@ class Scheduler:
             if req.is_decoding:
                 continue
             start = req.num_computed_tokens
-            end = self._chunk_end(start, req.num_tokens, step.budget)
+            end = self._chunk_end(start, req.num_tokens, self._piece_budget(req, step.budget))
             if end == start:
                 continue
             scheduled.add(id(req))
@@ -390,7 +401,7 @@ class Scheduler:
         step, 0 if not."""
         match = self._match(req)
         hit = match.hit_tokens
-        end = self._chunk_end(hit, req.num_tokens, step.budget)
+        end = self._chunk_end(hit, req.num_tokens, self._piece_budget(req, step.budget))
         if end == hit:
             return None  # not even one chunk fits this step: keep the order, wait
         if end < req.num_tokens and num_partial >= self.max_num_partial_prefills:

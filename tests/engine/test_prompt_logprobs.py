@@ -20,6 +20,7 @@ import torch
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.errors import InvalidRequestError
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
+from deltaserve.scheduler.scheduler import WHOLE_PROMPT_CHUNK
 from tests.engine.conftest import greedy, make_config, run_to_completion
 from tests.tolerances import CPU_FP32, GPU_FP32, LogitTolerance
 
@@ -226,3 +227,26 @@ def test_prompt_logprobs_after_a_preemption_mid_prompt(
     assert core.stats()["scheduler.preemptions"] == 1
     assert core.counters["tokens.computed"] >= 64 + 200
     _check(_prompt_entries(outs), prompt, hf_tiny, TOP)
+
+
+def test_a_long_prompt_is_computed_in_bounded_pieces(
+    core_factory: Callable[..., EngineCore], hf_tiny: Any
+) -> None:
+    """Its logits rows are ``[tokens, vocab]``: a prompt-logprobs request computes at most
+    ``WHOLE_PROMPT_CHUNK`` prompt tokens per step, whatever the token budget; the others don't."""
+    core = core_factory(**{"scheduler.max_num_batched_tokens": 2048})
+    rows: list[int] = []
+    forward = core.runner.model.forward
+
+    def counting(batch: Any, caches: Any) -> torch.Tensor:
+        rows.append(int(batch.logits_indices.numel()))
+        return forward(batch, caches)
+
+    core.runner.model.forward = counting  # type: ignore[method-assign]
+    prompt = _prompt(core.vocab_size, 1300, seed=11)
+    [outs] = _run(core, [prompt], [greedy(1, prompt_logprobs=0)])
+    assert rows == [WHOLE_PROMPT_CHUNK, WHOLE_PROMPT_CHUNK, 1300 - 1 - 2 * WHOLE_PROMPT_CHUNK + 1]
+    _check(_prompt_entries(outs), prompt, hf_tiny, 0)
+    rows.clear()
+    _run(core, [_prompt(core.vocab_size, 1300, seed=12)], [greedy(1)])
+    assert rows == [1]  # one step, one row
