@@ -164,6 +164,7 @@ class EngineCore:
             stop_ids=stop_ids,
             generator=generator,
             plain_greedy=plain_greedy(params),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * req.num_prompt_tokens,
         )
 
     def check_capacity(self, pending: int = 0) -> None:
@@ -179,6 +180,8 @@ class EngineCore:
         """Queue a request built by ``make_request``; its engine-side state is created here."""
         self.check_capacity()
         state = self._new_state(req)
+        # prompt log-probabilities need every prompt position computed: no prefix hit
+        req.compute_whole_prompt = state.prompt_logprobs is not None
         self.scheduler.add(req)
         self.states[req.request_id] = state
         self.counters["tokens.prompt"] += req.num_prompt_tokens
@@ -341,6 +344,8 @@ class EngineCore:
             out = self._final_output(req, reason, [token], text, logprobs=logprobs)
         if req.first_token_time is None:
             _stamp_first_token(req, out)
+        if req.compute_whole_prompt:  # its first token: the prompt is computed
+            _hand_out_prompt_logprobs(req, state, out)
         return out
 
     def _final_output(
@@ -393,3 +398,12 @@ def _stamp_first_token(req: Request, out: RequestOutput) -> None:
     scheduled = req.scheduled_time if req.scheduled_time is not None else now
     out.queue_time_s = max(scheduled - req.arrival_time, 0.0)
     out.prefill_time_s = max(now - scheduled, 0.0)
+
+
+def _hand_out_prompt_logprobs(req: Request, state: RequestState, out: RequestOutput) -> None:
+    """The prompt log-probabilities go out with the request's first output; after that a
+    recompute (a preemption) may take prefix hits again."""
+    out.prompt_logprobs = state.prompt_logprobs
+    out.prompt_token_ids = list(req.prompt_token_ids)
+    state.prompt_logprobs = None
+    req.compute_whole_prompt = False

@@ -23,6 +23,8 @@ host tier's loads.
 4. decode-time output tracking copies (live slot -> tracking slot);
 5. sampling (``engine/sampling.py``), only for sequences whose piece reaches the end of their
    known tokens: one ``argmax`` when every such row is plain greedy, else the general sampler.
+   Requests with ``prompt_logprobs`` also get the logits of their prompt positions (extra rows
+   after the sampled ones, ``engine/prompt_logprobs.py``); nobody else pays for them.
 
 **Placeholders.** With async scheduling the engine schedules step N+1 before it has step N's
 sampled tokens: a request that samples in step N gets the placeholder of its row among step
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +50,7 @@ from deltaserve.engine.batch_buffer import BatchBuffer
 from deltaserve.engine.disk_io import DiskIO
 from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
 from deltaserve.engine.request_state import RequestState
 from deltaserve.engine.sampling import Sampler, greedy
 from deltaserve.engine.sampling_params import SamplingParams
@@ -82,6 +85,8 @@ class PreparedStep:
     params: list[SamplingParams] | None = None
     row_states: list[RequestState] | None = None
     output_ids: list[list[int]] | None = None  # per row: output ids its penalties count
+    # prompt log-probabilities: their logits rows follow the sampled rows (``prompt_logprobs.py``)
+    prompt_slices: list[PromptSlice] = field(default_factory=list)
 
 
 class StepResult:
@@ -294,6 +299,11 @@ class ModelRunner:
         sample_seq = list(range(nd))
         sample_seq += [i for i in range(nd, n) if seqs[i].samples]
         logits_rows = cu[1:][sample_seq] - 1 if sample_seq else np.zeros(0, dtype=np.int64)
+        slices: list[PromptSlice] = []
+        if states is not None and nd < n:
+            prompt_rows, slices = prompt_slices(seqs, nd, cu, states)
+            if slices:
+                logits_rows = np.concatenate([logits_rows, prompt_rows])
         cap = np.array(
             [(c.item_index, c.boundary - seqs[c.item_index].start, c.slot) for c in out.plan.captures],
             dtype=np.int64,
@@ -327,6 +337,7 @@ class ModelRunner:
             requests=[seqs[i].request for i in sample_seq],
             num_placeholders=len(ph_dst),
             placeholder_step=placeholder_step,
+            prompt_slices=slices,
         )
         if prep.requests and not all_greedy:
             assert states is not None, "states are needed to sample rows that are not plain greedy"
@@ -395,6 +406,12 @@ class ModelRunner:
         self._copy_states(out.plan.restores)
         logits = self.model.forward(batch, self.caches)
         self._copy_states(out.plan.decode_copies)
+        if prep.prompt_slices:
+            # (written on this thread; the engine reads them with the request's first token,
+            # after the step that computed the prompt's last piece, and steps run in order)
+            num_sampled = len(prep.sample_seq)
+            fill_prompt_logprobs(logits[num_sampled:], prep.prompt_slices)
+            logits = logits[:num_sampled]
         tokens, logprobs = self._sample(logits, prep)
         result = StepResult(out.step, tokens, logprobs)
         self._last = result

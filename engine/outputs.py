@@ -65,6 +65,12 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     prefill_time_s (float | None, default None)
         On the output carrying a request's first token: seconds from its first admission to
         that token (its prefill). None on every other output.
+    prompt_logprobs (list[TokenLogprob | None] | None, default None)
+        With ``SamplingParams.prompt_logprobs`` set, on the request's first output only: one
+        entry per prompt token, None for the first (nothing predicts it), then each token's
+        ``TokenLogprob`` given the tokens before it (vLLM's ``prompt_logprobs``).
+    prompt_token_ids (list[int] | None, default None)
+        The prompt's token ids, alongside ``prompt_logprobs``.
     """
 
     request_id: str
@@ -80,3 +86,6 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     logprobs: list[TokenLogprob] | None = None
     queue_time_s: float | None = None
     prefill_time_s: float | None = None
+    # on the first output, when SamplingParams.prompt_logprobs is set (None at position 0)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None

@@ -2,7 +2,8 @@
 
 ``EngineCore.states`` keeps one per running request (created when the request is added,
 dropped when it ends). It holds what the scheduler must not see: the detokenizer, the stop
-ids, the request's seeded generator and the tensors the sampler builds once per request.
+ids, the request's seeded generator, the tensors the sampler builds once per request and
+the prompt log-probabilities the runner fills in while it computes the prompt.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class RequestState:
     # log-probabilities of the tokens sampled since the engine last took them (logprobs requests)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_ids: torch.Tensor | None = None  # the prompt as a tensor, built once (repetition penalty)
+    # SamplingParams.prompt_logprobs: one entry per prompt position (None at 0), filled by the
+    # runner's forwards of the prompt and handed out with the request's first token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # greedy with nothing before the argmax (``sampling.plain_greedy(params)``): a batch of only
     # such rows samples with one argmax
     plain_greedy: bool = False

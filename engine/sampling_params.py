@@ -87,6 +87,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_p (0.0; 0 <= min_p <= 1)
         After the temperature, drop tokens whose probability is below ``min_p`` times the
         most likely token's (``0`` turns it off). Greedy decoding ignores it.
+    prompt_logprobs (None; None or 0 <= prompt_logprobs <= 20)
+        Return, for every prompt token after the first, its log-probability given the tokens
+        before it, plus that many most likely alternatives, in the request's first
+        ``RequestOutput.prompt_logprobs`` (the first position is None: nothing predicts it).
+        Raw model log-probabilities, like ``logprobs``. Such a request computes its whole
+        prompt: it takes no prefix-cache hit (what it computes is still published).
 
     Integers must be ``int`` (``bool`` is not accepted as an integer, nor as a number);
     floats must be finite.
@@ -107,6 +113,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, ok, why in _RULES:
@@ -184,6 +191,11 @@ _RULES: tuple[_Rule, ...] = (
         "must be a finite number > 0 (1: off)",
     ),
     ("min_p", lambda v, _: _finite(v) and 0.0 <= v <= 1.0, "must be in [0, 1] (0: off)"),
+    (
+        "prompt_logprobs",
+        lambda v, _: v is None or _int_in(v, 0, MAX_LOGPROBS),
+        f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+    ),
 )
 
 

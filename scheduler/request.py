@@ -62,6 +62,9 @@ class Request:
     # token (None until then): the queue and prefill times its first output reports
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    # the prompt is computed whole, without a prefix-cache hit, until the engine clears it
+    # (prompt log-probabilities need the logits of every prompt position)
+    compute_whole_prompt: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -59,6 +59,11 @@ log = get_logger("deltaserve.scheduler")
 
 _FALLBACK = FCFSPolicy()  # answers a policy call that failed
 
+#: prompt tokens a request that computes its whole prompt (prompt log-probabilities) computes
+#: per step, at most (at least one checkpoint unit): the runner keeps a ``[tokens, vocab]``
+#: float32 logits row per token for it, 0.5 GB at 248k vocabulary for 512 tokens
+WHOLE_PROMPT_CHUNK = 512
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -150,8 +155,12 @@ class Scheduler:
 
     def _match(self, r: Request) -> PrefixMatch:
         """The request's prefix match: computed once per request while the index is unchanged
-        (the policy's ordering, the chunking and ``admit`` share it)."""
-        return self.cache.match(r.token_ids, r.cache_salt, r.block_hashes, key=r.request_id)
+        (the policy's ordering, the chunking and ``admit`` share it). A request that computes
+        its whole prompt gets its path with no hit (it still publishes what it computes)."""
+        m = self.cache.match(r.token_ids, r.cache_salt, r.block_hashes, key=r.request_id)
+        if r.compute_whole_prompt and m.hit_blocks:
+            return PrefixMatch(m.path, 0, m.hashes, m.num_tokens, m.version, m.block_size)
+        return m
 
     def _ctx(self) -> PolicyContext:
         def cached_prefix(r: Request) -> int:
@@ -257,6 +266,12 @@ class Scheduler:
             end = (end // self.unit) * self.unit
         return end if end > start else start
 
+    def _piece_budget(self, req: Request, budget: int) -> int:
+        """The step's budget for ``req``'s next prefill piece (``WHOLE_PROMPT_CHUNK``)."""
+        if req.compute_whole_prompt:
+            return min(budget, max(WHOLE_PROMPT_CHUNK, self.unit))
+        return budget
+
     def _preempt(self, victim: Request) -> None:
         assert victim.cache is not None
         if victim.token_ids and is_placeholder(victim.token_ids[-1]):
@@ -351,7 +366,7 @@ class Scheduler:
             if req.is_decoding:
                 continue
             start = req.num_computed_tokens
-            end = self._chunk_end(start, req.num_tokens, step.budget)
+            end = self._chunk_end(start, req.num_tokens, self._piece_budget(req, step.budget))
             if end == start:
                 continue
             scheduled.add(id(req))
@@ -386,10 +401,12 @@ class Scheduler:
         step, 0 if not."""
         match = self._match(req)
         hit = match.hit_tokens
-        disk = self.cache.disk_fetch(req.request_id, req.token_ids, match)
+        disk = (
+            None if req.compute_whole_prompt else self.cache.disk_fetch(req.request_id, req.token_ids, match)
+        )
         if disk is not None and not disk.done:
             return 0  # its disk hit is being read: the others go on meanwhile
-        end = self._chunk_end(hit, req.num_tokens, step.budget)
+        end = self._chunk_end(hit, req.num_tokens, self._piece_budget(req, step.budget))
         if end == hit:
             return None  # not even one chunk fits this step: keep the order, wait
         if end < req.num_tokens and num_partial >= self.max_num_partial_prefills:

@@ -23,7 +23,13 @@ from deltaserve.engine.client import EngineClient, OutputStream
 from deltaserve.engine.errors import EngineDeadError
 from deltaserve.server import protocol as p
 from deltaserve.server.chat import ChatChunks, chat_response
-from deltaserve.server.completions import CompletionChunks, completion_response
+from deltaserve.server.completions import (
+    CompletionChunks,
+    EchoSpec,
+    PromptStream,
+    completion_response,
+    vllm_prompt_logprobs,
+)
 from deltaserve.server.config import ServerConfig, body_limit
 from deltaserve.server.errors import APIError, bad_request, encode, translate_error
 from deltaserve.server.inputs import completion_prompts, messages_to_dicts, sampling_params, template_extras
@@ -240,6 +246,7 @@ class OpenAIServer:
             if req.max_completion_tokens is not None:
                 renames["max_tokens"] = "max_completion_tokens"
             model = self._check_model(req.model)
+            _check_prompt_logprobs(req)
             self._require_healthy()
             stream = await self._start_chat(req)
         except Exception as e:
@@ -259,7 +266,11 @@ class OpenAIServer:
         async def full() -> p.ChatCompletionResponse:
             await self._collect(stream, tracker)
             self._check_drain([tracker])
-            return chat_response(tracker, self.token_text, rid, model, parsing, req.return_token_ids)
+            response = chat_response(tracker, self.token_text, rid, model, parsing, req.return_token_ids)
+            if isinstance(stream, PromptStream) and 0 in stream.prompts and req.prompt_logprobs is not None:
+                entries = stream.prompts[0][1]
+                response.prompt_logprobs = vllm_prompt_logprobs(self.token_text, entries, req.prompt_logprobs)
+            return response
 
         return await self._answer(request, full(), [stream])
 
@@ -273,10 +284,12 @@ class OpenAIServer:
         elif req.top_logprobs is not None and req.top_logprobs > 0:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        if req.prompt_logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=req.prompt_logprobs)
         prompt, extras = await self.tokenizer.ids_if_long(
             messages_to_dicts(req.messages), template_extras(req.tools, req.chat_template_kwargs)
         )
-        return self.engine.generate(
+        stream = self.engine.generate(
             prompt,
             params,
             request_id=req.request_id,
@@ -284,6 +297,9 @@ class OpenAIServer:
             cache_salt=req.cache_salt,
             **extras,
         )
+        if req.prompt_logprobs is not None:
+            return PromptStream(stream, "", prompt_only=False)
+        return stream
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
@@ -294,7 +310,8 @@ class OpenAIServer:
             req: p.CompletionRequest = self._parse(body, p.CompletionRequest)
             model = self._check_model(req.model)
             self._require_healthy()
-            await self._start_completions(req, streams)
+            spec = _echo_spec(req)
+            await self._start_completions(req, streams, spec)
         except Exception as e:
             for s in streams:  # the prompts accepted before one was rejected
                 with contextlib.suppress(Exception):
@@ -304,39 +321,61 @@ class OpenAIServer:
         trackers = [Tracker(self.metrics, req.n) for _ in streams]
         if req.stream:
             fmt = CompletionChunks(
-                self.token_text, rid, model, req.n, len(streams), return_ids=req.return_token_ids
-            )
+                self.token_text, rid, model, req.n, len(streams), return_ids=req.return_token_ids,
+                spec=spec, streams=_prompt_streams(streams),
+            )  # fmt: skip
             return self._stream(rid, streams, trackers, fmt, _include_usage(req))
 
         async def full() -> p.CompletionResponse:
             await asyncio.gather(*(self._collect(s, t) for s, t in zip(streams, trackers, strict=True)))
             self._check_drain(trackers)
-            return completion_response(trackers, self.token_text, rid, model, req.n, req.return_token_ids)
+            return completion_response(
+                trackers,
+                self.token_text,
+                rid,
+                model,
+                req.n,
+                req.return_token_ids,
+                spec,
+                _prompt_streams(streams),
+            )
 
         return await self._answer(request, full(), streams)
 
-    async def _start_completions(self, req: p.CompletionRequest, streams: list[OutputStream]) -> None:
-        """One engine request per prompt, appended to ``streams`` as each is accepted."""
-        if req.echo:
-            raise bad_request("echo is not supported", "echo", "unsupported")
+    async def _start_completions(
+        self, req: p.CompletionRequest, streams: list[OutputStream], spec: EchoSpec
+    ) -> None:
+        """One engine request per prompt, appended to ``streams`` as each is accepted (wrapped in a
+        ``PromptStream`` when ``spec`` asks for something of the prompt)."""
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         prompts = completion_prompts(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.model_info.max_model_len
+        if spec.prompt_only:  # the engine samples one token, which the PromptStream drops
+            max_tokens = 1
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        if spec.engine_prompt_logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=spec.engine_prompt_logprobs)
         if len(prompts) > 1 and req.request_id is not None:
             raise bad_request("request_id is for a single prompt", "request_id")
         for text_or_ids in prompts:
             prompt, _ = await self.tokenizer.ids_if_long(text_or_ids, {})
-            streams.append(
-                self.engine.generate(
-                    prompt,
-                    params,
-                    request_id=req.request_id,
-                    priority=req.priority,
-                    cache_salt=req.cache_salt,
-                )
+            stream: OutputStream = self.engine.generate(
+                prompt,
+                params,
+                request_id=req.request_id,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
             )
+            if spec.echo or spec.prompt_logprobs is not None:
+                stream = PromptStream(stream, self._prompt_text(text_or_ids), spec.prompt_only)
+            streams.append(stream)
+
+    def _prompt_text(self, text_or_ids: str | list[int]) -> str:
+        """The prompt as ``echo`` returns it: the text given, or the token ids decoded."""
+        if isinstance(text_or_ids, str):
+            return text_or_ids
+        return self.engine.input_processor.tokenizer.decode(text_or_ids, skip_special_tokens=False)
 
 
 def _model_not_found(model: str, names: list[str]) -> APIError:
@@ -351,6 +390,28 @@ def _too_large(size: int, limit: int) -> APIError:
         413, f"request body of {size} bytes or more is over the limit of {limit} bytes (server.max_body_bytes)",
         "invalid_request_error", None, "request_too_large",
     )  # fmt: skip
+
+
+def _echo_spec(req: p.CompletionRequest) -> EchoSpec:
+    """What a completions request asks about its prompts; 400 for what cannot be given."""
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 needs echo: true (it returns the prompt alone)", "max_tokens")
+    _check_prompt_logprobs(req)
+    return EchoSpec(
+        echo=req.echo,
+        logprobs=req.logprobs,
+        prompt_only=req.max_tokens == 0,
+        prompt_logprobs=req.prompt_logprobs,
+    )
+
+
+def _check_prompt_logprobs(req: p.ChatCompletionRequest | p.CompletionRequest) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available with stream: true", "prompt_logprobs")
+
+
+def _prompt_streams(streams: list[OutputStream]) -> list[PromptStream | None]:
+    return [s if isinstance(s, PromptStream) else None for s in streams]
 
 
 def _include_usage(req: p.ChatCompletionRequest | p.CompletionRequest) -> bool:

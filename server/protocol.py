@@ -125,6 +125,7 @@ class _SamplingFields(_UnimplementedFields, kw_only=True):
     priority: int = 0
     request_id: str | None = None
     return_token_ids: bool = False  # vLLM's extra: each choice (and each chunk) carries its token ids
+    prompt_logprobs: int | None = None  # vLLM's extra: log-probabilities of the prompt tokens
     # accepted so that a request using them gets a clear 400 instead of being silently ignored
     # (logit_bias: by the rule in unsupported.py)
     logit_bias: dict[str, float] | None = None
@@ -199,9 +200,21 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     """The legacy completions shape: parallel lists per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """One token's entry in vLLM's ``prompt_logprobs`` (keyed by its token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: per prompt position, None for the first, else token id -> entry
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class ResponseMessage(msgspec.Struct, kw_only=True):
@@ -226,6 +239,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -270,6 +284,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):

@@ -252,7 +252,7 @@ async def test_errors_have_openai_shape(served: Served) -> None:
             (chat, {**ok, "logit_bias": {"5": 10}}, 400, "logit_bias"),
             (chat, {**ok, "response_format": {"type": "json_object"}}, 400, "response_format"),
             ("/v1/completions", {"model": MODEL, "prompt": [1.5]}, 400, "prompt"),
-            ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+            ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
             ("/v1/embeddings", {}, 404, None),
         ]
         for path, body, status, param in cases:
