@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from deltaserve.engine.errors import ConfigError
+from tests.engine.conftest import greedy, run_to_completion
 from tests.engine.test_prefix_cache import converse, rand_tokens, serve
 
 TURNS = 3
@@ -215,4 +216,18 @@ def test_one_budget_under_pressure_with_a_disk_changes_nothing(
     converse(core, plain, random.Random(32), 8)
     s = core.stats()
     assert s["prefix_cache.hit_tokens_disk"] > 0 and s["kv.moved_blocks"] > 0
+    core.close()
+
+
+def test_a_request_for_prompt_logprobs_takes_no_disk_hit(core_factory: Any, tmp_path: Path) -> None:
+    rng = random.Random(15)
+    convs = _conversations(rng)[:1]
+    convs = _next_turn(convs, _warm_store(core_factory, tmp_path, convs), rng)
+    core = core_factory(**_disk(tmp_path))
+    req = core.make_request(convs[0], greedy(2, prompt_logprobs=1))
+    core.add_request(req)
+    outs = run_to_completion(core)[req.request_id]
+    assert outs[0].prompt_logprobs is not None and len(outs[0].prompt_logprobs) == len(convs[0])
+    assert outs[-1].num_cached_tokens == 0
+    assert core.stats()["prefix_cache.hit_tokens_disk"] == 0
     core.close()
