@@ -455,6 +455,18 @@ class DiskStore:
         e.h = self._priority(e)
         self._seq += 1
         heapq.heappush(self._heap, (e.h, self._seq, e.gen, int(e.kind), e.key))
+        if len(self._heap) > 2 * len(self._index) + 1024:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """Drop stale heap entries (reads re-push items, each leaving one behind)."""
+        live = []
+        for h, seq, gen, kind, key in self._heap:
+            e = self._index.get((ItemKind(kind), key))
+            if e is not None and e.gen == gen:
+                live.append((h, seq, gen, kind, key))
+        heapq.heapify(live)
+        self._heap = live
 
     def _drop_dependent(self, parent: int) -> None:
         """One dependent of ``parent`` is gone; the KV block there may now be a leaf."""
@@ -668,6 +680,10 @@ class DiskStore:
                 self._writing = True
             try:
                 self._write(item)
+            except Exception:  # a bug must not stop the writer (flush would wait forever)
+                log.exception("disk_store.writer_failed", path=str(self._path))
+                with self._lock:
+                    self._counters["write_errors"] += 1
             finally:
                 with self._cond:
                     self._writing = False
@@ -675,31 +691,33 @@ class DiskStore:
                     self._queued_bytes -= len(item.payload)
                     self._cond.notify_all()
 
-    def _make_room(self, size: int) -> list[_Entry] | None:
-        """Victims to evict so ``size`` more bytes fit (removed from the index); None if
-        not enough can go. Lock held."""
+    def _make_room(self, size: int) -> tuple[list[_Entry], bool]:
+        """Victims evicted (removed from the index) so ``size`` more bytes fit, and whether
+        they do fit: an item whose dependent is still queued cannot go. Lock held."""
         victims: list[_Entry] = []
         while self._used + size > self._capacity:
             v = self._pop_victim()
             if v is None:
-                return None if self._used + size > self._capacity else victims
+                return victims, False
             self._remove(v)
             victims.append(v)
-        return victims
+        return victims, True
 
     def _write(self, item: _Pending) -> None:
         size = accounted_bytes(len(item.payload))
         with self._lock:
-            victims = self._make_room(size)
-            if victims is None:
+            victims, fits = self._make_room(size)
+            self._counters["evicted_items"] += len(victims)
+            if fits:
+                self._used += size  # reserved while the file is written
+            else:
                 self._counters["queue_drops"] += 1
                 self._drop_dependent(item.parent)
-                return
-            self._counters["evicted_items"] += len(victims)
-            self._used += size  # reserved while the file is written
         for v in victims:
             with contextlib.suppress(OSError):
                 os.unlink(self._item_path(v.kind, v.key))
+        if not fits:
+            return
         header = encode_header(item.kind, item.key, item.parent, item.payload, item.cost)
         final = self._item_path(item.kind, item.key)
         tmp = self._path / "tmp" / final.name
