@@ -17,10 +17,12 @@ Items are byte payloads of two kinds (``ItemKind``: a KV block, a GDN checkpoint
   its contents are moved to ``<path>/set-aside-<utc stamp>/`` and a warning names the fields
   that differ.
 
-Layout (one file per item; ``tools/bench_disk_store.py`` measures it against segment files):
-``manifest.json``, ``items/<first byte of key>/<kind>-<key hex>``, ``tmp/``, ``index.bin``
-(the index saved at close, with frequencies, so an open reads no item headers; an open
-still lists ``items/`` and reconciles, so a stale or missing ``index.bin`` only costs time).
+Layout (one file per item; ``tools/bench_disk_store.py`` measures it against segment files
+and sqlite): ``manifest.json``; ``items/<first byte of key>/<kind>-<key>-<parent>-<length>-
+<cost>`` (hex; a file's name carries all the index needs, so an open lists the directories
+and opens no item); ``tmp/`` (writes in progress, emptied at open); ``index.bin``
+(frequencies and GDSF's L saved at close; without it, after a crash, items restart at
+frequency 1).
 
 fsync policy: none per item. A crash of the process cannot tear a renamed file (its writes
 are in the page cache before the rename); a power loss can, and then the payload checksum
@@ -65,7 +67,7 @@ _FANOUT_BITS = 8  # 256 item directories: ~2.5 k files each for 10 GB of 16 KiB 
 
 _INDEX_MAGIC = b"DSX1"
 _INDEX_HEAD = struct.Struct("<4sHQdQ")  # magic, format, count, L, xxh3_64 of the records
-_INDEX_REC = struct.Struct("<B16s16sQdQ")  # kind, key, parent, length, cost, freq
+_INDEX_REC = struct.Struct("<B16sQ")  # kind, key, freq
 _MAX_CHAIN = 1 << 16  # bound on the walk for a checkpoint's exclusive KV path
 _ERROR_LOG_INTERVAL_S = 60.0
 _KEY_LIMIT = 1 << 128
@@ -172,7 +174,30 @@ def decode_header(raw: bytes) -> tuple[ItemKind, int, int, int, float, int] | No
     )
 
 
-def _write_file(path: Path, header: bytes, payload: bytes) -> None:
+def item_name(kind: ItemKind, key: int, parent: int, length: int, cost: float) -> str:
+    """An item's file name: everything the index needs, so an open reads no file."""
+    return f"{int(kind)}-{key:032x}-{parent:032x}-{length:x}-{cost.hex()}"
+
+
+def parse_item_name(name: str) -> tuple[ItemKind, int, int, int, float] | None:
+    parts = name.split("-", 4)  # the cost's hex exponent may hold a '-'
+    if len(parts) != 5 or parts[0] not in ("1", "2") or len(parts[1]) != 32 or len(parts[2]) != 32:
+        return None
+    try:
+        cost = float.fromhex(parts[4])
+        fields = (ItemKind(int(parts[0])), int(parts[1], 16), int(parts[2], 16), int(parts[3], 16))
+    except ValueError:
+        return None
+    if not (math.isfinite(cost) and cost >= 0):
+        return None
+    return (*fields, cost)
+
+
+def _length(e: _Entry | _Pending) -> int:
+    return e.length if isinstance(e, _Entry) else len(e.payload)
+
+
+def _write_file(path: str, header: bytes, payload: bytes) -> None:
     """Write ``header + payload`` to a new file (the writer thread's only payload I/O)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -218,6 +243,8 @@ class DiskStore:
             )
         t0 = time.perf_counter()
         self._path = Path(path)
+        self._items_dir = str(self._path / "items")
+        self._tmp_dir = str(self._path / "tmp")
         self._capacity = capacity_bytes
         self._identity = identity
         self._queue_items = queue_items
@@ -346,78 +373,52 @@ class DiskStore:
         for i in range(1 << _FANOUT_BITS):
             (items / f"{i:02x}").mkdir(exist_ok=True)
 
-    def _item_path(self, kind: ItemKind, key: int) -> Path:
-        return self._path / "items" / f"{key >> 120:02x}" / f"{int(kind)}-{key:032x}"
+    def _item_path(self, e: _Entry | _Pending) -> str:
+        name = item_name(e.kind, e.key, e.parent, _length(e), e.cost)
+        return os.path.join(self._items_dir, f"{e.key >> (128 - _FANOUT_BITS):02x}", name)
 
-    def _list_items(self) -> set[tuple[ItemKind, int]]:
-        found: set[tuple[ItemKind, int]] = set()
-        for sub in os.scandir(self._path / "items"):
+    def _list_items(self) -> None:
+        """Index every item file by its name alone (no file is opened); foreign files go."""
+        for sub in os.scandir(self._items_dir):
+            try:
+                fan = int(sub.name, 16)
+            except ValueError:
+                fan = -1
             for entry in os.scandir(sub.path):
-                name = entry.name
-                parsed = None
-                if len(name) == 34 and name[0] in "12" and name[1] == "-":
-                    with contextlib.suppress(ValueError):
-                        parsed = (ItemKind(int(name[0])), int(name[2:], 16))
-                if parsed is None or (parsed[1] >> 120) != int(sub.name, 16):
+                parsed = parse_item_name(entry.name)
+                if parsed is None or (parsed[1] >> (128 - _FANOUT_BITS)) != fan:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
                     continue
-                found.add(parsed)
-        return found
+                kind, key, parent, length, cost = parsed
+                e = _Entry(kind, key, parent, length, accounted_bytes(length), cost, 1)
+                self._index[(kind, key)] = e
+                self._used += e.size
 
-    def _load_snapshot(self) -> dict[tuple[ItemKind, int], _Entry]:
-        """The index saved at the last close (empty if absent or damaged)."""
+    def _load_frequencies(self) -> None:
+        """Frequencies and GDSF's L saved at the last close (an older or damaged file only
+        costs what it knew: items it does not name keep frequency 1)."""
         try:
             raw = (self._path / "index.bin").read_bytes()
         except OSError:
-            return {}
+            return
         if len(raw) < _INDEX_HEAD.size:
-            return {}
+            return
         magic, fmt, count, inflate, checksum = _INDEX_HEAD.unpack_from(raw)
         body = memoryview(raw)[_INDEX_HEAD.size :]
         ok = magic == _INDEX_MAGIC and fmt == FORMAT_VERSION and len(body) == count * _INDEX_REC.size
         if not ok or xxhash.xxh3_64_intdigest(body) != checksum:
-            return {}
+            return
         self._inflate = inflate
-        out: dict[tuple[ItemKind, int], _Entry] = {}
-        for kind, key, parent, length, cost, freq in _INDEX_REC.iter_unpack(body):
-            k = int.from_bytes(key, "little")
-            e = _Entry(
-                ItemKind(kind),
-                k,
-                int.from_bytes(parent, "little"),
-                length,
-                accounted_bytes(length),
-                cost,
-                freq,
-            )
-            out[(e.kind, k)] = e
-        return out
-
-    def _read_entry(self, kind: ItemKind, key: int) -> _Entry | None:
-        """An entry from an item's header (no payload read); None (file removed) if invalid."""
-        path = self._item_path(kind, key)
-        try:
-            with open(path, "rb") as f:
-                head = decode_header(f.read(HEADER_BYTES))
-                size = os.fstat(f.fileno()).st_size
-        except OSError:
-            return None
-        if head is None or head[0] != kind or head[1] != key or size != HEADER_BYTES + head[3]:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return None
-        _, _, parent, length, cost, _ = head
-        return _Entry(kind, key, parent, length, accounted_bytes(length), cost, 1)
+        index = self._index
+        for kind, key, freq in _INDEX_REC.iter_unpack(body):
+            e = index.get((ItemKind(kind), int.from_bytes(key, "little")))
+            if e is not None:
+                e.freq = freq
 
     def _load_index(self) -> None:
-        on_disk = self._list_items()
-        saved = self._load_snapshot()
-        for ident in on_disk:
-            e = saved.get(ident) or self._read_entry(*ident)
-            if e is not None:
-                self._index[ident] = e
-                self._used += e.size
+        self._list_items()
+        self._load_frequencies()
         for e in self._index.values():
             if e.parent:
                 self._deps[e.parent] = self._deps.get(e.parent, 0) + 1
@@ -573,7 +574,7 @@ class DiskStore:
             e = self._index.get((kind, key))
         if e is None:
             return None
-        path = self._item_path(kind, key)
+        path = self._item_path(e)
         payload = None
         try:
             with open(path, "rb") as f:
@@ -715,16 +716,16 @@ class DiskStore:
                 self._drop_dependent(item.parent)
         for v in victims:
             with contextlib.suppress(OSError):
-                os.unlink(self._item_path(v.kind, v.key))
+                os.unlink(self._item_path(v))
         if not fits:
             return
         header = encode_header(item.kind, item.key, item.parent, item.payload, item.cost)
-        final = self._item_path(item.kind, item.key)
-        tmp = self._path / "tmp" / final.name
+        final = self._item_path(item)
+        tmp = os.path.join(self._tmp_dir, os.path.basename(final))
         try:
             _write_file(tmp, header, item.payload)
             os.rename(tmp, final)
-        except OSError as e:
+        except Exception as e:  # an I/O error above all; anything else must not leak bytes
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             with self._lock:
@@ -740,9 +741,10 @@ class DiskStore:
             self._counters["items_written"] += 1
             self._counters["bytes_written"] += len(item.payload)
 
-    def _log_write_error(self, e: OSError) -> None:
+    def _log_write_error(self, e: Exception) -> None:
         """Once per error kind per interval: a full disk would otherwise log every item."""
-        kind = errno.errorcode.get(e.errno or 0, type(e).__name__)
+        code = e.errno if isinstance(e, OSError) else None
+        kind = errno.errorcode.get(code or 0, type(e).__name__)
         now = time.monotonic()
         last = self._error_log_at.get(kind)
         if last is not None and now - last < _ERROR_LOG_INTERVAL_S:
@@ -761,17 +763,8 @@ class DiskStore:
             entries = list(self._index.values())
             inflate = self._inflate
         body = b"".join(
-            _INDEX_REC.pack(
-                int(e.kind),
-                e.key.to_bytes(16, "little"),
-                e.parent.to_bytes(16, "little"),
-                e.length,
-                e.cost,
-                e.freq,
-            )
-            for e in entries
+            _INDEX_REC.pack(int(e.kind), e.key.to_bytes(16, "little"), e.freq) for e in entries if e.freq > 1
         )
-        head = _INDEX_HEAD.pack(
-            _INDEX_MAGIC, FORMAT_VERSION, len(entries), inflate, xxhash.xxh3_64_intdigest(body)
-        )
+        count = len(body) // _INDEX_REC.size
+        head = _INDEX_HEAD.pack(_INDEX_MAGIC, FORMAT_VERSION, count, inflate, xxhash.xxh3_64_intdigest(body))
         _fsync_replace(self._path / "index.bin", head + body)

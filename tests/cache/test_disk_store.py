@@ -51,7 +51,8 @@ def payload_for(key: int, n: int) -> bytes:
 
 
 def item_file(store: DiskStore, kind: ItemKind, key: int) -> Path:
-    return store.path / "items" / f"{key >> 120:02x}" / f"{int(kind)}-{key:032x}"
+    (path,) = (store.path / "items" / f"{key >> 120:02x}").glob(f"{int(kind)}-{key:032x}-*")
+    return path
 
 
 def put_all(store: DiskStore, items: list[tuple[ItemKind, int, int, int, float]]) -> None:
@@ -139,18 +140,30 @@ def test_restart_serves_the_same_items(tmp_path: Path) -> None:
 def test_open_removes_partial_and_foreign_files(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with DiskStore(path, 1 << 20, IDENT) as s:
-        put_all(s, [(KV, 9, 0, 1000, 0.0)])
-        good = item_file(s, KV, 9)
+        put_all(s, [(KV, 9, 0, 1000, 0.0), (KV, 10, 9, 1000, 0.0)])
+        good, torn = item_file(s, KV, 9), item_file(s, KV, 10)
     partial = path / "tmp" / good.name
     partial.write_bytes(b"half an item")
-    junk = good.parent / "not-an-item"
-    junk.write_bytes(b"x")
-    torn = good.parent / f"1-{10:032x}"  # key 10 lives in the same directory as key 9
-    torn.write_bytes(good.read_bytes()[: HEADER_BYTES + 10])  # a torn write under a final name
-    (path / "index.bin").unlink()
+    junk = [good.parent / "not-an-item", good.parent / f"3-{good.name[2:]}", path / "items" / "zz"]
+    junk[0].write_bytes(b"x")
+    junk[1].write_bytes(good.read_bytes())
+    junk[2].mkdir()
+    (junk[2] / good.name).write_bytes(good.read_bytes())  # the right name in a wrong directory
+    torn.write_bytes(torn.read_bytes()[: HEADER_BYTES + 10])  # a torn file under its final name
     with DiskStore(path, 1 << 20, IDENT) as s:
-        assert s.items() == [(KV, 9)]
-        assert not partial.exists() and not junk.exists() and not torn.exists()
+        assert sorted(s.items()) == [(KV, 9), (KV, 10)]  # an open lists names, reads no file
+        assert not partial.exists() and not any(j.exists() for j in junk[:2])
+        assert not (junk[2] / good.name).exists()
+        assert s.read(KV, 10) is None and s.read(KV, 9) == payload_for(9, 1000)
+        assert s.items() == [(KV, 9)] and s.stats()["disk.damaged_items"] == 1
+
+
+def test_item_names_round_trip() -> None:
+    for cost in (0.0, 1e-300, 0.1, 3.0, 1e300):
+        name = disk_store.item_name(CP, (1 << 128) - 1, 5, 19 << 20, cost)
+        assert disk_store.parse_item_name(name) == (CP, (1 << 128) - 1, 5, 19 << 20, cost)
+    assert disk_store.parse_item_name("1-00-00-10-0x0.0p+0") is None
+    assert disk_store.parse_item_name("1-" + "0" * 32 + "-" + "0" * 32 + "-10-nan") is None
 
 
 # ---------------------------------------------------------------------- identity
@@ -445,7 +458,7 @@ def slow_writer(monkeypatch: pytest.MonkeyPatch):
     gate = threading.Event()
     real = disk_store._write_file
 
-    def slow(path: Path, header: bytes, payload: bytes) -> None:
+    def slow(path: str, header: bytes, payload: bytes) -> None:
         gate.wait(30)
         real(path, header, payload)
 
@@ -501,10 +514,10 @@ def test_write_error_drops_and_store_goes_on(
     real = disk_store._write_file
     fail = {"left": 3}
 
-    def flaky(path: Path, header: bytes, payload: bytes) -> None:
+    def flaky(path: str, header: bytes, payload: bytes) -> None:
         if fail["left"]:
             fail["left"] -= 1
-            path.write_bytes(header[:10])  # a partial file, as a full disk leaves it
+            Path(path).write_bytes(header[:10])  # a partial file, as a full disk leaves it
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, header, payload)
 
