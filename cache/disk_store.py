@@ -424,6 +424,11 @@ class DiskStore:
                 self._deps[e.parent] = self._deps.get(e.parent, 0) + 1
         for e in self._index.values():
             self._push(e)
+        victims, _ = self._make_room(0)  # the capacity may have shrunk since the last run
+        self._counters["evicted_items"] += len(victims)
+        for v in victims:
+            with contextlib.suppress(OSError):
+                os.unlink(self._item_path(v))
 
     # ------------------------------------------------------------------ eviction (lock held)
     def _exclusive_size(self, e: _Entry) -> int:

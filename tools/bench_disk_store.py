@@ -13,7 +13,7 @@ Candidates:
 Per item size (the tiny model's KV block and checkpoint, a Qwen3.5-0.8B shape's, a 4B
 shape's) it writes ``--mib`` MiB and reads it back: write MB/s (until written, not queued),
 read MB/s warm (page cache) and cold (pages dropped with ``posix_fadvise(DONTNEED)`` after a
-sync: no root needed; directory and inode caches stay warm). Files per GB follow from the
+sync: no root needed; directory and inode caches stay warm), in a shuffled order. Files per GB follow from the
 layout. ``--open-gb``: a store of that many GB per candidate (0.8B-shaped mix: one 19 MiB
 checkpoint per 32 KV blocks), closed, reopened and timed, then deleted; ``--open-small-gb``
 the same with 16 KiB items only (the file count's worst case). ``--crash``: a child writes
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import sqlite3
@@ -261,11 +262,13 @@ def throughput(name: str, root: Path, size: int, total: int) -> tuple[float, flo
     store.flush()
     write = count * size / (time.perf_counter() - t0) / 1e6
     rates = []
+    order = list(range(1, count + 1))
+    random.Random(size).shuffle(order)  # hits come from anywhere: no free readahead
     for cold in (False, True):
         if cold:
             store.drop_cache()
         t0 = time.perf_counter()
-        for k in range(1, count + 1):
+        for k in order:
             assert store.read(ItemKind.KV, k) is not None
         rates.append(count * size / (time.perf_counter() - t0) / 1e6)
     store.close()

@@ -430,6 +430,16 @@ def test_frequency_survives_restart(tmp_path: Path) -> None:
         assert s.has(CP, 2) and not s.has(CP, 1)
 
 
+def test_smaller_capacity_at_open_evicts(tmp_path: Path) -> None:
+    items = [(KV, 1, 0, SMALL, 0.0), (CP, 1, 1, SMALL, 5.0), (KV, 2, 0, SMALL, 0.0)]
+    with DiskStore(tmp_path / "s", 3 * UNIT, IDENT) as s:
+        put_all(s, items)
+    with DiskStore(tmp_path / "s", 2 * UNIT, IDENT) as s:
+        assert sorted(s.items()) == [(KV, 1), (CP, 1)]  # the checkpoint-less leaf went
+        assert s.stats()["disk.evicted_items"] == 1 and s.stats()["disk.bytes"] == 2 * UNIT
+        assert len(list((s.path / "items").rglob("*-*"))) == 2
+
+
 def test_item_larger_than_capacity_is_refused(tmp_path: Path) -> None:
     with DiskStore(tmp_path / "s", 4 * UNIT, IDENT) as s:
         assert not s.put(CP, 1, 0, b"x" * (4 * UNIT), 1.0)
