@@ -245,6 +245,7 @@ class DiskStore:
         self._path = Path(path)
         self._items_dir = str(self._path / "items")
         self._tmp_dir = str(self._path / "tmp")
+        self._fan_dirs: set[int] = set()  # items/<xx> directories known to exist (writer's)
         self._capacity = capacity_bytes
         self._identity = identity
         self._queue_items = queue_items
@@ -368,10 +369,7 @@ class DiskStore:
         if tmp.exists():  # partial writes of a crashed process
             shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(exist_ok=True)
-        items = self._path / "items"
-        items.mkdir(exist_ok=True)
-        for i in range(1 << _FANOUT_BITS):
-            (items / f"{i:02x}").mkdir(exist_ok=True)
+        (self._path / "items").mkdir(exist_ok=True)  # its fan-out directories come on demand
 
     def _item_path(self, e: _Entry | _Pending) -> str:
         name = item_name(e.kind, e.key, e.parent, _length(e), e.cost)
@@ -381,9 +379,11 @@ class DiskStore:
         """Index every item file by its name alone (no file is opened); foreign files go."""
         for sub in os.scandir(self._items_dir):
             try:
-                fan = int(sub.name, 16)
+                fan = int(sub.name, 16) if len(sub.name) == 2 else -1
             except ValueError:
                 fan = -1
+            if fan >= 0:
+                self._fan_dirs.add(fan)
             for entry in os.scandir(sub.path):
                 parsed = parse_item_name(entry.name)
                 if parsed is None or (parsed[1] >> (128 - _FANOUT_BITS)) != fan:
@@ -728,6 +728,10 @@ class DiskStore:
         final = self._item_path(item)
         tmp = os.path.join(self._tmp_dir, os.path.basename(final))
         try:
+            fan = item.key >> (128 - _FANOUT_BITS)
+            if fan not in self._fan_dirs:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                self._fan_dirs.add(fan)
             _write_file(tmp, header, item.payload)
             os.rename(tmp, final)
         except Exception as e:  # an I/O error above all; anything else must not leak bytes
