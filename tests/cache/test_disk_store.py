@@ -430,6 +430,49 @@ def test_frequency_survives_restart(tmp_path: Path) -> None:
         assert s.has(CP, 2) and not s.has(CP, 1)
 
 
+def test_queued_dependents_protect_their_parent(tmp_path: Path) -> None:
+    with DiskStore(tmp_path / "s", 2 * UNIT, IDENT) as s:
+        put_all(s, [(KV, 1, 0, SMALL, 0.0), (KV, 5, 0, SMALL, 0.0)])
+        # KV 2 and the checkpoint on it are queued together: KV 1 (a leaf until now, and
+        # older than KV 5) must not go to make room for its own child
+        assert s.put(KV, 2, 1, payload_for(2, SMALL), 0.0)
+        assert s.put(CP, 2, 2, payload_for(2, SMALL), 50.0)
+        assert s.flush(10)
+        assert sorted(s.items()) == [(KV, 1), (KV, 2)]
+        # nothing could go for the checkpoint (its path is all it depends on): refused
+        assert s.stats()["disk.queue_drops"] == 1 and s.stats()["disk.evicted_items"] == 1
+        _fill(s, 1)  # KV 2 is a leaf again once the checkpoint is given up
+        assert sorted(s.items()) == [(KV, 1), (CP, 1000)]
+
+
+def test_reads_race_evictions_safely(tmp_path: Path) -> None:
+    sizes = {k: 1000 + (k * 4099) % 9000 for k in range(1, 400)}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader(s: DiskStore) -> None:
+        try:
+            while not stop.is_set():
+                for k in range(1, 400, 7):
+                    data = s.read(KV, k)
+                    assert data is None or data == payload_for(k, sizes[k])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    with DiskStore(tmp_path / "s", 20 * UNIT, IDENT, queue_items=8) as s:
+        t = threading.Thread(target=reader, args=(s,))
+        t.start()
+        for k, n in sizes.items():
+            while not s.put(KV, k, 0, payload_for(k, n), 0.0):
+                s.flush(1)
+        assert s.flush(10)
+        stop.set()
+        t.join()
+        st = s.stats()
+        assert errors == [] and st["disk.damaged_items"] == 0
+        assert st["disk.evicted_items"] == len(sizes) - st["disk.items"] > 300
+
+
 def test_smaller_capacity_at_open_evicts(tmp_path: Path) -> None:
     items = [(KV, 1, 0, SMALL, 0.0), (CP, 1, 1, SMALL, 5.0), (KV, 2, 0, SMALL, 0.0)]
     with DiskStore(tmp_path / "s", 3 * UNIT, IDENT) as s:
