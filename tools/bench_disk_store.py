@@ -40,6 +40,7 @@ from typing import Protocol
 
 import xxhash
 
+from deltaserve.cache import disk_store
 from deltaserve.cache.disk_store import (
     HEADER_BYTES,
     DiskStore,
@@ -239,7 +240,24 @@ class SqliteCandidate:
         self.db.close()
 
 
-CANDIDATES = {"files": FilesCandidate, "segments": SegmentsCandidate, "sqlite": SqliteCandidate}
+def _files_with(writers: int) -> type[FilesCandidate]:
+    class Files(FilesCandidate):
+        def __init__(self, path: Path) -> None:
+            saved = disk_store.WRITER_THREADS
+            disk_store.WRITER_THREADS = writers
+            try:
+                super().__init__(path)
+            finally:
+                disk_store.WRITER_THREADS = saved
+
+    return Files
+
+
+CANDIDATES: dict[str, type[Candidate]] = {
+    "files": FilesCandidate,
+    "segments": SegmentsCandidate,
+    "sqlite": SqliteCandidate,
+}
 FILES_PER_GB = {
     "files": lambda size: (1 << 30) / size,
     "segments": lambda size: (1 << 30) / (256 * MiB),
@@ -317,11 +335,11 @@ from pathlib import Path
 sys.path.insert(0, {tools!r})
 from bench_disk_store import CANDIDATES, ItemKind, payload_of
 store = CANDIDATES[sys.argv[1]](Path(sys.argv[2]))
-k = 0
+k = max((key for _, key in store.listed()), default=0)  # after an earlier kill: new keys
 while True:
     k += 1
     store.put(ItemKind.KV, k, k - 1, payload_of(k, 1000 + (k * 7919) % (2 << 20)))
-    if k == 20:
+    if k % 20 == 0:
         print("WRITING", flush=True)
 """
 
@@ -357,14 +375,21 @@ def main() -> None:
     ap.add_argument("--open-small-gb", type=float, default=0.0)
     ap.add_argument("--crash", type=int, default=0, help="kill -9 runs per candidate")
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--no-table", action="store_true", help="skip the per-size throughput table")
+    ap.add_argument("--writers", default="", help="files: writer threads to compare, e.g. 1,2,4")
     args = ap.parse_args()
     names = args.candidates.split(",")
+    if args.writers:  # files with N writer threads, side by side (same machine, same run)
+        for n in args.writers.split(","):
+            CANDIDATES[f"files{n}"] = _files_with(int(n))
+            FILES_PER_GB[f"files{n}"] = FILES_PER_GB["files"]
+        names = [n for n in names if n != "files"] + [f"files{n}" for n in args.writers.split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-disk-store-", dir=args.dir))
     try:
         print(
             f"{'layout':9} {'item':10} {'size':>9} {'write MB/s':>10} {'read warm':>10} {'read cold':>10} {'files/GB':>9}"
         )
-        for label, size in SIZES:
+        for label, size in [] if args.no_table else SIZES:
             for name in names:
                 w, rw, rc = throughput(name, root, size, args.mib * MiB)
                 fpg = FILES_PER_GB[name](size)
