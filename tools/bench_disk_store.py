@@ -344,19 +344,22 @@ while True:
 """
 
 
-def crash(name: str, root: Path, runs: int) -> tuple[int, int]:
-    """(items listed after ``runs`` kill -9s, items that failed to verify)."""
+def crash(name: str, root: Path, runs: int) -> tuple[int, int, int]:
+    """(items listed after ``runs`` kill -9s, items that failed to verify, torn writes seen)."""
     path = root / f"crash-{name}"
     code = _CHILD.format(tools=str(Path(__file__).parent))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = "files" if name.startswith("files") else name  # the child's default writer count
+    partial = 0  # files: writes cut by a kill (left in tmp/, removed by the next open)
     for _ in range(runs):
         child = subprocess.Popen(
-            [sys.executable, "-c", code, name, str(path)], env=env, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", code, base, str(path)], env=env, stdout=subprocess.PIPE, text=True
         )
         assert child.stdout is not None and child.stdout.readline().strip() == "WRITING"
         time.sleep(1.0)
         child.send_signal(signal.SIGKILL)
         child.wait()
+        partial += len(list((path / "tmp").iterdir())) if (path / "tmp").is_dir() else 0
     store = CANDIDATES[name](path)
     listed = store.listed()
     bad = sum(
@@ -364,7 +367,7 @@ def crash(name: str, root: Path, runs: int) -> tuple[int, int]:
     )
     store.close()
     shutil.rmtree(path)
-    return len(listed), bad
+    return len(listed), bad, partial
 
 
 def main() -> None:
@@ -408,9 +411,10 @@ def main() -> None:
                     flush=True,
                 )
         for name in names if args.crash else []:
-            listed, bad = crash(name, root, args.crash)
+            listed, bad, partial = crash(name, root, args.crash)
             print(
-                f"crash {name:9} {args.crash} x kill -9: {listed} items listed, {bad} failed to verify",
+                f"crash {name:9} {args.crash} x kill -9: {listed} items listed, {bad} failed to verify"
+                f" ({partial} torn writes left in tmp/)",
                 flush=True,
             )
     finally:
