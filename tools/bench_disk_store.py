@@ -370,6 +370,39 @@ def crash(name: str, root: Path, runs: int) -> tuple[int, int, int]:
     return len(listed), bad, partial
 
 
+def compaction_amplification(slack: float, segment_items: int = 64, segments: int = 64) -> float:
+    """Records a segment layout copies per record written, at steady state, when a full store
+    evicts by value (random victims: value is unrelated to age) and reclaims space by
+    compacting the segment with the fewest live records. ``slack``: the fraction of the disk
+    budget left to dead records (live records fill the rest). One file per item copies
+    nothing (an eviction is an unlink) and has no slack.
+    """
+    rng = random.Random(0)
+    live_cap = int(segments * segment_items * (1 - slack))
+    live = [0] * segments  # live records per segment
+    keys: list[tuple[int, int]] = []  # (key, segment) of every live record
+    free = list(range(1, segments))
+    head, fill, copied = 0, 0, 0
+    steps = segments * segment_items * 30
+    for step in range(steps):
+        if len(keys) >= live_cap:  # evict a random live record: it goes dead in place
+            i = rng.randrange(len(keys))
+            live[keys[i][1]] -= 1
+            keys[i] = keys[-1]
+            keys.pop()
+        if fill == segment_items:
+            if free:
+                head, fill = free.pop(), 0
+            else:  # compact the emptiest segment: its live records are copied, it is the head
+                head = min((i for i in range(segments) if i != head), key=live.__getitem__)
+                fill = live[head]
+                copied += fill if step > steps // 3 else 0  # count at steady state only
+        keys.append((step, head))
+        live[head] += 1
+        fill += 1
+    return copied / (steps - steps // 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--candidates", default="files,segments,sqlite")
@@ -379,6 +412,7 @@ def main() -> None:
     ap.add_argument("--crash", type=int, default=0, help="kill -9 runs per candidate")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--no-table", action="store_true", help="skip the per-size throughput table")
+    ap.add_argument("--amplification", action="store_true", help="segments: compaction model")
     ap.add_argument("--writers", default="", help="files: writer threads to compare, e.g. 1,2,4")
     args = ap.parse_args()
     names = args.candidates.split(",")
@@ -410,6 +444,9 @@ def main() -> None:
                     f"open {name:9} {gb:g} GB {label}: {items} items, written in {w:.1f} s, reopened in {r * 1e3:.0f} ms",
                     flush=True,
                 )
+        for slack in (0.1, 0.2, 0.3, 0.5) if args.amplification else ():
+            amp = compaction_amplification(slack)
+            print(f"segments compaction at {slack:.0%} slack: {amp:.2f} copied per written", flush=True)
         for name in names if args.crash else []:
             listed, bad, partial = crash(name, root, args.crash)
             print(
