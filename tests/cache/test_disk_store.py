@@ -128,7 +128,9 @@ def test_restart_serves_the_same_items(tmp_path: Path) -> None:
         assert st["disk.bytes"] == before["disk.bytes"]
         assert st["disk.items_read"] == 6 and st["disk.bytes_written"] == 0  # per process
         d = s.describe()
-        assert d["set_aside"] is None and d["items"] == 6
+        assert d["set_aside"] is None and d["items"] == 6 and d["path"] == str(path)
+        assert d["bytes"] == before["disk.bytes"] and d["capacity"] == 1 << 20
+        assert isinstance(d["opened_in_ms"], float) and d["opened_in_ms"] >= 0
         assert isinstance(d["age_s"], float) and d["age_s"] >= created
     # without the saved index (a crash): rebuilt from the item headers
     (path / "index.bin").unlink()
@@ -481,6 +483,17 @@ def test_smaller_capacity_at_open_evicts(tmp_path: Path) -> None:
         assert sorted(s.items()) == [(KV, 1), (CP, 1)]  # the checkpoint-less leaf went
         assert s.stats()["disk.evicted_items"] == 1 and s.stats()["disk.bytes"] == 2 * UNIT
         assert len(list((s.path / "items").rglob("*-*"))) == 2
+
+
+def test_heap_stays_bounded_under_reads(tmp_path: Path) -> None:
+    with DiskStore(tmp_path / "s", 1 << 20, IDENT) as s:
+        put_all(s, [(CP, k, 0, 100, 1.0) for k in range(1, 11)])
+        for _ in range(500):
+            for k in range(1, 11):
+                assert s.read(CP, k) == payload_for(k, 100)
+        # every read re-prices its item and leaves a stale heap entry; they are swept
+        assert len(s._heap) <= 2 * 10 + 1024
+        assert s.stats()["disk.items_read"] == 5000
 
 
 def test_item_larger_than_capacity_is_refused(tmp_path: Path) -> None:
