@@ -575,20 +575,14 @@ class DiskStore:
             raise ValueError(f"key and parent must be 128-bit unsigned ints, got {key}, {parent}")
         if not (math.isfinite(cost) and cost >= 0):
             raise ValueError(f"cost must be finite and >= 0, got {cost}")
-        data = payload if isinstance(payload, bytes) else bytes(payload)
         ident = (kind, key)
+        nbytes = memoryview(payload).nbytes
         with self._lock:
-            refuse = (
-                self._closed
-                or ident in self._index
-                or ident in self._queued
-                or ident in self._unlinking
-                or len(self._queue) >= self._queue_items
-                or self._queued_bytes + len(data) > self._queue_bytes
-                or accounted_bytes(len(data)) > self._capacity
-            )
-            if refuse:
-                self._counters["queue_drops"] += 1
+            if self._refuses(ident, nbytes):  # before any copy: a drop must stay cheap
+                return False
+        data = payload if isinstance(payload, bytes) else bytes(payload)
+        with self._lock:
+            if self._refuses(ident, nbytes):
                 return False
             self._queue.append(_Pending(kind, key, parent, data, float(cost)))
             self._queued.add(ident)
@@ -598,10 +592,26 @@ class DiskStore:
             self._cond.notify_all()
         return True
 
+    def _refuses(self, ident: tuple[ItemKind, int], nbytes: int) -> bool:
+        """Whether ``put`` must drop this item now (counted). Lock held."""
+        refuse = (
+            self._closed
+            or ident in self._index
+            or ident in self._queued
+            or ident in self._unlinking
+            or len(self._queue) >= self._queue_items
+            or self._queued_bytes + nbytes > self._queue_bytes
+            or accounted_bytes(nbytes) > self._capacity
+        )
+        if refuse:
+            self._counters["queue_drops"] += 1
+        return refuse
+
     def read(self, kind: ItemKind, key: int) -> bytes | None:
-        """The verified payload, or None (missing or damaged: counted and forgotten)."""
+        """The verified payload, or None (missing or damaged: counted and forgotten; or the
+        store is closed)."""
         with self._lock:
-            e = self._index.get((kind, key))
+            e = None if self._closed else self._index.get((kind, key))
         if e is None:
             return None
         path = self._item_path(e)
@@ -628,7 +638,7 @@ class DiskStore:
                     self._remove(e)
                     with contextlib.suppress(OSError):
                         os.unlink(path)
-                    log.warning("disk_store.damaged_item", kind=kind.name, key=f"{key:032x}")
+                    log.warning("disk_store.damaged_item", kind=e.kind.name, key=f"{key:032x}")
                 return None
             self._counters["items_read"] += 1
             self._counters["bytes_read"] += e.length

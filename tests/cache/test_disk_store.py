@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from array import array
 from pathlib import Path
 
 import msgspec
@@ -110,6 +111,9 @@ def test_memoryview_payload_is_copied(store: DiskStore) -> None:
     buf[:] = b"b" * 5000  # the caller reuses its buffer at once
     assert store.flush(10)
     assert store.read(KV, 7) == b"a" * 5000
+    words = array("f", [1.5] * 1000)  # a typed view: its bytes, not its item count, are stored
+    assert store.put(KV, 8, 0, memoryview(words), 0.0) and store.flush(10)
+    assert store.read(KV, 8) == words.tobytes()
 
 
 def test_restart_serves_the_same_items(tmp_path: Path) -> None:
@@ -615,5 +619,6 @@ def test_close_flushes_and_is_idempotent(tmp_path: Path, slow_writer: threading.
     s.close()
     s.close()
     assert not s.put(KV, 9, 0, b"x", 0.0)
+    assert s.read(KV, 1) is None  # the lock is released: a closed store serves nothing
     with DiskStore(tmp_path / "s", 1 << 20, IDENT) as s2:
         assert sorted(s2.items()) == [(KV, 1), (KV, 2), (KV, 3)]
