@@ -115,11 +115,14 @@ class Manifest(msgspec.Struct, frozen=True):
 
 
 class DiskStoreError(Exception):
-    """The disk store cannot be opened or used as asked."""
+    """The disk store cannot be opened as asked: an identity whose ``format`` is not this
+    module's, a path that cannot be locked or created. Raised by ``DiskStore(...)`` only;
+    I/O errors after the open are never raised (a write drops, a read misses)."""
 
 
 class DiskStoreLocked(DiskStoreError):
-    """Another DiskStore (this process or another) holds the path."""
+    """Another ``DiskStore`` (in this process or another) holds the path's lock: one store
+    per path at a time. The message names the path."""
 
 
 @dataclass(slots=True)
@@ -293,13 +296,19 @@ class DiskStore:
             0,
         )
         self._error_log_at: dict[str, float] = {}
-        self._path.mkdir(parents=True, exist_ok=True)
+        try:
+            self._path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DiskStoreError(f"cannot create disk store {self._path}: {e}") from e
         self._lock_fd = self._take_lock()
         try:
             self._set_aside: Path | None = None
             self._created = self._open_manifest()
             self._prepare_dirs()
             self._load_index()
+        except OSError as e:
+            os.close(self._lock_fd)
+            raise DiskStoreError(f"cannot open disk store {self._path}: {e}") from e
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -321,7 +330,10 @@ class DiskStore:
 
     # ------------------------------------------------------------------ open
     def _take_lock(self) -> int:
-        fd = os.open(self._path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self._path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise DiskStoreError(f"cannot lock disk store {self._path}: {e}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -103,6 +103,11 @@ def test_bad_input_is_a_typed_error(store: DiskStore, tmp_path: Path) -> None:
         msgspec.structs.replace(IDENT, block_size=0)
     with pytest.raises(DiskStoreError, match="format"):
         DiskStore(tmp_path / "other", 1 << 20, msgspec.structs.replace(IDENT, format=99))
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(DiskStoreError, match="cannot create disk store .*file/s"):
+        DiskStore(tmp_path / "file" / "s", 1 << 20, IDENT)  # a file where a directory must be
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskStore(tmp_path / "other", 0, IDENT)
 
 
 def test_memoryview_payload_is_copied(store: DiskStore) -> None:
