@@ -194,18 +194,23 @@ def item_name(kind: ItemKind, key: int, parent: int, length: int, cost: float) -
     return f"{int(kind)}-{key:032x}-{parent:032x}-{length:x}-{cost.hex()}"
 
 
+_KIND_OF_DIGIT = {"1": ItemKind.KV, "2": ItemKind.CHECKPOINT}
+
+
 def parse_item_name(name: str) -> tuple[ItemKind, int, int, int, float] | None:
+    """The fields ``item_name`` wrote, or None for any other name."""
     parts = name.split("-", 4)  # the cost's hex exponent may hold a '-'
-    if len(parts) != 5 or parts[0] not in ("1", "2") or len(parts[1]) != 32 or len(parts[2]) != 32:
+    kind = _KIND_OF_DIGIT.get(parts[0])
+    if kind is None or len(parts) != 5 or len(parts[1]) != 32 or len(parts[2]) != 32:
         return None
     try:
+        key, parent, length = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
         cost = float.fromhex(parts[4])
-        fields = (ItemKind(int(parts[0])), int(parts[1], 16), int(parts[2], 16), int(parts[3], 16))
     except ValueError:
         return None
-    if not (math.isfinite(cost) and cost >= 0):
+    if not (math.isfinite(cost) and cost >= 0 and key >= 0 and parent >= 0 and length >= 0):
         return None
-    return (*fields, cost)
+    return kind, key, parent, length, cost
 
 
 def _length(e: _Entry | _Pending) -> int:
