@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from array import array
 from pathlib import Path
 
 import msgspec
@@ -51,7 +52,8 @@ def payload_for(key: int, n: int) -> bytes:
 
 
 def item_file(store: DiskStore, kind: ItemKind, key: int) -> Path:
-    return store.path / "items" / f"{key >> 120:02x}" / f"{int(kind)}-{key:032x}"
+    (path,) = (store.path / "items" / f"{key >> 120:02x}").glob(f"{int(kind)}-{key:032x}-*")
+    return path
 
 
 def put_all(store: DiskStore, items: list[tuple[ItemKind, int, int, int, float]]) -> None:
@@ -101,6 +103,11 @@ def test_bad_input_is_a_typed_error(store: DiskStore, tmp_path: Path) -> None:
         msgspec.structs.replace(IDENT, block_size=0)
     with pytest.raises(DiskStoreError, match="format"):
         DiskStore(tmp_path / "other", 1 << 20, msgspec.structs.replace(IDENT, format=99))
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(DiskStoreError, match="cannot create disk store .*file/s"):
+        DiskStore(tmp_path / "file" / "s", 1 << 20, IDENT)  # a file where a directory must be
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskStore(tmp_path / "other", 0, IDENT)
 
 
 def test_memoryview_payload_is_copied(store: DiskStore) -> None:
@@ -109,6 +116,9 @@ def test_memoryview_payload_is_copied(store: DiskStore) -> None:
     buf[:] = b"b" * 5000  # the caller reuses its buffer at once
     assert store.flush(10)
     assert store.read(KV, 7) == b"a" * 5000
+    words = array("f", [1.5] * 1000)  # a typed view: its bytes, not its item count, are stored
+    assert store.put(KV, 8, 0, memoryview(words), 0.0) and store.flush(10)
+    assert store.read(KV, 8) == words.tobytes()
 
 
 def test_restart_serves_the_same_items(tmp_path: Path) -> None:
@@ -127,7 +137,9 @@ def test_restart_serves_the_same_items(tmp_path: Path) -> None:
         assert st["disk.bytes"] == before["disk.bytes"]
         assert st["disk.items_read"] == 6 and st["disk.bytes_written"] == 0  # per process
         d = s.describe()
-        assert d["set_aside"] is None and d["items"] == 6
+        assert d["set_aside"] is None and d["items"] == 6 and d["path"] == str(path)
+        assert d["bytes"] == before["disk.bytes"] and d["capacity"] == 1 << 20
+        assert isinstance(d["opened_in_ms"], float) and d["opened_in_ms"] >= 0
         assert isinstance(d["age_s"], float) and d["age_s"] >= created
     # without the saved index (a crash): rebuilt from the item headers
     (path / "index.bin").unlink()
@@ -139,18 +151,30 @@ def test_restart_serves_the_same_items(tmp_path: Path) -> None:
 def test_open_removes_partial_and_foreign_files(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with DiskStore(path, 1 << 20, IDENT) as s:
-        put_all(s, [(KV, 9, 0, 1000, 0.0)])
-        good = item_file(s, KV, 9)
+        put_all(s, [(KV, 9, 0, 1000, 0.0), (KV, 10, 9, 1000, 0.0)])
+        good, torn = item_file(s, KV, 9), item_file(s, KV, 10)
     partial = path / "tmp" / good.name
     partial.write_bytes(b"half an item")
-    junk = good.parent / "not-an-item"
-    junk.write_bytes(b"x")
-    torn = good.parent / f"1-{10:032x}"  # key 10 lives in the same directory as key 9
-    torn.write_bytes(good.read_bytes()[: HEADER_BYTES + 10])  # a torn write under a final name
-    (path / "index.bin").unlink()
+    junk = [good.parent / "not-an-item", good.parent / f"3-{good.name[2:]}", path / "items" / "zz"]
+    junk[0].write_bytes(b"x")
+    junk[1].write_bytes(good.read_bytes())
+    junk[2].mkdir()
+    (junk[2] / good.name).write_bytes(good.read_bytes())  # the right name in a wrong directory
+    torn.write_bytes(torn.read_bytes()[: HEADER_BYTES + 10])  # a torn file under its final name
     with DiskStore(path, 1 << 20, IDENT) as s:
-        assert s.items() == [(KV, 9)]
-        assert not partial.exists() and not junk.exists() and not torn.exists()
+        assert sorted(s.items()) == [(KV, 9), (KV, 10)]  # an open lists names, reads no file
+        assert not partial.exists() and not any(j.exists() for j in junk[:2])
+        assert not (junk[2] / good.name).exists()
+        assert s.read(KV, 10) is None and s.read(KV, 9) == payload_for(9, 1000)
+        assert s.items() == [(KV, 9)] and s.stats()["disk.damaged_items"] == 1
+
+
+def test_item_names_round_trip() -> None:
+    for cost in (0.0, 1e-300, 0.1, 3.0, 1e300):
+        name = disk_store.item_name(CP, (1 << 128) - 1, 5, 19 << 20, cost)
+        assert disk_store.parse_item_name(name) == (CP, (1 << 128) - 1, 5, 19 << 20, cost)
+    assert disk_store.parse_item_name("1-00-00-10-0x0.0p+0") is None
+    assert disk_store.parse_item_name("1-" + "0" * 32 + "-" + "0" * 32 + "-10-nan") is None
 
 
 # ---------------------------------------------------------------------- identity
@@ -417,6 +441,70 @@ def test_frequency_survives_restart(tmp_path: Path) -> None:
         assert s.has(CP, 2) and not s.has(CP, 1)
 
 
+def test_queued_dependents_protect_their_parent(tmp_path: Path) -> None:
+    with DiskStore(tmp_path / "s", 2 * UNIT, IDENT) as s:
+        put_all(s, [(KV, 1, 0, SMALL, 0.0), (KV, 5, 0, SMALL, 0.0)])
+        # KV 2 and the checkpoint on it are queued together: KV 1 (a leaf until now, and
+        # older than KV 5) must not go to make room for its own child
+        assert s.put(KV, 2, 1, payload_for(2, SMALL), 0.0)
+        assert s.put(CP, 2, 2, payload_for(2, SMALL), 50.0)
+        assert s.flush(10)
+        assert sorted(s.items()) == [(KV, 1), (KV, 2)]
+        # nothing could go for the checkpoint (its path is all it depends on): refused
+        assert s.stats()["disk.queue_drops"] == 1 and s.stats()["disk.evicted_items"] == 1
+        _fill(s, 1)  # KV 2 is a leaf again once the checkpoint is given up
+        assert sorted(s.items()) == [(KV, 1), (CP, 1000)]
+
+
+def test_reads_race_evictions_safely(tmp_path: Path) -> None:
+    sizes = {k: 1000 + (k * 4099) % 9000 for k in range(1, 400)}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader(s: DiskStore) -> None:
+        try:
+            while not stop.is_set():
+                for k in range(1, 400, 7):
+                    data = s.read(KV, k)
+                    assert data is None or data == payload_for(k, sizes[k])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    with DiskStore(tmp_path / "s", 20 * UNIT, IDENT, queue_items=8) as s:
+        t = threading.Thread(target=reader, args=(s,))
+        t.start()
+        for k, n in sizes.items():
+            while not s.put(KV, k, 0, payload_for(k, n), 0.0):
+                s.flush(1)
+        assert s.flush(10)
+        stop.set()
+        t.join()
+        st = s.stats()
+        assert errors == [] and st["disk.damaged_items"] == 0
+        assert st["disk.evicted_items"] == len(sizes) - st["disk.items"] > 300
+
+
+def test_smaller_capacity_at_open_evicts(tmp_path: Path) -> None:
+    items = [(KV, 1, 0, SMALL, 0.0), (CP, 1, 1, SMALL, 5.0), (KV, 2, 0, SMALL, 0.0)]
+    with DiskStore(tmp_path / "s", 3 * UNIT, IDENT) as s:
+        put_all(s, items)
+    with DiskStore(tmp_path / "s", 2 * UNIT, IDENT) as s:
+        assert sorted(s.items()) == [(KV, 1), (CP, 1)]  # the checkpoint-less leaf went
+        assert s.stats()["disk.evicted_items"] == 1 and s.stats()["disk.bytes"] == 2 * UNIT
+        assert len(list((s.path / "items").rglob("*-*"))) == 2
+
+
+def test_heap_stays_bounded_under_reads(tmp_path: Path) -> None:
+    with DiskStore(tmp_path / "s", 1 << 20, IDENT) as s:
+        put_all(s, [(CP, k, 0, 100, 1.0) for k in range(1, 11)])
+        for _ in range(500):
+            for k in range(1, 11):
+                assert s.read(CP, k) == payload_for(k, 100)
+        # every read re-prices its item and leaves a stale heap entry; they are swept
+        assert len(s._heap) <= 2 * 10 + 1024
+        assert s.stats()["disk.items_read"] == 5000
+
+
 def test_item_larger_than_capacity_is_refused(tmp_path: Path) -> None:
     with DiskStore(tmp_path / "s", 4 * UNIT, IDENT) as s:
         assert not s.put(CP, 1, 0, b"x" * (4 * UNIT), 1.0)
@@ -445,7 +533,7 @@ def slow_writer(monkeypatch: pytest.MonkeyPatch):
     gate = threading.Event()
     real = disk_store._write_file
 
-    def slow(path: Path, header: bytes, payload: bytes) -> None:
+    def slow(path: str, header: bytes, payload: bytes) -> None:
         gate.wait(30)
         real(path, header, payload)
 
@@ -455,7 +543,7 @@ def slow_writer(monkeypatch: pytest.MonkeyPatch):
 
 
 def _wait_writer_busy(store: DiskStore) -> None:
-    """Until the writer has taken the queue's head (and is stuck writing it)."""
+    """Until the writers have taken what is queued (and are stuck writing it)."""
     deadline = time.monotonic() + 10
     while store.stats()["disk.queue_items"] and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -465,20 +553,22 @@ def _wait_writer_busy(store: DiskStore) -> None:
 def test_full_queue_drops_fast(tmp_path: Path, slow_writer: threading.Event) -> None:
     with DiskStore(tmp_path / "s", 64 << 20, IDENT, queue_items=3) as s:
         try:
-            assert s.put(KV, 1, 0, payload_for(1, 1000), 0.0)
+            busy = disk_store.WRITER_THREADS  # each writer takes one item and is stuck in it
+            assert all(s.put(KV, k, 0, payload_for(k, 1000), 0.0) for k in range(1, busy + 1))
             _wait_writer_busy(s)
-            assert [s.put(KV, k, 0, payload_for(k, 1000), 0.0) for k in (2, 3, 4)] == [True] * 3
+            queued = range(busy + 1, busy + 4)
+            assert all(s.put(KV, k, 0, payload_for(k, 1000), 0.0) for k in queued)
             t0 = time.perf_counter()
-            results = [s.put(KV, k, 0, payload_for(k, 1000), 0.0) for k in range(5, 105)]
+            results = [s.put(KV, k, 0, payload_for(k, 1000), 0.0) for k in range(100, 200)]
             elapsed = time.perf_counter() - t0
             assert not any(results) and elapsed < 0.5
             st = s.stats()
             assert st["disk.queue_drops"] == 100 and st["disk.queue_items"] == 3
-            assert s.queued(KV, 4) and not s.has(KV, 4)
+            assert all(s.queued(KV, k) and not s.has(KV, k) for k in queued)
             assert not s.flush(0.05)
         finally:
             slow_writer.set()
-        assert s.flush(10) and s.has(KV, 4) and not s.queued(KV, 4)
+        assert s.flush(10) and all(s.has(KV, k) and not s.queued(KV, k) for k in queued)
 
 
 def test_queue_bytes_bound(tmp_path: Path, slow_writer: threading.Event) -> None:
@@ -501,10 +591,10 @@ def test_write_error_drops_and_store_goes_on(
     real = disk_store._write_file
     fail = {"left": 3}
 
-    def flaky(path: Path, header: bytes, payload: bytes) -> None:
+    def flaky(path: str, header: bytes, payload: bytes) -> None:
         if fail["left"]:
             fail["left"] -= 1
-            path.write_bytes(header[:10])  # a partial file, as a full disk leaves it
+            Path(path).write_bytes(header[:10])  # a partial file, as a full disk leaves it
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, header, payload)
 
@@ -516,11 +606,12 @@ def test_write_error_drops_and_store_goes_on(
         assert s.flush(10)
         st = s.stats()
         assert st["disk.write_errors"] == 3 and st["disk.items"] == 1 and st["disk.bytes"] == UNIT
-        assert [i for i in range(1, 5) if s.has(KV, i)] == [4]
-        assert s.read(KV, 4) == payload_for(4, 2000)
+        (ok,) = [i for i in range(1, 5) if s.has(KV, i)]  # the writers race for the 4th call
+        assert s.read(KV, ok) == payload_for(ok, 2000)
         assert list((s.path / "tmp").iterdir()) == []
-        assert s.put(KV, 1, 0, payload_for(1, 2000), 0.0) and s.flush(10)
-        assert s.read(KV, 1) == payload_for(1, 2000)
+        again = 1 if ok != 1 else 2
+        assert s.put(KV, again, 0, payload_for(again, 2000), 0.0) and s.flush(10)
+        assert s.read(KV, again) == payload_for(again, 2000)
     (rec,) = _capture(caplog, "disk_store.write_error")  # logged once, not per item
     assert rec.fields["error"] == "ENOSPC"
 
@@ -533,5 +624,6 @@ def test_close_flushes_and_is_idempotent(tmp_path: Path, slow_writer: threading.
     s.close()
     s.close()
     assert not s.put(KV, 9, 0, b"x", 0.0)
+    assert s.read(KV, 1) is None  # the lock is released: a closed store serves nothing
     with DiskStore(tmp_path / "s", 1 << 20, IDENT) as s2:
         assert sorted(s2.items()) == [(KV, 1), (KV, 2), (KV, 3)]
