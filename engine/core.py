@@ -128,7 +128,11 @@ class EngineCore:
             block_size=config.cache.block_size,
             checkpoint_unit=self.cache.unit,
             **self.model_info.capacity,
-            **({"disk": self.disk.store.describe()} if self.disk is not None else {}),
+            **(
+                {f"disk_{k}": v for k, v in self.disk.store.describe().items()}
+                if self.disk is not None
+                else {}
+            ),
         )
 
     # ------------------------------------------------------------------ requests
