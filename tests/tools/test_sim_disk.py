@@ -118,7 +118,8 @@ CHAT = ["--workload", "chat", "--sessions", "12", "--turns", "4", "--prefix-len"
 
 
 def test_reuse_beyond_device_and_host_hits_on_disk(capsys: pytest.CaptureFixture[str]) -> None:
-    """12 conversations of ~2 k tokens over 16 MiB of device and host: the disk holds them."""
+    """12 conversations take turns; a turn hits through its checkpoint (2 MiB) and its KV
+    (about 1.5 MiB), some 40 MiB in all over 16 MiB of device and host: the disk holds them."""
     off = main([*CHAT, "--policies", "default"])
     on = main([*CHAT, "--policies", "default,oracle", "--disk-gb", "0.0625"])
     out = capsys.readouterr().out
