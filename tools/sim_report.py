@@ -11,7 +11,7 @@ from typing import Any
 
 from deltaserve.cache.manager import GDN_CHUNK_SIZE
 from deltaserve.tools.cache_bounds import checkpoint_belady, kv_only_belady, kv_only_lru
-from deltaserve.tools.simulation import MiB, SimConfig, SimResult
+from deltaserve.tools.simulation import GiB, MiB, SimConfig, SimResult
 from deltaserve.tools.workloads import Workload, expand
 
 
@@ -26,6 +26,8 @@ class Bounds:
     #: with a host tier: KV alone, LRU, over every byte of both tiers (device and host, KV and
     #: checkpoints): what plain prefix caching of the combined capacity hits (None: no host tier)
     kv_lru_host: float | None = None
+    #: with a disk tier: the same over every byte of every tier, the disk's too (None: no disk)
+    kv_lru_disk: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -39,6 +41,7 @@ def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
         kv_belady=kv_only_belady(oracle.served, cfg.kv_blocks, bs),
         checkpoint_belady=checkpoint_belady(oracle.served, cfg.checkpoint_slots, bs, unit),
         kv_lru_host=kv_only_lru(oracle.served, cfg.combined_kv_blocks, bs) if cfg.host_bytes else None,
+        kv_lru_disk=kv_only_lru(oracle.served, cfg.all_tiers_kv_blocks, bs) if cfg.disk_bytes else None,
     )
 
 
@@ -53,8 +56,17 @@ def summary_row(name: str, seed: int, results: Sequence[SimResult], bounds: Boun
     row.update(
         bounds.to_dict()
         if bounds
-        else {"kv_lru": None, "kv_belady": None, "checkpoint_belady": None, "kv_lru_host": None}
+        else {
+            "kv_lru": None,
+            "kv_belady": None,
+            "checkpoint_belady": None,
+            "kv_lru_host": None,
+            "kv_lru_disk": None,
+        }
     )
+    default = next((r for r in results if r.policy == "default"), None)
+    row["default_from_host"] = default.hit_tokens_host / max(default.prompt_tokens, 1) if default else None
+    row["default_from_disk"] = default.hit_tokens_disk / max(default.prompt_tokens, 1) if default else None
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
@@ -62,6 +74,7 @@ def summary_row(name: str, seed: int, results: Sequence[SimResult], bounds: Boun
     d = row["default"]
     row["default/kv_lru"] = ratio(d, row["kv_lru"])
     row["default/kv_lru_host"] = ratio(d, row["kv_lru_host"])
+    row["default/kv_lru_disk"] = ratio(d, row["kv_lru_disk"])
     row["default/checkpoint_belady"] = ratio(d, row["checkpoint_belady"])
     row["default/v1"] = ratio(d, row["v1"])
     row["default-v1"] = d - row["v1"] if d is not None and row["v1"] is not None else None
@@ -89,6 +102,14 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
         out[0] += ["KV LRU all tiers", "def/KV-LRU all"]
         for line, r in zip(out[1:], rows, strict=True):
             line += [pct(r.get("kv_lru_host")), rat(r.get("default/kv_lru_host"))]
+    if any(r.get("kv_lru_disk") is not None for r in rows):  # a disk tier: its share and bound
+        out[0] += ["def from disk", "KV LRU +disk", "def/KV-LRU +disk"]
+        for line, r in zip(out[1:], rows, strict=True):
+            line += [
+                pct(r.get("default_from_disk")),
+                pct(r.get("kv_lru_disk")),
+                rat(r.get("default/kv_lru_disk")),
+            ]
     return _grid(out)
 
 
@@ -112,6 +133,9 @@ def format_results(results: Sequence[SimResult]) -> str:
     header = ["policy", "hit rate", "vs oracle", "from host", "stored", "skipped", "ckpt evicted",
               "KV evicted", "preempt", "steps", "sim s"]  # fmt: skip
     rows = [header]
+    disk = any(r.disk_bytes_written or r.hit_tokens_disk for r in results)
+    if disk:
+        header[4:4] = ["from disk", "disk read", "disk written", "read wait"]
     for r in results:
         rows.append([
             r.policy,
@@ -126,6 +150,13 @@ def format_results(results: Sequence[SimResult]) -> str:
             str(r.steps),
             f"{r.sim_time_s:.1f}",
         ])  # fmt: skip
+        if disk:
+            rows[-1][4:4] = [
+                f"{100 * r.hit_tokens_disk / max(r.prompt_tokens, 1):.1f}%",
+                f"{r.disk_bytes_read / 1e9:.1f} GB",
+                f"{r.disk_bytes_written / 1e9:.1f} GB",
+                f"{r.disk_read_wait_s / max(r.disk_fetches, 1):.2f} s",
+            ]
     return _grid(rows)
 
 
@@ -185,6 +216,12 @@ def header_line(workload: Workload, cfg: SimConfig, arrival_mode: str) -> str:
             else f"; host tier {cfg.host_pages} pages x {cfg.checkpoint_bytes / MiB:.0f} MiB (KV or checkpoints) "
             f"at {cfg.h2d_gbps:g} GB/s"
             if cfg.host_pages
+            else ""
+        )
+        + (
+            f"; disk tier {cfg.disk_bytes / GiB:g} GiB, read {cfg.disk_read_gbps:g} GB/s, "
+            f"writes {cfg.disk_write_mbps:g} MB/s"
+            if cfg.disk_bytes
             else ""
         )
     )

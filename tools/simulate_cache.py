@@ -23,6 +23,8 @@ and checkpoint memory (and no staging limit). Budgets are given for a real model
 checkpoint ``--checkpoint-bytes`` (default 50 MiB, Qwen3.5-4B-like) and KV
 ``--kv-bytes-per-token`` (default 32 KiB). Engine settings (block size, checkpoint
 interval, staging budget, scheduler policy and limits) come from ``--config``/``--set``.
+A host tier (``--host-memory-mb``) and a disk tier below it (``--disk-gb``, with its read
+bandwidth and write budget; ``tools/sim_disk.py``) widen the cache.
 
 This module is the command line; the simulation is ``tools/simulation.py`` (``Simulation``),
 tables, bounds and plots ``tools/sim_report.py``. None of them imports torch (``engine/__init__``
@@ -58,6 +60,7 @@ from deltaserve.tools.sim_report import (
 )
 from deltaserve.tools.simulation import (
     DEFAULT_CHECKPOINT_SLOTS,
+    GiB,
     MiB,
     SimConfig,
     SimResult,
@@ -174,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--h2d-gbps", type=float, default=50.0,
         help="host <-> device bandwidth in GB/s; each step's copies add bytes / bandwidth (default %(default)s)",
     )  # fmt: skip
+    d = parser.add_argument_group("disk tier")
+    d.add_argument("--disk-gb", type=float, default=0.0, help="disk tier capacity in GiB (default 0: off)")
+    d.add_argument(
+        "--disk-read-gbps", type=float, default=2.0,
+        help="disk read bandwidth in GB/s, one reader: a hit from disk waits bytes / bandwidth "
+        "(default %(default)s: one NVMe SSD)",
+    )  # fmt: skip
+    d.add_argument(
+        "--disk-write-mbps", type=float, default=1000.0,
+        help="the disk tier's write budget in MB/s, write-through and write-back (DiskTier's "
+        "write_bytes_per_s; default %(default)s: half an NVMe's sustained writes)",
+    )  # fmt: skip
     t = parser.add_argument_group("virtual time")
     t.add_argument("--step-ms", type=float, default=15.0, help="per step (default %(default)s)")
     t.add_argument("--ms-per-token", type=float, default=0.2, help="per computed token (default %(default)s)")
@@ -261,6 +276,9 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         host_checkpoint_slots=int(args.host_checkpoint_mb * MiB // ckpt_bytes),
         host_memory_bytes=int(args.host_memory_mb * MiB),
         h2d_gbps=args.h2d_gbps,
+        disk_bytes=int(args.disk_gb * GiB),
+        disk_read_gbps=args.disk_read_gbps,
+        disk_write_mbps=args.disk_write_mbps,
     )
     if args.memory_mb is not None:  # each kind could take it all: the bounds see the whole budget
         total = int(args.memory_mb * MiB)
@@ -386,8 +404,13 @@ def run_workload(
             f"bounds: KV alone LRU {100 * bounds.kv_lru:.1f}%, Belady {100 * bounds.kv_belady:.1f}%; "
             f"checkpoints alone Belady {100 * bounds.checkpoint_belady:.1f}%"
             + (
-                f"; KV alone LRU over all tiers' bytes {100 * bounds.kv_lru_host:.1f}%"
+                f"; KV alone LRU over the memory tiers' bytes {100 * bounds.kv_lru_host:.1f}%"
                 if bounds.kv_lru_host is not None
+                else ""
+            )
+            + (
+                f"; over every tier's bytes, the disk's too {100 * bounds.kv_lru_disk:.1f}%"
+                if bounds.kv_lru_disk is not None
                 else ""
             )
         )
@@ -435,6 +458,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.host_memory_mb and (args.host_kv_mb or args.host_checkpoint_mb):
         parser.error("--host-memory-mb is one host budget: not with --host-kv-mb / --host-checkpoint-mb")
+    if args.disk_gb < 0 or args.disk_read_gbps <= 0 or args.disk_write_mbps <= 0:
+        parser.error("--disk-gb must be >= 0, --disk-read-gbps and --disk-write-mbps > 0")
     configure_logging(args.log_level)
     cfg = sim_config_from_args(args)
     names, budgets = _names_and_budgets(parser, args, cfg)

@@ -4,8 +4,11 @@
 Only the model is replaced: every scheduled step "samples" the next token of a deterministic
 synthetic reply of the requested length (``workloads.synthetic_reply``), and the clock advances
 ``step_s`` + ``token_s`` per computed token (+ host copies over ``h2d_gbps``) per step, which
-sets arrivals, think times and concurrency. Deterministic: equal inputs give equal results
-(``wall_s`` aside). Never imports torch.
+sets arrivals, think times and concurrency. With a disk tier (``disk_bytes``; ``tools/sim_disk.py``)
+a hit that extends to disk waits for its read (bytes over ``disk_read_gbps``, one reader)
+while the others run, then loads like a host hit; the runner's disk saves land in the
+in-memory store at once and add no step time (a writer thread), bounded by the write rate.
+Deterministic: equal inputs give equal results (``wall_s`` aside). Never imports torch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.sizing import Capacity, build_scheduler
 from deltaserve.scheduler import Request
 from deltaserve.tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn
+from deltaserve.tools.sim_disk import SimDiskTier, SimStore
 from deltaserve.tools.workloads import (
     ArrivalParams,
     RequestSpec,
@@ -36,6 +40,7 @@ from deltaserve.tools.workloads import (
 )
 
 MiB = 1024**2
+GiB = 1024**3
 DEFAULT_CHECKPOINT_SLOTS = 16
 
 
@@ -64,6 +69,11 @@ class SimConfig:
     #: one device budget for KV and checkpoints (pages, ``cache/arena.py``); None: the fixed
     #: pools above (with it, ``kv_blocks`` / ``checkpoint_slots`` are what each kind could take)
     memory_bytes: int | None = None
+    disk_bytes: int = 0  # disk tier capacity (0 = off)
+    disk_read_gbps: float = 2.0  # GB/s read by the disk tier's one reader: one NVMe SSD
+    #: the disk tier's write budget (write-through and write-back), MB/s: half an NVMe's
+    #: sustained write bandwidth, the rest left to reads
+    disk_write_mbps: float = 1000.0
 
     @property
     def page_blocks(self) -> int:
@@ -147,9 +157,14 @@ class SimConfig:
 
     @property
     def combined_kv_blocks(self) -> int:
-        """Every byte of both tiers, KV and checkpoints, as KV blocks (the host tier's bound)."""
+        """Every byte of both memory tiers, KV and checkpoints, as KV blocks (the host tier's bound)."""
         total = self.kv_bytes + self.checkpoint_pool_bytes + self.host_bytes
         return total // (self.block_size * self.kv_bytes_per_token)
+
+    @property
+    def all_tiers_kv_blocks(self) -> int:
+        """Every byte of every tier, the disk's too, as KV blocks (the disk tier's bound)."""
+        return self.combined_kv_blocks + self.disk_bytes // (self.block_size * self.kv_bytes_per_token)
 
 
 @dataclass
@@ -183,6 +198,13 @@ class SimResult:
     oracle_ratio: float | None = None
     #: one budget: mean share of its pages holding checkpoints over the steps (None: fixed pools)
     checkpoint_share: float | None = None
+    hit_tokens_disk: int = 0  # prompt tokens of hits read from the disk tier
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_fetches: int = 0  # hits read from disk (each one request's wait)
+    disk_read_wait_s: float = 0.0  # simulated seconds requests waited for their reads, summed
+    disk_evicted_items: int = 0
+    disk_saves_skipped_rate: int = 0  # writes the rate left out
     #: (prompt ids, reply ids) in submission order (for the offline bounds; not serialized)
     served: list[tuple[list[int], list[int]]] = field(default_factory=list, repr=False)
 
@@ -226,7 +248,7 @@ class Simulation:
         if oracle:
             kv_blocks, slots = oracle_sizes(workload, cfg)
             engine = engine.replace(**{"cache.checkpoint_staging_bytes": None})
-            cfg = replace(cfg, host_kv_blocks=0, host_checkpoint_slots=0, host_memory_bytes=0)
+            cfg = replace(cfg, host_kv_blocks=0, host_checkpoint_slots=0, host_memory_bytes=0, disk_bytes=0)
         engine = engine.replace(**{"cache.enable_prefix_caching": True})
         self.workload, self.policy, self.admission, self.cfg = workload, policy, admission, cfg
         self.arrival = arrival
@@ -239,6 +261,7 @@ class Simulation:
         if cfg.prefill_cost is not None:
             self.cache.set_prefill_cost(*cfg.prefill_cost)
         self.clock = 0.0
+        self.disk = self._disk_tier() if cfg.disk_bytes else None
         self._order = itertools.count()
         self.events: list[tuple[float, int, RequestSpec, str]] = []  # (due, tie, spec, tree)
         self.live: dict[str, tuple[Request, RequestSpec, list[int], str]] = {}
@@ -253,9 +276,28 @@ class Simulation:
         self.tokens = 0
         self.checkpoint_pages = 0  # summed over steps (one budget)
 
+    def _disk_tier(self) -> SimDiskTier:
+        cfg, cache = self.cfg, self.cache
+        block_bytes = cfg.block_size * cfg.kv_bytes_per_token
+        store = SimStore(cfg.disk_bytes, kv_block_bytes=block_bytes, checkpoint_bytes=cfg.checkpoint_bytes)
+        disk = SimDiskTier(
+            store,
+            read_bytes_per_s=cfg.disk_read_gbps * 1e9,
+            clock=lambda: self.clock,
+            block_size=cfg.block_size,
+            unit_blocks=cache.unit // cfg.block_size,
+            kv_block_bytes=block_bytes,
+            checkpoint_bytes=cfg.checkpoint_bytes,
+            write_bytes_per_s=cfg.disk_write_mbps * 1e6,
+        )
+        cache.attach_disk(disk)
+        return disk
+
     def run(self) -> SimResult:
         self._arrivals()
         while True:
+            if self.disk is not None:
+                self.disk.reader.advance(self.clock)  # the reads done by now
             while self.events and self.events[0][0] <= self.clock:
                 due, _, spec, tree = heapq.heappop(self.events)
                 self._submit(spec, due, tree)
@@ -266,6 +308,8 @@ class Simulation:
             else:
                 break
         assert not self.live and not self.tree_left, "simulation ended with requests in flight"
+        if self.disk is not None:
+            self.disk.close()
         return self._result()
 
     # ---------------------------------------------------------------- arrivals
@@ -323,11 +367,7 @@ class Simulation:
         sched, cache, cfg = self.sched, self.cache, self.cfg
         out = sched.schedule()
         if out is None:
-            if not sched.running and not self.events:
-                raise RuntimeError(
-                    f"simulator stuck: {sched.num_waiting} waiting requests cannot be admitted"
-                )
-            self.clock = self.events[0][0] if self.events and not sched.running else self.clock + cfg.step_s
+            self._idle()
             return
         sampled: list[int | None] = []
         for s in out.seqs:
@@ -336,7 +376,14 @@ class Simulation:
                 sampled.append(self.live[req.request_id][2][req.num_output_tokens])
             else:
                 sampled.append(None)
-        moved = sum(cache.host.nbytes(t.kind) for t in out.plan.saves + out.plan.loads)
+        # a disk load copies its buffer (read before admission) like a host load
+        moved = sum(
+            t.nbytes_hint if t.kind.from_disk else cache.host.nbytes(t.kind)
+            for t in out.plan.saves + out.plan.loads
+        )
+        if self.disk is not None:  # the writer's puts, at once (the write rate paced their plan)
+            for s in out.plan.disk_saves:
+                self.disk.sim_store.put(s.kind, s.key, s.parent, b"", s.cost)
         sched.update(out, sampled)
         self.steps += 1
         self.tokens += out.num_tokens
@@ -352,6 +399,23 @@ class Simulation:
                 self._complete(req)
         if cfg.check_integrity:
             sched.check_integrity()
+            if self.disk is not None:
+                self.disk.sim_store.check_integrity()
+
+    def _idle(self) -> None:
+        """Nothing to run this step: with nothing running, jump to the next arrival or disk read
+        done; else a step's time passes."""
+        if self.sched.running:
+            self.clock += self.cfg.step_s
+            return
+        wake = [self.events[0][0]] if self.events else []
+        if self.disk is not None and self.disk.reader.next_due is not None:
+            wake.append(self.disk.reader.next_due)
+        if not wake:
+            raise RuntimeError(
+                f"simulator stuck: {self.sched.num_waiting} waiting requests cannot be admitted"
+            )
+        self.clock = max(self.clock, min(wake))
 
     def _complete(self, req: Request) -> None:
         _, spec, reply, tree = self.live.pop(req.request_id)
@@ -395,6 +459,7 @@ class Simulation:
             tokens_computed=self.tokens,
             sim_time_s=self.clock,
             wall_s=time.perf_counter() - self.t_wall,
+            **self._disk_result(),
             checkpoint_share=(
                 self.checkpoint_pages / (self.steps * budget.arena.num_pages)
                 if (budget := self.cache.budget) is not None and self.steps
@@ -402,6 +467,20 @@ class Simulation:
             ),
             served=self.served,
         )
+
+    def _disk_result(self) -> dict[str, Any]:
+        if self.disk is None:
+            return {}
+        c, d = self.cache.counters, self.disk.stats()
+        return {
+            "hit_tokens_disk": c["prefix_cache.hit_tokens_disk"],
+            "disk_bytes_read": int(d["disk.bytes_read"]),
+            "disk_bytes_written": int(d["disk.bytes_written"]),
+            "disk_fetches": int(d["disk.fetches"]),
+            "disk_read_wait_s": d["disk.read_wait_ms"] / 1000,
+            "disk_evicted_items": int(d["disk.evicted_items"]),
+            "disk_saves_skipped_rate": int(d["disk.saves_skipped_rate"]),
+        }
 
 
 def simulate(workload: Workload, policy: str, cfg: SimConfig, arrival: ArrivalParams) -> SimResult:
