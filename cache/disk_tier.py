@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,6 +86,7 @@ class DiskTier:
         write_bytes_per_s: float | None = None,
         read_buffer_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
+        reader: Executor | None = None,  # where reads run (default: one thread; the simulator's clock)
     ) -> None:
         self.store = store
         self.block_size = block_size
@@ -97,7 +98,7 @@ class DiskTier:
         self.clock = clock
         self._allowance = float(write_bytes_per_s or 0.0)  # a token bucket of one second
         self._refilled = clock()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="deltaserve-disk-read")
+        self._reader = reader or ThreadPoolExecutor(1, thread_name_prefix="deltaserve-disk-read")
         self.fetches: dict[str, DiskFetch] = {}
         self._gave_up: set[str] = set()  # requests whose read found nothing (until they end)
         self.buffered = 0  # bytes reserved by fetches

@@ -270,8 +270,6 @@ class SimDiskTier(DiskTier):
     def __init__(
         self, store: SimStore, *, read_bytes_per_s: float, clock: Callable[[], float], **kw: Any
     ) -> None:
-        super().__init__(store, clock=clock, **kw)
-        self._reader.shutdown(wait=False)  # (it has started no thread: nothing was submitted)
         self.reader = SimReader(store, read_bytes_per_s, clock)
-        self._reader = self.reader  # type: ignore[assignment]
+        super().__init__(store, clock=clock, reader=self.reader, **kw)
         self.sim_store = store
