@@ -36,6 +36,7 @@ from deltaserve.engine.client import RequestInput
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
+from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
@@ -98,12 +99,18 @@ class EngineCore:
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
+        # constraints compiled against the vocabulary (cached); the server compiles through the
+        # input processor's reference before a request reaches the engine
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.grammars = self.grammars
+        self.num_constrained = 0  # running requests with a constraint (their steps are masked)
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             salt_parts=(str(self.loaded.path), config.model.dtype.value, config.cache.namespace),
         )
+        self.input_processor.grammars = self.grammars
         self.max_token_chars = self.input_processor.max_token_chars
         self.model_info = model_info(config, self.loaded, self.capacity, self.cache.unit)
         # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
@@ -156,6 +163,7 @@ class EngineCore:
             stop_ids=stop_ids,
             generator=generator,
             plain_greedy=plain_greedy(params),
+            matcher=self.grammars.matcher(params.constraint) if params.constraint is not None else None,
         )
 
     def check_capacity(self, pending: int = 0) -> None:
@@ -173,6 +181,8 @@ class EngineCore:
         state = self._new_state(req)
         self.scheduler.add(req)
         self.states[req.request_id] = state
+        if state.matcher is not None:
+            self.num_constrained += 1
         self.counters["tokens.prompt"] += req.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -215,7 +225,7 @@ class EngineCore:
             self.scheduler.update(out, [])
             return outputs
         try:
-            sampled = self.runner.execute(out, self.states)
+            sampled = self.runner.execute(out, self.states, constrained=self.num_constrained > 0)
         except Exception as e:  # one failed step ends only its own requests
             return outputs + self._step_failed(out, e)
         try:
@@ -305,7 +315,9 @@ class EngineCore:
         num_tokens = len(req.token_ids)
         n_out = num_tokens - len(req.prompt_token_ids)
         reason: str | None = None
-        if (token in state.stop_ids or detok.stopped) and n_out >= params.min_tokens:
+        if state.matcher is not None and _constraint_done(state.matcher, token):
+            reason = "stop"  # the constraint is complete: nothing more may follow
+        elif (token in state.stop_ids or detok.stopped) and n_out >= params.min_tokens:
             reason = "stop"
         elif n_out >= params.max_tokens or num_tokens >= self.max_model_len:
             reason = "length"
@@ -336,7 +348,9 @@ class EngineCore:
         logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         """The last output of a request that has ended; its engine-side state goes."""
-        self.states.pop(req.request_id, None)
+        state = self.states.pop(req.request_id, None)
+        if state is not None and state.matcher is not None:
+            self.num_constrained -= 1
         return RequestOutput(
             request_id=req.request_id,
             token_ids=token_ids,
@@ -366,3 +380,11 @@ class EngineCore:
         drained = self.overlap.drain() if self.overlap is not None else []
         outs = [self.abort_request(rid) for rid in list(self.scheduler.requests)]
         return drained + [o for o in outs if o is not None]
+
+
+def _constraint_done(matcher: Any, token: int) -> bool:
+    """Advance a constrained request's matcher by its new token; whether the constraint is now
+    complete. A token the mask forbade (it cannot be sampled) raises: only that request ends."""
+    if not matcher.accept_token(token):
+        raise RuntimeError(f"token {token} does not continue the request's constraint")
+    return bool(matcher.is_terminated())

@@ -8,6 +8,7 @@ ids, the request's seeded generator and the tensors the sampler builds once per 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,3 +30,6 @@ class RequestState:
     # greedy with nothing before the argmax (``sampling.plain_greedy(params)``): a batch of only
     # such rows samples with one argmax
     plain_greedy: bool = False
+    # the constraint's matcher (``engine/grammar.py``), advanced by every accepted token; None
+    # for an unconstrained request
+    matcher: Any = None

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.errors import InvalidRequestError
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # max_tokens and top_k stay below 2**31 (int32 anywhere downstream)
@@ -87,6 +88,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_p (0.0; 0 <= min_p <= 1)
         After the temperature, drop tokens whose probability is below ``min_p`` times the
         most likely token's (``0`` turns it off). Greedy decoding ignores it.
+    constraint (None; None or a ``Constraint``)
+        The output must match it (a JSON schema, any JSON object, a regex, one of a list of
+        strings, a grammar: ``engine/constraint.py``): tokens it does not allow are masked
+        before sampling, and the request stops (``stop``) when the constraint is complete.
+        The constraint validates its spec when it is built.
 
     Integers must be ``int`` (``bool`` is not accepted as an integer, nor as a number);
     floats must be finite.
@@ -107,6 +113,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         for name, ok, why in _RULES:
@@ -184,6 +191,7 @@ _RULES: tuple[_Rule, ...] = (
         "must be a finite number > 0 (1: off)",
     ),
     ("min_p", lambda v, _: _finite(v) and 0.0 <= v <= 1.0, "must be in [0, 1] (0: off)"),
+    ("constraint", lambda v, _: v is None or isinstance(v, Constraint), "must be None or a Constraint"),
 )
 
 
