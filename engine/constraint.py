@@ -7,7 +7,8 @@ against the model's vocabulary is ``engine/grammar.py``'s job.
 
 JSON kinds bound whitespace (no free whitespace, ``", "`` and ``": "`` separators), and an
 integer without bounds gets I-JSON's interoperable range (``|n| <= 2**53 - 1``), so a model that
-would rather emit spaces or digits still reaches the end of the value.
+would rather emit spaces or digits still reaches the end of the value. (Strings stay unbounded
+unless the schema bounds them: ``maxLength``.)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ JSON_SEPARATORS = (", ", ": ")
 # xgrammar prefixes its messages with "[time] path/file.cc:line: "
 SAFE_INTEGER = 2**53 - 1  # RFC 7493 (I-JSON): integers beyond this do not round-trip
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_STRING_SHAPES = {"pattern", "format", "enum", "const"}
 _NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
@@ -88,21 +90,28 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
 
 
-def _bound_integers(node: Any) -> Any:
-    """``node`` with every unbounded ``"type": "integer"`` given the interoperable range."""
+def _normalise(node: Any) -> Any:
+    """``node`` with every unbounded ``"type": "integer"`` given the interoperable range, and
+    every length-bounded plain string given the same bounds as a pattern: xgrammar 0.2.8 builds
+    ``minLength`` / ``maxLength`` from a character class that lets control characters into the
+    string (invalid JSON); its pattern strings are JSON-escaped correctly."""
     if isinstance(node, list):
-        return [_bound_integers(x) for x in node]
+        return [_normalise(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _bound_integers(v) for k, v in node.items()}
-    if out.get("type") == "integer" and not any(b in out for b in _BOUNDS):
+    out = {k: _normalise(v) for k, v in node.items()}
+    kind = out.get("type")
+    if kind == "integer" and not any(b in out for b in _BOUNDS):
         out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
+    if kind == "string" and ("minLength" in out or "maxLength" in out) and not _STRING_SHAPES & out.keys():
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{hi}}}$"
     return out
 
 
 def bounded_schema(text: str) -> str:
-    """The JSON schema the grammar is built from: ``text`` with unbounded integers bounded."""
-    return json.dumps(_bound_integers(json.loads(text)))
+    """The JSON schema the grammar is built from (``_normalise``)."""
+    return json.dumps(_normalise(json.loads(text)))
 
 
 def build_grammar(c: Constraint) -> Any:

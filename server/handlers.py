@@ -30,6 +30,14 @@ from deltaserve.server.inputs import completion_prompts, messages_to_dicts, samp
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.offload import Tokenizer
 from deltaserve.server.sse import ChunkFormat, SSEResponse, run_or_disconnect, stream_frames
+from deltaserve.server.structured import (
+    ForcedToolChunks,
+    ForcedTools,
+    forced_response,
+    precompile,
+    request_constraint,
+    tool_choice_constraint,
+)
 from deltaserve.server.tracker import Tracker
 
 JSON = "application/json"
@@ -231,12 +239,15 @@ class OpenAIServer:
                 renames["max_tokens"] = "max_completion_tokens"
             model = self._check_model(req.model)
             self._require_healthy()
-            stream = await self._start_chat(req)
+            stream, forced = await self._start_chat(req)
         except Exception as e:
             raise translate_error(e, renames) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = Tracker(self.metrics, req.n)
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        parse_tools = bool(req.tools) and req.tool_choice != "none" and forced is None
+        if req.stream and forced is not None:
+            forced_fmt = ForcedToolChunks(rid, model, req.n, forced)
+            return self._stream(rid, [stream], [tracker], forced_fmt, _include_usage(req))
         if req.stream:
             fmt = ChatChunks(
                 self.token_text, rid, model, req.n,
@@ -247,11 +258,12 @@ class OpenAIServer:
         async def full() -> p.ChatCompletionResponse:
             await self._collect(stream, tracker)
             self._check_drain([tracker])
-            return chat_response(tracker, self.token_text, rid, model, parse_tools, req.return_token_ids)
+            resp = chat_response(tracker, self.token_text, rid, model, parse_tools, req.return_token_ids)
+            return forced_response(resp, forced) if forced is not None else resp
 
         return await self._answer(request, full(), [stream])
 
-    async def _start_chat(self, req: p.ChatCompletionRequest) -> OutputStream:
+    async def _start_chat(self, req: p.ChatCompletionRequest) -> tuple[OutputStream, ForcedTools | None]:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # until the context is full (the engine stops there)
             max_tokens = self.engine.model_info.max_model_len
@@ -260,11 +272,18 @@ class OpenAIServer:
             top = req.top_logprobs or 0
         elif req.top_logprobs is not None and req.top_logprobs > 0:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        constraint, forced = request_constraint(req), None
+        tool_forced = tool_choice_constraint(req)
+        if tool_forced is not None:
+            if constraint is not None:
+                raise bad_request("a forced tool_choice takes no other output constraint", "tool_choice")
+            constraint, forced = tool_forced
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=top, constraint=constraint)
+        await precompile(self.engine, constraint)
         prompt, extras = await self.tokenizer.ids_if_long(
             messages_to_dicts(req.messages), template_extras(req.tools, req.chat_template_kwargs)
         )
-        return self.engine.generate(
+        stream = self.engine.generate(
             prompt,
             params,
             request_id=req.request_id,
@@ -272,6 +291,7 @@ class OpenAIServer:
             cache_salt=req.cache_salt,
             **extras,
         )
+        return stream, forced
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
@@ -311,7 +331,9 @@ class OpenAIServer:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         prompts = completion_prompts(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.model_info.max_model_len
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        constraint = request_constraint(req)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=constraint)
+        await precompile(self.engine, constraint)
         if len(prompts) > 1 and req.request_id is not None:
             raise bad_request("request_id is for a single prompt", "request_id")
         for text_or_ids in prompts:
