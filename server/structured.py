@@ -8,7 +8,8 @@ Sources of a constraint (at most one per request; a second is a 400 naming it):
 * vLLM's ``structured_outputs``: ``{json | regex | choice | grammar}``, and its older
   top-level ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
 * chat ``tool_choice``: ``"required"`` (a JSON array of ``{"name", "parameters"}`` over the
-  request's tools, as vLLM builds it) or a named function (that function's parameters object).
+  request's tools, as vLLM builds it, with at most ``MAX_FORCED_CALLS`` items) or a named
+  function (that function's parameters object).
 
 A forced tool call comes back as ``tool_calls`` with finish reason ``tool_calls``: whole, or
 streamed (a named function's arguments stream as they are generated; ``required`` calls arrive
@@ -36,6 +37,11 @@ from deltaserve.server import protocol as p
 from deltaserve.server.errors import bad_request, engine_failure
 from deltaserve.server.sse import data_frame, error_frame
 from deltaserve.server.tracker import Choice, Tracker, usage
+
+
+#: the most calls a ``tool_choice: "required"`` output holds (bounded, like whitespace and integers,
+#: so that a weak model's array ends); ``parallel_tool_calls: false`` makes it 1
+MAX_FORCED_CALLS = 8
 
 
 class ForcedMode(enum.Enum):
@@ -189,9 +195,8 @@ def tool_choice_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint, Fo
         }
         for t in tools
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if not req.parallel_tool_calls:
-        schema["maxItems"] = 1
+    most = MAX_FORCED_CALLS if req.parallel_tool_calls else 1
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": items}}
     return _make(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools.function.parameters"), ForcedTools(
         ForcedMode.REQUIRED
     )
