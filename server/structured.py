@@ -38,7 +38,6 @@ from deltaserve.server.errors import bad_request, engine_failure
 from deltaserve.server.sse import data_frame, error_frame
 from deltaserve.server.tracker import Choice, Tracker, usage
 
-
 #: the most calls a ``tool_choice: "required"`` output holds (bounded, like whitespace and integers,
 #: so that a weak model's array ends); ``parallel_tool_calls: false`` makes it 1
 MAX_FORCED_CALLS = 8
