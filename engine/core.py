@@ -103,7 +103,6 @@ class EngineCore:
         # input processor's reference before a request reaches the engine
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.grammars = self.grammars
-        self.num_constrained = 0  # running requests with a constraint (their steps are masked)
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=self.max_model_len,
@@ -182,7 +181,7 @@ class EngineCore:
         self.scheduler.add(req)
         self.states[req.request_id] = state
         if state.matcher is not None:
-            self.num_constrained += 1
+            self.runner.num_constrained += 1
         self.counters["tokens.prompt"] += req.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -225,7 +224,7 @@ class EngineCore:
             self.scheduler.update(out, [])
             return outputs
         try:
-            sampled = self.runner.execute(out, self.states, constrained=self.num_constrained > 0)
+            sampled = self.runner.execute(out, self.states)
         except Exception as e:  # one failed step ends only its own requests
             return outputs + self._step_failed(out, e)
         try:
@@ -350,7 +349,7 @@ class EngineCore:
         """The last output of a request that has ended; its engine-side state goes."""
         state = self.states.pop(req.request_id, None)
         if state is not None and state.matcher is not None:
-            self.num_constrained -= 1
+            self.runner.num_constrained -= 1
         return RequestOutput(
             request_id=req.request_id,
             token_ids=token_ids,
@@ -364,6 +363,11 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def num_constrained(self) -> int:
+        """Running requests with a constraint (their steps are masked, and not overlapped)."""
+        return self.runner.num_constrained
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 

@@ -172,6 +172,8 @@ class ModelRunner:
         self.default_generator = self.sampler.default_generator
         self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
         self.grammars: Grammars | None = None  # the engine's (set by EngineCore): constrained rows' masks
+        # running requests with a constraint (kept by EngineCore): while 0, steps build no mask
+        self.num_constrained = 0
         self.host: HostPool | None = None
         if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots or sizes.num_host_pages:
             self.host = HostPool(
@@ -251,7 +253,6 @@ class ModelRunner:
         *,
         all_greedy: bool = False,
         placeholder_step: int = -1,
-        constrained: bool = False,
     ) -> PreparedStep:
         """The step's inputs, built on the host (no device work: the engine thread runs this
         while the previous step's forward is still running).
@@ -260,8 +261,8 @@ class ModelRunner:
         tensor), needed unless every sampled row is plain greedy; ``all_greedy`` says so
         without looking (the engine keeps count). ``placeholder_step``: the step whose sampled
         tokens the placeholders in this step's input ids stand for (async scheduling).
-        ``constrained``: some request may have a constraint (its rows get a token mask, built
-        here from their matchers; the engine keeps count, so other steps do not look).
+        While ``num_constrained`` is not 0, the constrained rows get a token mask, built here
+        from their matchers (other steps do not look).
         """
         seqs, bs = out.seqs, self.sizes.block_size
         n, nd = len(seqs), out.num_decodes
@@ -312,7 +313,7 @@ class ModelRunner:
         if prep.requests and not all_greedy:
             assert states is not None, "states are needed to sample rows that are not plain greedy"
             _attach_sampling(prep, states)
-        if constrained and prep.requests and states is not None and self.grammars is not None:
+        if self.num_constrained and prep.requests and states is not None and self.grammars is not None:
             _attach_mask(prep, states, self.grammars)
         return prep
 
@@ -411,12 +412,10 @@ class ModelRunner:
         return blocks, slots
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, states: Mapping[str, RequestState], *, constrained: bool = False
-    ) -> list[int | None]:
+    def execute(self, out: SchedulerOutput, states: Mapping[str, RequestState]) -> list[int | None]:
         """Run one step synchronously; the sampled token per scheduled seq (None where none is due).
         Log-probabilities (requests that asked) are appended to their state's ``logprobs``."""
-        prep = self.prepare(out, states, constrained=constrained)
+        prep = self.prepare(out, states)
         result = self.launch(prep)
         return result.per_seq(prep, states)
 

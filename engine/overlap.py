@@ -170,12 +170,7 @@ class Overlap:
         prep = None
         if out.seqs:  # (a step may carry host-tier copies only)
             try:
-                prep = core.runner.prepare(
-                    out,
-                    core.states,
-                    placeholder_step=prev.out.step if prev else -1,
-                    constrained=core.num_constrained > 0,
-                )
+                prep = core.runner.prepare(out, core.states, placeholder_step=prev.out.step if prev else -1)
             except Exception as e:
                 outputs += core._step_failed(out, e)  # (its copies, never run, are released)
                 return None

@@ -294,6 +294,8 @@ class ForcedToolChunks:
 async def precompile(engine: EngineClient, c: Constraint | None) -> None:
     """Compile ``c`` in a worker thread through the engine's grammar cache, so the engine's
     step thread finds it compiled (an engine without a local cache compiles it itself)."""
-    grammars = getattr(engine.input_processor, "grammars", None)
-    if c is not None and grammars is not None:
+    if c is None:
+        return
+    grammars = getattr(getattr(engine, "input_processor", None), "grammars", None)
+    if grammars is not None:
         await asyncio.get_running_loop().run_in_executor(None, grammars.compile, c)
