@@ -12,8 +12,8 @@ Sources of a constraint (at most one per request; a second is a 400 naming it):
   function (that function's parameters object).
 
 A forced tool call comes back as ``tool_calls`` with finish reason ``tool_calls``: whole, or
-streamed (a named function's arguments stream as they are generated; ``required`` calls arrive
-when the array is complete). An invalid spec is a 400 whose ``param`` names the field.
+streamed (each call's name first, then its arguments as they are generated). An invalid spec
+is a 400 whose ``param`` names the field.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from deltaserve.engine.constraint import Constraint, ConstraintKind
 from deltaserve.engine.errors import InvalidRequestError
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.server import protocol as p
+from deltaserve.server.call_scanner import CallScanner
 from deltaserve.server.errors import bad_request, engine_failure
 from deltaserve.server.sse import data_frame, error_frame
 from deltaserve.server.tracker import Choice, Tracker, usage
@@ -215,13 +216,15 @@ def forced_calls(forced: ForcedTools, text: str) -> list[p.ToolCall] | None:
     if forced.mode is ForcedMode.NAMED:  # the arguments as generated (what a stream sent)
         assert forced.name is not None
         return [p.ToolCall(id=_call_id(), function=p.FunctionCall(name=forced.name, arguments=text.strip()))]
-    return [
-        p.ToolCall(
-            id=_call_id(),
-            function=p.FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"])),
-        )
-        for item in value
-    ]
+    if not isinstance(value, list):
+        return None
+    calls: list[p.ToolCall] = []
+    for e in CallScanner().feed(text):  # the arguments as generated (what a stream sent)
+        if e.name is not None:
+            calls.append(p.ToolCall(id=_call_id(), function=p.FunctionCall(name=e.name, arguments="")))
+        else:
+            calls[e.index].function.arguments += e.arguments
+    return calls
 
 
 def forced_response(resp: p.ChatCompletionResponse, forced: ForcedTools) -> p.ChatCompletionResponse:
@@ -236,14 +239,15 @@ def forced_response(resp: p.ChatCompletionResponse, forced: ForcedTools) -> p.Ch
 
 class ForcedToolChunks:
     """A chat stream's ``ChunkFormat`` for a forced tool call: a role chunk, then tool-call
-    deltas (NAMED: the name first, then the arguments as they are generated; REQUIRED: each
-    call once the array is complete), then the finish chunk (``tool_calls``)."""
+    deltas as the output is generated (each call's name first, then its arguments in pieces),
+    then the finish chunk (``tool_calls`` when the output is complete)."""
 
     def __init__(self, rid: str, model: str, n: int, forced: ForcedTools) -> None:
         self.rid, self.model, self.created = rid, model, int(time.time())
         self.forced = forced
         self.started = [False] * n
         self.texts = [""] * n
+        self.scanners = [CallScanner() for _ in range(n)] if forced.mode is ForcedMode.REQUIRED else []
 
     def _chunk(self, choice: p.ChatChunkChoice) -> bytes:
         return data_frame(
@@ -265,6 +269,16 @@ class ForcedToolChunks:
         self.texts[i] += out.text
         if named and out.text:
             yield self._delta(i, p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=out.text)))
+        elif not named:
+            for e in self.scanners[i].feed(out.text):
+                if e.name is not None:
+                    fn = p.DeltaFunctionCall(name=e.name, arguments="")
+                    yield self._delta(
+                        i, p.DeltaToolCall(index=e.index, id=_call_id(), type="function", function=fn)
+                    )
+                else:
+                    fn = p.DeltaFunctionCall(arguments=e.arguments)
+                    yield self._delta(i, p.DeltaToolCall(index=e.index, function=fn))
         if out.finished:
             yield from self._finish(out, choice, tracker)
 
@@ -272,14 +286,8 @@ class ForcedToolChunks:
         i, reason = out.index, out.finish_reason
         if reason == "error":
             yield error_frame(engine_failure(choice.error))
-        if reason == "stop":
-            calls = forced_calls(self.forced, self.texts[i])
-            if calls:
-                reason = "tool_calls"
-                if self.forced.mode is ForcedMode.REQUIRED:
-                    for k, c in enumerate(calls):
-                        fn = p.DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments)
-                        yield self._delta(i, p.DeltaToolCall(index=k, id=c.id, type="function", function=fn))
+        if reason == "stop" and forced_calls(self.forced, self.texts[i]):
+            reason = "tool_calls"
         tracker.count_finish(reason)
         yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(), finish_reason=reason))
 

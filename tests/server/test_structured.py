@@ -253,8 +253,8 @@ async def test_forced_tool_calls_stream(served: Served) -> None:
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS["add"])
     assert deltas[0].function.name == "add" and len(deltas) > 2  # the name first, then argument pieces
     assert all(d.function.name is None for d in deltas[1:])
-    calls, _ = await _stream_calls(served, "required", seed=2)
-    assert calls
+    calls, deltas = await _stream_calls(served, "required", seed=2)
+    assert calls and len(deltas) > 2 * len(calls)  # each call: its name, then argument pieces
     for call in calls.values():
         assert call["id"] and call["name"] in PARAMS
         jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
