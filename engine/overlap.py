@@ -13,9 +13,9 @@ kernels), and each ``EngineCore.step()`` call does, on the caller's thread::
     process N        wait for N's tokens (the only wait), fill the placeholders in, then
                      detokenize, check stops and build outputs while N+1 runs
 
-so ``step()`` returns step N's outputs while N+1 is in flight. While some request has a
-constraint (``EngineCore.num_constrained``) N is processed before N+1 is scheduled: its
-token mask needs the matcher advanced by N's token, which only the host knows. Committing ahead is safe
+so ``step()`` returns step N's outputs while N+1 is in flight. (While some request has a
+constraint, ``EngineCore.num_constrained``, N is processed before N+1 is scheduled: a
+constrained row's token mask needs its matcher advanced by N's token.) Committing ahead is safe
 because every later reader of what N publishes (a prefix hit, a restore) is a later step,
 which the worker (or the CUDA stream) runs after N. A request found finished in N is in N+1
 already: it ends once N+1 is committed (``defer``), and its token from N+1 is discarded (its
