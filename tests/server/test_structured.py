@@ -13,7 +13,12 @@ import jsonschema
 import openai
 import pytest
 
-from .conftest import MODEL, Served
+from deltaserve.engine import AsyncEngine, EngineCore
+from deltaserve.server.app import create_app
+from deltaserve.server.cli import BackgroundServer
+from deltaserve.server.config import ServerConfig
+
+from .conftest import MODEL, Served, server_engine_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -111,6 +116,36 @@ async def test_n_completions_under_a_schema_are_each_valid(served: Served) -> No
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
     assert texts[0] != texts[1]
+
+
+async def test_an_async_scheduling_server_streams_valid_json_for_every_completion(tiny_loaded: Any) -> None:
+    core = EngineCore(server_engine_config(**{"engine.async_scheduling": True}), loaded=tiny_loaded)
+    engine = AsyncEngine(core=core)
+    await engine.start()
+    try:
+        async with BackgroundServer(create_app(engine, ServerConfig(served_model_names=[MODEL]))) as srv:
+            served = Served(engine, srv, None)
+            stream = await served.client().chat.completions.create(
+                model=MODEL,
+                messages=USER,
+                response_format=JSON_SCHEMA_FORMAT,
+                max_tokens=400,
+                n=3,
+                seed=2,
+                stream=True,
+            )
+            texts, reasons = ["", "", ""], [None, None, None]
+            async for chunk in stream:
+                for c in chunk.choices:
+                    texts[c.index] += c.delta.content or ""
+                    reasons[c.index] = c.finish_reason or reasons[c.index]
+            assert reasons == ["stop"] * 3
+            for text in texts:
+                jsonschema.validate(json.loads(text), SCHEMA)
+            await served.wait_idle()
+            assert core.num_constrained == 0
+    finally:
+        await engine.shutdown()
 
 
 async def test_json_object_parses(served: Served) -> None:
