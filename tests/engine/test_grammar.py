@@ -218,3 +218,18 @@ def test_a_preempted_request_resumes_its_matcher(
         assert text_of(tight[rid]) == text_of(roomy[rid]), rid
         if tight[rid][-1].finish_reason == "stop":
             jsonschema.validate(json.loads(text_of(tight[rid])), SCHEMA)
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(tiny_loaded: Any) -> None:
+    """A model vocabulary padded past the tokenizer's (the Qwen3.5-shaped model): a constrained
+    row can never sample a padding id."""
+    tokenizer_size, model_vocab = len(tiny_loaded.tokenizer), 2048 + 7
+    grammars = Grammars(tiny_loaded.tokenizer, model_vocab, tiny_loaded.eos_token_ids)
+    matcher = grammars.matcher(Constraint(kind=ConstraintKind.JSON_OBJECT))
+    mask = grammars.allocate(2)
+    grammars.fill_masks([matcher], mask, [1])
+    logits = torch.zeros(2, model_vocab)
+    apply_token_mask(logits, mask, [1])
+    assert torch.isfinite(logits[1, :tokenizer_size]).any()
+    assert not torch.isfinite(logits[1, tokenizer_size:]).any()
+    assert torch.isfinite(logits[0]).all()
