@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.constraint import Constraint, ConstraintKind
 from deltaserve.engine.errors import (
     ConfigError,
     DeltaServeError,
@@ -47,6 +48,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncEngine",
     "ConfigError",
+    "Constraint",
+    "ConstraintKind",
     "DeltaServeError",
     "EngineConfig",
     "EngineClient",

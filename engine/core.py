@@ -38,6 +38,7 @@ from deltaserve.engine.client import RequestInput
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
+from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
@@ -104,12 +105,17 @@ class EngineCore:
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
+        # constraints compiled against the vocabulary (cached); the server compiles through the
+        # input processor's reference before a request reaches the engine
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.grammars = self.grammars
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             salt_parts=(str(self.loaded.path), config.model.dtype.value, config.cache.namespace),
         )
+        self.input_processor.grammars = self.grammars
         self.max_token_chars = self.input_processor.max_token_chars
         self.model_info = model_info(config, self.loaded, self.capacity, self.cache.unit)
         # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
@@ -169,6 +175,7 @@ class EngineCore:
             generator=generator,
             plain_greedy=plain_greedy(params),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * req.num_prompt_tokens,
+            matcher=self.grammars.matcher(params.constraint) if params.constraint is not None else None,
         )
 
     def check_capacity(self, pending: int = 0) -> None:
@@ -188,6 +195,8 @@ class EngineCore:
         req.compute_whole_prompt = state.prompt_logprobs is not None
         self.scheduler.add(req)
         self.states[req.request_id] = state
+        if state.matcher is not None:
+            self.runner.num_constrained += 1
         self.counters["tokens.prompt"] += req.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -325,7 +334,9 @@ class EngineCore:
         num_tokens = len(req.token_ids)
         n_out = num_tokens - len(req.prompt_token_ids)
         reason: str | None = None
-        if (token in state.stop_ids or detok.stopped) and n_out >= params.min_tokens:
+        if state.matcher is not None and _constraint_done(state.matcher, token):
+            reason = "stop"  # the constraint is complete: nothing more may follow
+        elif (token in state.stop_ids or detok.stopped) and n_out >= params.min_tokens:
             reason = "stop"
         elif n_out >= params.max_tokens or num_tokens >= self.max_model_len:
             reason = "length"
@@ -362,7 +373,9 @@ class EngineCore:
         logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         """The last output of a request that has ended; its engine-side state goes."""
-        self.states.pop(req.request_id, None)
+        state = self.states.pop(req.request_id, None)
+        if state is not None and state.matcher is not None:
+            self.runner.num_constrained -= 1
         return RequestOutput(
             request_id=req.request_id,
             token_ids=token_ids,
@@ -376,6 +389,11 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def num_constrained(self) -> int:
+        """Running requests with a constraint (their steps are masked, and not overlapped)."""
+        return self.runner.num_constrained
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
@@ -411,3 +429,11 @@ def _hand_out_prompt_logprobs(req: Request, state: RequestState, out: RequestOut
     out.prompt_token_ids = list(req.prompt_token_ids)
     state.prompt_logprobs = None
     req.compute_whole_prompt = False
+
+
+def _constraint_done(matcher: Any, token: int) -> bool:
+    """Advance a constrained request's matcher by its new token; whether the constraint is now
+    complete. A token the mask forbade (it cannot be sampled) raises: only that request ends."""
+    if not matcher.accept_token(token):
+        raise RuntimeError(f"token {token} does not continue the request's constraint")
+    return bool(matcher.is_terminated())

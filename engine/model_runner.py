@@ -22,7 +22,9 @@ host tier's loads.
    by the kernels straight into their reserved slots);
 4. decode-time output tracking copies (live slot -> tracking slot);
 5. sampling (``engine/sampling.py``), only for sequences whose piece reaches the end of their
-   known tokens: one ``argmax`` when every such row is plain greedy, else the general sampler.
+   known tokens: one ``argmax`` when every such row is plain greedy, else the general sampler;
+   first, the constrained rows' logits are masked with the token bitmask ``prepare`` built
+   from their matchers (so a constrained step needs every earlier token of its rows known).
    Requests with ``prompt_logprobs`` also get the logits of their prompt positions (extra rows
    after the sampled ones, ``engine/prompt_logprobs.py``); nobody else pays for them.
 
@@ -48,11 +50,12 @@ import torch
 from deltaserve.cache.types import Transfer
 from deltaserve.engine.batch_buffer import BatchBuffer
 from deltaserve.engine.disk_io import DiskIO
+from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
 from deltaserve.engine.request_state import RequestState
-from deltaserve.engine.sampling import Sampler, greedy
+from deltaserve.engine.sampling import Sampler, apply_token_mask, greedy
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.kernels import Ops
 from deltaserve.logs import get_logger
@@ -87,6 +90,9 @@ class PreparedStep:
     output_ids: list[list[int]] | None = None  # per row: output ids its penalties count
     # prompt log-probabilities: their logits rows follow the sampled rows (``prompt_logprobs.py``)
     prompt_slices: list[PromptSlice] = field(default_factory=list)
+    # constrained rows: their token bitmask (one row per logits row) and their logits rows
+    token_mask: torch.Tensor | None = None
+    mask_rows: list[int] | None = None
 
 
 class StepResult:
@@ -175,6 +181,9 @@ class ModelRunner:
         self.sampler = Sampler(ops, device)
         self.default_generator = self.sampler.default_generator
         self._last: StepResult | None = None  # the last step launched (placeholders read its tokens)
+        self.grammars: Grammars | None = None  # the engine's (set by EngineCore): constrained rows' masks
+        # running requests with a constraint (kept by EngineCore): while 0, steps build no mask
+        self.num_constrained = 0
         self.host: HostPool | None = None
         self.disk: DiskIO | None = None  # the disk tier's copies (``EngineCore`` attaches it)
         if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots or sizes.num_host_pages:
@@ -286,6 +295,8 @@ class ModelRunner:
         tensor), needed unless every sampled row is plain greedy; ``all_greedy`` says so
         without looking (the engine keeps count). ``placeholder_step``: the step whose sampled
         tokens the placeholders in this step's input ids stand for (async scheduling).
+        While ``num_constrained`` is not 0, the constrained rows get a token mask, built here
+        from their matchers (other steps do not look).
         """
         seqs, bs = out.seqs, self.sizes.block_size
         n, nd = len(seqs), out.num_decodes
@@ -342,6 +353,8 @@ class ModelRunner:
         if prep.requests and not all_greedy:
             assert states is not None, "states are needed to sample rows that are not plain greedy"
             _attach_sampling(prep, states)
+        if self.num_constrained and prep.requests and states is not None and self.grammars is not None:
+            _attach_mask(prep, states, self.grammars)
         return prep
 
     def build_batch(self, out: SchedulerOutput) -> tuple[BatchMetadata, list[int]]:
@@ -423,6 +436,8 @@ class ModelRunner:
         """The step's tokens (one per logits row, on the device) and any log-probabilities."""
         if not prep.requests:
             return torch.zeros(0, dtype=torch.int64, device=self.device), None
+        if prep.token_mask is not None and prep.mask_rows:
+            apply_token_mask(logits, prep.token_mask, prep.mask_rows)
         if prep.params is None or prep.row_states is None or prep.output_ids is None:
             return greedy(logits), None  # every row plain greedy (the common case)
         outputs = prep.output_ids
@@ -539,3 +554,18 @@ def _attach_sampling(prep: PreparedStep, states: Mapping[str, RequestState]) -> 
     # the output ids penalties count, as they are at prepare (the engine thread may append the
     # next placeholder while this step runs)
     prep.output_ids = [r.output_token_ids if p.has_penalties else [] for r, p in zip(reqs, params)]
+
+
+def _attach_mask(prep: PreparedStep, states: Mapping[str, RequestState], grammars: Grammars) -> None:
+    """The token bitmask of the constrained rows (their matchers' next-token masks); none when
+    no row is constrained."""
+    rows, matchers = [], []
+    for i, r in enumerate(prep.requests):
+        m = states[r.request_id].matcher
+        if m is not None:
+            rows.append(i)
+            matchers.append(m)
+    if rows:
+        prep.token_mask = grammars.allocate(len(prep.requests))
+        grammars.fill_masks(matchers, prep.token_mask, rows)
+        prep.mask_rows = rows

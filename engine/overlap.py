@@ -13,7 +13,9 @@ kernels), and each ``EngineCore.step()`` call does, on the caller's thread::
     process N        wait for N's tokens (the only wait), fill the placeholders in, then
                      detokenize, check stops and build outputs while N+1 runs
 
-so ``step()`` returns step N's outputs while N+1 is in flight. Committing ahead is safe
+so ``step()`` returns step N's outputs while N+1 is in flight. (While some request has a
+constraint, ``EngineCore.num_constrained``, N is processed before N+1 is scheduled: a
+constrained row's token mask needs its matcher advanced by N's token.) Committing ahead is safe
 because every later reader of what N publishes (a prefix hit, a restore) is a later step,
 which the worker (or the CUDA stream) runs after N. A request found finished in N is in N+1
 already: it ends once N+1 is committed (``defer``), and its token from N+1 is discarded (its
@@ -101,6 +103,11 @@ class Overlap:
         if prev is not None and not self._commit_ahead(prev, outputs):
             prev = None  # its commit failed: that step's requests have ended
         self.apply_deferred()
+        if prev is not None and self.core.num_constrained:
+            # a constrained row's mask needs its previous token: while a request has a
+            # constraint, step N is processed before N+1 is scheduled (no overlap)
+            self._process_result(prev, outputs)
+            prev = None
         out = self.core.scheduler.schedule()
         if out is not None:
             self.flight = self._submit(out, prev, outputs)

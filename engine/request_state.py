@@ -9,6 +9,7 @@ the prompt log-probabilities the runner fills in while it computes the prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,3 +34,6 @@ class RequestState:
     # greedy with nothing before the argmax (``sampling.plain_greedy(params)``): a batch of only
     # such rows samples with one argmax
     plain_greedy: bool = False
+    # the constraint's matcher (``engine/grammar.py``), advanced by every accepted token; None
+    # for an unconstrained request
+    matcher: Any = None

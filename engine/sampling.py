@@ -10,6 +10,10 @@ Two paths, chosen per step by the model runner:
   them (``kernels/sampler.py``), then the ``sample`` op with each row's generator (its seeded
   one, else the engine's shared one); raw log-probabilities for the rows that asked.
 
+A constrained row (``SamplingParams.constraint``) has its logits masked first, in place
+(``apply_token_mask``: one bitmask for the step's rows, applied to the constrained ones only),
+whichever path samples; its log-probabilities are then those of the masked logits.
+
 Tokens stay on the device; only the rows that asked for log-probabilities bring theirs to the
 host. The caller resolves placeholder tokens (async scheduling) before they reach the penalties.
 """
@@ -41,6 +45,23 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
         # numpy's row argmax is an order of magnitude faster than torch's on the CPU
         return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
+
+
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: in each logits row of ``rows``, the tokens its bitmask row forbids get
+    ``-inf``. ``bitmask`` (int32, one row per logits row, bit ``t % 32`` of word ``t // 32``
+    set = token ``t`` allowed; ids past its width are forbidden) is copied to the logits'
+    device; rows not in ``rows`` are untouched."""
+    import xgrammar as xgr
+
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    vocab = logits.shape[-1]
+    covered = bitmask.shape[-1] * 32
+    if vocab > covered:  # (the kernel only reads the bitmask's width)
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        logits[index, covered:] = float("-inf")
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, covered), indices=rows)
 
 
 class Sampler:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.errors import InvalidRequestError
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # max_tokens and top_k stay below 2**31 (int32 anywhere downstream)
@@ -93,6 +94,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ``RequestOutput.prompt_logprobs`` (the first position is None: nothing predicts it).
         Raw model log-probabilities, like ``logprobs``. Such a request computes its whole
         prompt: it takes no prefix-cache hit (what it computes is still published).
+    constraint (None; None or a ``Constraint``)
+        The output must match it (a JSON schema, any JSON object, a regex, one of a list of
+        strings, a grammar: ``engine/constraint.py``): tokens it does not allow are masked
+        before sampling, and the request stops (``stop``) when the constraint is complete.
+        The constraint validates its spec when it is built.
 
     Integers must be ``int`` (``bool`` is not accepted as an integer, nor as a number);
     floats must be finite.
@@ -114,6 +120,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         for name, ok, why in _RULES:
@@ -196,6 +203,7 @@ _RULES: tuple[_Rule, ...] = (
         lambda v, _: v is None or _int_in(v, 0, MAX_LOGPROBS),
         f"must be None or an integer in [0, {MAX_LOGPROBS}]",
     ),
+    ("constraint", lambda v, _: v is None or isinstance(v, Constraint), "must be None or a Constraint"),
 )
 
 

@@ -37,6 +37,14 @@ from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.offload import Tokenizer
 from deltaserve.server.output_parser import ChatParsing
 from deltaserve.server.sse import ChunkFormat, SSEResponse, run_or_disconnect, stream_frames
+from deltaserve.server.structured import (
+    ForcedToolChunks,
+    ForcedTools,
+    forced_response,
+    precompile,
+    request_constraint,
+    tool_choice_constraint,
+)
 from deltaserve.server.tracker import Tracker
 
 JSON = "application/json"
@@ -248,12 +256,15 @@ class OpenAIServer:
             model = self._check_model(req.model)
             _check_prompt_logprobs(req)
             self._require_healthy()
-            stream = await self._start_chat(req)
+            stream, forced = await self._start_chat(req)
         except Exception as e:
             raise translate_error(e, renames) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = Tracker(self.metrics, req.n)
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        parse_tools = bool(req.tools) and req.tool_choice != "none" and forced is None
+        if req.stream and forced is not None:
+            forced_fmt = ForcedToolChunks(rid, model, req.n, forced)
+            return self._stream(rid, [stream], [tracker], forced_fmt, _include_usage(req))
         tools = [msgspec.to_builtins(t) for t in req.tools or []] if parse_tools else None
         parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs)
         if req.stream:
@@ -270,11 +281,11 @@ class OpenAIServer:
             if isinstance(stream, PromptStream) and 0 in stream.prompts and req.prompt_logprobs is not None:
                 entries = stream.prompts[0][1]
                 response.prompt_logprobs = vllm_prompt_logprobs(self.token_text, entries, req.prompt_logprobs)
-            return response
+            return forced_response(response, forced) if forced is not None else response
 
         return await self._answer(request, full(), [stream])
 
-    async def _start_chat(self, req: p.ChatCompletionRequest) -> OutputStream:
+    async def _start_chat(self, req: p.ChatCompletionRequest) -> tuple[OutputStream, ForcedTools | None]:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # until the context is full (the engine stops there)
             max_tokens = self.engine.model_info.max_model_len
@@ -283,9 +294,16 @@ class OpenAIServer:
             top = req.top_logprobs or 0
         elif req.top_logprobs is not None and req.top_logprobs > 0:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        constraint, forced = request_constraint(req), None
+        tool_forced = tool_choice_constraint(req)
+        if tool_forced is not None:
+            if constraint is not None:
+                raise bad_request("a forced tool_choice takes no other output constraint", "tool_choice")
+            constraint, forced = tool_forced
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=top, constraint=constraint)
         if req.prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=req.prompt_logprobs)
+        await precompile(self.engine, constraint)
         prompt, extras = await self.tokenizer.ids_if_long(
             messages_to_dicts(req.messages), template_extras(req.tools, req.chat_template_kwargs)
         )
@@ -298,8 +316,8 @@ class OpenAIServer:
             **extras,
         )
         if req.prompt_logprobs is not None:
-            return PromptStream(stream, "", prompt_only=False)
-        return stream
+            return PromptStream(stream, "", prompt_only=False), forced
+        return stream, forced
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
@@ -353,9 +371,11 @@ class OpenAIServer:
         max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.model_info.max_model_len
         if spec.prompt_only:  # the engine samples one token, which the PromptStream drops
             max_tokens = 1
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        constraint = request_constraint(req)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=constraint)
         if spec.engine_prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=spec.engine_prompt_logprobs)
+        await precompile(self.engine, constraint)
         if len(prompts) > 1 and req.request_id is not None:
             raise bad_request("request_id is for a single prompt", "request_id")
         for text_or_ids in prompts:

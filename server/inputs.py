@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.server import protocol as p
 from deltaserve.server.errors import bad_request
@@ -19,14 +20,12 @@ _OPTIONAL_SAMPLING = (
 )  # fmt: skip
 
 
-def sampling_params(req: p._SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: p._SamplingFields, *, max_tokens: int, logprobs: int | None, constraint: Constraint | None = None
+) -> SamplingParams:
+    """The engine's sampling parameters of a request (``constraint``: what
+    ``server/structured.py`` made of its structured-output fields)."""
     check_unsupported(req)  # fields accepted in shape but not implemented: 400 naming the field
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request(
-            "response_format other than text is not supported (no constrained decoding)",
-            "response_format",
-            "unsupported",
-        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -37,6 +36,7 @@ def sampling_params(req: p._SamplingFields, *, max_tokens: int, logprobs: int | 
         "min_tokens": req.min_tokens,
         "seed": req.seed,
         "logprobs": logprobs,
+        "constraint": constraint,
     }
     for name in _OPTIONAL_SAMPLING:
         value = getattr(req, name)

@@ -129,7 +129,14 @@ class _SamplingFields(_UnimplementedFields, kw_only=True):
     # accepted so that a request using them gets a clear 400 instead of being silently ignored
     # (logit_bias: by the rule in unsupported.py)
     logit_bias: dict[str, float] | None = None
+    # structured outputs (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

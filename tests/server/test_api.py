@@ -250,7 +250,7 @@ async def test_errors_have_openai_shape(served: Served) -> None:
             (chat, {**ok, "messages": [{"role": "user", "content": "x " * 20000}]}, 400, "messages"),
             (chat, {**ok, "model": "gpt-4"}, 404, "model"),
             (chat, {**ok, "logit_bias": {"5": 10}}, 400, "logit_bias"),
-            (chat, {**ok, "response_format": {"type": "json_object"}}, 400, "response_format"),
+            (chat, {**ok, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
             ("/v1/completions", {"model": MODEL, "prompt": [1.5]}, 400, "prompt"),
             ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
             ("/v1/embeddings", {}, 404, None),

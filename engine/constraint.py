@@ -1,0 +1,154 @@
+"""Constraint: what a request's output must match (``SamplingParams.constraint``).
+
+A constraint is a kind and its spec, checked on construction by parsing the spec into a
+tokenizer-independent grammar (xgrammar), so an invalid schema, regex or grammar fails when
+the request is built (``InvalidRequestError`` naming the field), never in a step. Compiling it
+against the model's vocabulary is ``engine/grammar.py``'s job.
+
+JSON kinds bound whitespace (no free whitespace, ``", "`` and ``": "`` separators), and an
+integer without bounds gets I-JSON's interoperable range (``|n| <= 2**53 - 1``), so a model that
+would rather emit spaces or digits still reaches the end of the value. (Strings stay unbounded
+unless the schema bounds them: ``maxLength``.)
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from typing import Any
+
+import msgspec
+
+from deltaserve.engine.errors import InvalidRequestError
+
+MAX_SPEC_CHARS = 1 << 20  # a schema / regex / grammar of at most 1 MiB of text
+MAX_CHOICES = 1024
+JSON_SEPARATORS = (", ", ": ")
+# xgrammar prefixes its messages with "[time] path/file.cc:line: "
+SAFE_INTEGER = 2**53 - 1  # RFC 7493 (I-JSON): integers beyond this do not round-trip
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_STRING_SHAPES = {"pattern", "format", "enum", "const"}
+_NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class ConstraintKind(enum.Enum):
+    """What the spec is: a JSON schema (JSON text), any JSON object (no spec), a regular
+    expression, a list of allowed strings, or an EBNF grammar (xgrammar's dialect, GBNF-like)."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on a request's output, validated on creation, then immutable.
+
+    ``spec``: for ``JSON_SCHEMA`` the schema as JSON text, for ``REGEX`` / ``GRAMMAR`` the
+    pattern / grammar text, for ``CHOICE`` a non-empty list of non-empty strings; ``JSON_OBJECT``
+    takes none. Errors name ``SamplingParams.constraint.spec`` (or ``.kind``).
+    """
+
+    kind: ConstraintKind
+    spec: str | list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ConstraintKind):
+            raise InvalidRequestError(
+                f"SamplingParams.constraint.kind={self.kind!r}: must be a ConstraintKind"
+            )
+        build_grammar(self)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """A hashable identity of the constraint (the compile cache's key)."""
+        spec = self.spec if isinstance(self.spec, str) or self.spec is None else json.dumps(self.spec)
+        return self.kind.value, spec or ""
+
+
+def _fail(what: str) -> InvalidRequestError:
+    return InvalidRequestError(f"SamplingParams.constraint.spec: {what}")
+
+
+def _native_message(e: Exception) -> str:
+    return _NATIVE_PREFIX.sub("", str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _text_spec(c: Constraint) -> str:
+    if not isinstance(c.spec, str) or not c.spec:
+        raise _fail(f"a {c.kind.value} constraint needs a non-empty string")
+    if len(c.spec) > MAX_SPEC_CHARS:
+        raise _fail(f"is {len(c.spec)} characters; at most {MAX_SPEC_CHARS}")
+    return c.spec
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of ``choices`` (JSON string literals are valid
+    EBNF string literals: the same escapes)."""
+    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
+
+
+def _normalise(node: Any) -> Any:
+    """``node`` with every unbounded ``"type": "integer"`` given the interoperable range, and
+    every length-bounded plain string given the same bounds as a pattern: xgrammar 0.2.8 builds
+    ``minLength`` / ``maxLength`` from a character class that lets control characters into the
+    string (invalid JSON); its pattern strings are JSON-escaped correctly."""
+    if isinstance(node, list):
+        return [_normalise(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _normalise(v) for k, v in node.items()}
+    kind = out.get("type")
+    if kind == "integer" and not any(b in out for b in _BOUNDS):
+        out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
+    if kind == "string" and ("minLength" in out or "maxLength" in out) and not _STRING_SHAPES & out.keys():
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{hi}}}$"
+    return out
+
+
+def bounded_schema(text: str) -> str:
+    """The JSON schema the grammar is built from (``_normalise``)."""
+    return json.dumps(_normalise(json.loads(text)))
+
+
+def build_grammar(c: Constraint) -> Any:
+    """The constraint's tokenizer-independent ``xgrammar.Grammar`` (raises InvalidRequestError
+    naming the spec)."""
+    import xgrammar as xgr
+
+    kind = c.kind
+    try:
+        if kind is ConstraintKind.JSON_OBJECT:
+            if c.spec:
+                raise _fail("a json_object constraint takes no spec")
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS
+            )
+        if kind is ConstraintKind.CHOICE:
+            spec = c.spec
+            if not isinstance(spec, list) or not spec or not all(isinstance(s, str) and s for s in spec):
+                raise _fail("a choice constraint needs a non-empty list of non-empty strings")
+            if len(spec) > MAX_CHOICES:
+                raise _fail(f"has {len(spec)} choices; at most {MAX_CHOICES}")
+            return xgr.Grammar.from_ebnf(choice_ebnf(spec))
+        text = _text_spec(c)
+        if kind is ConstraintKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise _fail(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise _fail("the JSON schema must be a JSON object")
+            return xgr.Grammar.from_json_schema(
+                bounded_schema(text), any_whitespace=False, separators=JSON_SEPARATORS
+            )
+        if kind is ConstraintKind.REGEX:
+            return xgr.Grammar.from_regex(text)
+        return xgr.Grammar.from_ebnf(text)
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # the native parser's message says what is wrong and where
+        raise _fail(f"invalid {kind.value}: {_native_message(e)}") from None

@@ -1,0 +1,309 @@
+"""Structured outputs on the API: request fields -> an engine ``Constraint``, and forced tool
+calls back into ``tool_calls``.
+
+Sources of a constraint (at most one per request; a second is a 400 naming it):
+
+* OpenAI's ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict"}}`` (``text``: none);
+* vLLM's ``structured_outputs``: ``{json | regex | choice | grammar}``, and its older
+  top-level ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
+* chat ``tool_choice``: ``"required"`` (a JSON array of ``{"name", "parameters"}`` over the
+  request's tools, as vLLM builds it, with at most ``MAX_FORCED_CALLS`` items) or a named
+  function (that function's parameters object).
+
+A forced tool call comes back as ``tool_calls`` with finish reason ``tool_calls``: whole, or
+streamed (each call's name first, then its arguments as they are generated). An invalid spec
+is a 400 whose ``param`` names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from deltaserve.engine.client import EngineClient
+from deltaserve.engine.constraint import Constraint, ConstraintKind
+from deltaserve.engine.errors import InvalidRequestError
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.server import protocol as p
+from deltaserve.server.call_scanner import CallScanner
+from deltaserve.server.errors import bad_request, engine_failure
+from deltaserve.server.sse import data_frame, error_frame
+from deltaserve.server.tracker import Choice, Tracker, usage
+
+#: the most calls a ``tool_choice: "required"`` output holds (bounded, like whitespace and integers,
+#: so that a weak model's array ends); ``parallel_tool_calls: false`` makes it 1
+MAX_FORCED_CALLS = 8
+
+
+class ForcedMode(enum.Enum):
+    """How a forced tool call's output is shaped: one named function's arguments object, or an
+    array of ``{"name", "parameters"}`` (``tool_choice: "required"``)."""
+
+    NAMED = "named"
+    REQUIRED = "required"
+
+
+@dataclass(frozen=True)
+class ForcedTools:
+    """A chat request whose ``tool_choice`` forces a call."""
+
+    mode: ForcedMode
+    name: str | None = None  # NAMED: the function
+
+
+class _JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    schema: dict[str, Any] | bool | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class _ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: _JsonSchemaFormat | None = None
+
+
+class _StructuredOutputs(msgspec.Struct, kw_only=True):
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _make(kind: ConstraintKind, spec: str | list[str] | None, param: str) -> Constraint:
+    try:
+        return Constraint(kind=kind, spec=spec)
+    except InvalidRequestError as e:
+        detail = str(e).removeprefix("SamplingParams.constraint.spec: ")
+        raise bad_request(f"{param}: {detail}", param) from None
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    if isinstance(schema, str):  # vLLM accepts the schema as JSON text too
+        return schema
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON schema object", param)
+    return json.dumps(schema)
+
+
+def _convert(value: Any, type_: type, param: str) -> Any:
+    try:
+        return msgspec.convert(value, type_)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+
+
+def _from_response_format(rf: dict[str, Any]) -> Constraint | None:
+    fmt = _convert(rf, _ResponseFormat, "response_format")
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return _make(ConstraintKind.JSON_OBJECT, None, "response_format")
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise bad_request(
+                "response_format.json_schema.schema is required", "response_format.json_schema.schema"
+            )
+        param = "response_format.json_schema.schema"
+        return _make(ConstraintKind.JSON_SCHEMA, _schema_text(fmt.json_schema.schema, param), param)
+    raise bad_request(
+        f"response_format.type {fmt.type!r} is not one of 'text', 'json_object', 'json_schema'",
+        "response_format.type",
+    )
+
+
+def _from_structured(so: _StructuredOutputs, prefix: str) -> list[Constraint]:
+    """The constraints ``so`` sets (``prefix``: how its fields are named in errors)."""
+    out = []
+    if so.json is not None:
+        param = f"{prefix}json"
+        out.append(_make(ConstraintKind.JSON_SCHEMA, _schema_text(so.json, param), param))
+    if so.json_object:
+        out.append(_make(ConstraintKind.JSON_OBJECT, None, f"{prefix}json_object"))
+    if so.regex is not None:
+        out.append(_make(ConstraintKind.REGEX, so.regex, f"{prefix}regex"))
+    if so.choice is not None:
+        out.append(_make(ConstraintKind.CHOICE, so.choice, f"{prefix}choice"))
+    if so.grammar is not None:
+        out.append(_make(ConstraintKind.GRAMMAR, so.grammar, f"{prefix}grammar"))
+    return out
+
+
+def request_constraint(req: p._SamplingFields) -> Constraint | None:
+    """The constraint a chat or completions request sets through ``response_format``,
+    ``structured_outputs`` or the ``guided_*`` fields (400 when several are set)."""
+    found: list[tuple[str, Constraint]] = []
+    if req.response_format:
+        c = _from_response_format(req.response_format)
+        if c is not None:
+            found.append(("response_format", c))
+    if req.structured_outputs:
+        so = _convert(req.structured_outputs, _StructuredOutputs, "structured_outputs")
+        found += [("structured_outputs", c) for c in _from_structured(so, "structured_outputs.")]
+    guided = _StructuredOutputs(
+        json=req.guided_json, regex=req.guided_regex, choice=req.guided_choice, grammar=req.guided_grammar
+    )
+    found += [("guided_*", c) for c in _from_structured(guided, "guided_")]
+    if len(found) > 1:
+        names = ", ".join(sorted({f for f, _ in found}))
+        raise bad_request(f"give at most one output constraint (set: {names})", found[1][0])
+    return found[0][1] if found else None
+
+
+def _tool_parameters(tool: p.Tool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def tool_choice_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint, ForcedTools] | None:
+    """The constraint of a ``tool_choice`` that forces a call (None for auto / none / unset)."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    tools = req.tools or []
+    if not tools:
+        raise bad_request("tool_choice forces a tool call but the request has no tools", "tool_choice")
+    if isinstance(choice, p.NamedToolChoice):
+        name = choice.function.name
+        tool = next((t for t in tools if t.function.name == name), None)
+        if tool is None:
+            known = [t.function.name for t in tools]
+            raise bad_request(
+                f"tool_choice names function {name!r}, which is not in tools {known}", "tool_choice"
+            )
+        spec = json.dumps(_tool_parameters(tool))
+        return _make(ConstraintKind.JSON_SCHEMA, spec, "tools.function.parameters"), ForcedTools(
+            ForcedMode.NAMED, name
+        )
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": _tool_parameters(t),
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    most = MAX_FORCED_CALLS if req.parallel_tool_calls else 1
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": items}}
+    return _make(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools.function.parameters"), ForcedTools(
+        ForcedMode.REQUIRED
+    )
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def forced_calls(forced: ForcedTools, text: str) -> list[p.ToolCall] | None:
+    """The tool calls of a completed forced output (None when it is not complete JSON: the
+    output was cut short)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if forced.mode is ForcedMode.NAMED:  # the arguments as generated (what a stream sent)
+        assert forced.name is not None
+        return [p.ToolCall(id=_call_id(), function=p.FunctionCall(name=forced.name, arguments=text.strip()))]
+    if not isinstance(value, list):
+        return None
+    calls: list[p.ToolCall] = []
+    for e in CallScanner().feed(text):  # the arguments as generated (what a stream sent)
+        if e.name is not None:
+            calls.append(p.ToolCall(id=_call_id(), function=p.FunctionCall(name=e.name, arguments="")))
+        else:
+            calls[e.index].function.arguments += e.arguments
+    return calls
+
+
+def forced_response(resp: p.ChatCompletionResponse, forced: ForcedTools) -> p.ChatCompletionResponse:
+    """``resp`` (built without tool parsing) with each completed choice's output as tool calls."""
+    for c in resp.choices:
+        calls = forced_calls(forced, c.message.content or "") if c.finish_reason == "stop" else None
+        if calls:
+            c.message = p.ResponseMessage(content=None, tool_calls=calls)
+            c.finish_reason = "tool_calls"
+    return resp
+
+
+class ForcedToolChunks:
+    """A chat stream's ``ChunkFormat`` for a forced tool call: a role chunk, then tool-call
+    deltas as the output is generated (each call's name first, then its arguments in pieces),
+    then the finish chunk (``tool_calls`` when the output is complete)."""
+
+    def __init__(self, rid: str, model: str, n: int, forced: ForcedTools) -> None:
+        self.rid, self.model, self.created = rid, model, int(time.time())
+        self.forced = forced
+        self.started = [False] * n
+        self.texts = [""] * n
+        self.scanners = [CallScanner() for _ in range(n)] if forced.mode is ForcedMode.REQUIRED else []
+
+    def _chunk(self, choice: p.ChatChunkChoice) -> bytes:
+        return data_frame(
+            p.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[choice])
+        )
+
+    def _delta(self, i: int, call: p.DeltaToolCall) -> bytes:
+        return self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(tool_calls=[call])))
+
+    def frames(self, k: int, out: RequestOutput, choice: Choice, tracker: Tracker) -> Iterator[bytes]:
+        i = out.index
+        named = self.forced.mode is ForcedMode.NAMED
+        if not self.started[i]:
+            self.started[i] = True
+            yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant")))
+            if named:
+                fn = p.DeltaFunctionCall(name=self.forced.name, arguments="")
+                yield self._delta(i, p.DeltaToolCall(index=0, id=_call_id(), type="function", function=fn))
+        self.texts[i] += out.text
+        if named and out.text:
+            yield self._delta(i, p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=out.text)))
+        elif not named:
+            for e in self.scanners[i].feed(out.text):
+                if e.name is not None:
+                    fn = p.DeltaFunctionCall(name=e.name, arguments="")
+                    yield self._delta(
+                        i, p.DeltaToolCall(index=e.index, id=_call_id(), type="function", function=fn)
+                    )
+                else:
+                    fn = p.DeltaFunctionCall(arguments=e.arguments)
+                    yield self._delta(i, p.DeltaToolCall(index=e.index, function=fn))
+        if out.finished:
+            yield from self._finish(out, choice, tracker)
+
+    def _finish(self, out: RequestOutput, choice: Choice, tracker: Tracker) -> Iterator[bytes]:
+        i, reason = out.index, out.finish_reason
+        if reason == "error":
+            yield error_frame(engine_failure(choice.error))
+        if reason == "stop" and forced_calls(self.forced, self.texts[i]):
+            reason = "tool_calls"
+        tracker.count_finish(reason)
+        yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(), finish_reason=reason))
+
+    def usage_frame(self, trackers: list[Tracker]) -> bytes:
+        return data_frame(
+            p.ChatCompletionChunk(
+                id=self.rid, created=self.created, model=self.model, choices=[], usage=usage(trackers)
+            )
+        )
+
+
+async def precompile(engine: EngineClient, c: Constraint | None) -> None:
+    """Compile ``c`` in a worker thread through the engine's grammar cache, so the engine's
+    step thread finds it compiled (an engine without a local cache compiles it itself)."""
+    if c is None:
+        return
+    grammars = getattr(getattr(engine, "input_processor", None), "grammars", None)
+    if grammars is not None:
+        await asyncio.get_running_loop().run_in_executor(None, grammars.compile, c)
