@@ -36,7 +36,7 @@ from deltaserve.server.inputs import completion_prompts, messages_to_dicts, samp
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.offload import Tokenizer
 from deltaserve.server.output_parser import ChatParsing
-from deltaserve.server.sse import ChunkFormat, SSEResponse, run_or_disconnect, stream_frames
+from deltaserve.server.sse import ChunkFormat, SSEResponse, UsageMode, run_or_disconnect, stream_frames
 from deltaserve.server.structured import (
     ForcedToolChunks,
     ForcedTools,
@@ -175,11 +175,11 @@ class OpenAIServer:
         streams: list[OutputStream],
         trackers: list[Tracker],
         fmt: ChunkFormat,
-        include_usage: bool,
+        usage_mode: UsageMode,
     ) -> SSEResponse:
         forget = self._opened(streams)
         frames = stream_frames(
-            rid, streams, trackers, fmt, include_usage, cut_short=lambda: self._drain_error(trackers)
+            rid, streams, trackers, fmt, usage_mode, cut_short=lambda: self._drain_error(trackers)
         )
         return SSEResponse(frames, on_close=forget)
 
@@ -434,5 +434,10 @@ def _prompt_streams(streams: list[OutputStream]) -> list[PromptStream | None]:
     return [s if isinstance(s, PromptStream) else None for s in streams]
 
 
-def _include_usage(req: p.ChatCompletionRequest | p.CompletionRequest) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+def _include_usage(req: p.ChatCompletionRequest | p.CompletionRequest) -> UsageMode:
+    """``stream_options``: usage in a last chunk, and with ``continuous_usage_stats`` (vLLM) in
+    every chunk too."""
+    opts = req.stream_options
+    if not (opts and opts.include_usage):
+        return UsageMode.NONE
+    return UsageMode.EVERY if opts.continuous_usage_stats else UsageMode.FINAL

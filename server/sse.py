@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ from deltaserve.engine.client import OutputStream
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.logs import get_logger
 from deltaserve.server.errors import APIError, encode, translate_error
-from deltaserve.server.tracker import Choice, Tracker
+from deltaserve.server.tracker import Choice, Tracker, usage
 
 log = get_logger("deltaserve.server")
 
@@ -155,18 +156,37 @@ async def _outputs(streams: Sequence[OutputStream]) -> AsyncIterator[tuple[int, 
             t.cancel()
 
 
+class UsageMode(enum.Enum):
+    """Token counts in a stream (``stream_options``)."""
+
+    NONE = "none"
+    FINAL = "final"  # a last chunk with the request's usage (``include_usage``)
+    EVERY = "every"  # and every chunk with the usage so far (vLLM's ``continuous_usage_stats``)
+
+
+_NO_USAGE = b'"usage":null'
+
+
+def _with_usage(frame: bytes, trackers: list[Tracker]) -> bytes:
+    """``frame`` (a chunk with ``"usage": null``) carrying the usage so far; other frames as they are."""
+    if _NO_USAGE not in frame:
+        return frame
+    return frame.replace(_NO_USAGE, b'"usage":' + encode(usage(trackers)), 1)
+
+
 async def stream_frames(
     rid: str,
     streams: Sequence[OutputStream],
     trackers: list[Tracker],
     fmt: ChunkFormat,
-    include_usage: bool,
+    usage_mode: UsageMode,
     *,
     cut_short: Callable[[], APIError | None] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body of one HTTP request (module docstring). ``cut_short``: after the outputs,
     the error to report if the server ended the request early (a drain that ran out of time)."""
     source = _outputs(streams)
+    every = usage_mode is UsageMode.EVERY
     try:
         async for k, item in source:
             if isinstance(item, BaseException):
@@ -174,8 +194,8 @@ async def stream_frames(
                 continue
             choice = trackers[k].observe(item)
             for frame in fmt.frames(k, item, choice, trackers[k]):
-                yield frame
-        if include_usage:
+                yield _with_usage(frame, trackers) if every else frame
+        if usage_mode is not UsageMode.NONE:
             yield fmt.usage_frame(trackers)
         early = cut_short() if cut_short is not None else None
         if early is not None:

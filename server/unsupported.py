@@ -45,7 +45,6 @@ FIELDS: tuple[Field, ...] = (
     Field("audio", Rule.REFUSED),
     Field("modalities", Rule.REFUSED, (None, [], ["text"])),
     Field("suffix", Rule.REFUSED, (None, "")),
-    Field("stream_options.continuous_usage_stats", Rule.REFUSED, (None, False)),
     Field("use_beam_search", Rule.REFUSED, (False,)),
     Field("include_stop_str_in_output", Rule.REFUSED, (False,)),
     Field("skip_special_tokens", Rule.REFUSED, (True,)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 import importlib.metadata
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -211,10 +212,6 @@ USING: dict[str, dict[str, Any]] = {
     "audio": {"audio": {"voice": "alloy", "format": "wav"}},
     "modalities": {"modalities": ["text", "audio"]},
     "suffix": {"suffix": "the end"},
-    "stream_options.continuous_usage_stats": {
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    },
     "use_beam_search": {"use_beam_search": True},
     "include_stop_str_in_output": {"include_stop_str_in_output": True},
     "skip_special_tokens": {"skip_special_tokens": False},
@@ -293,3 +290,21 @@ async def test_the_declared_fields_and_the_docs_follow_the_rule() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text(encoding="utf-8")
     for f in unsupported.FIELDS:
         assert f"| `{f.name}` | {f.rule.value} |" in doc, f"docs/server.md lacks the row of {f.name}"
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(plain: str) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): every chunk carries
+    the usage so far, and the last chunk the total."""
+    body = {
+        **CHAT, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    async with httpx.AsyncClient(base_url=plain, timeout=30) as http:
+        resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    chunks = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    assert chunks and all(c["usage"] is not None for c in chunks)
+    completed = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completed == sorted(completed) and completed[-1] >= 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == chunks[-2]["usage"]  # the total
+    assert chunks[0]["usage"]["prompt_tokens"] > 0
