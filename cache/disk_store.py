@@ -45,14 +45,11 @@ promised. ``manifest.json`` and ``index.bin`` are fsynced before their rename (r
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
 import fcntl
-import heapq
 import math
 import os
 import shutil
-import struct
 import threading
 import time
 from collections import deque
@@ -63,58 +60,48 @@ from types import TracebackType
 import msgspec
 import xxhash
 
+from deltaserve.cache.disk_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    KEY_LIMIT,
+    ItemKind,
+    Manifest,
+    StoreIdentity,
+    accounted_bytes,
+    decode_header,
+    decode_index,
+    encode_header,
+    encode_index,
+    fan_of,
+    item_name,
+    parse_item_name,
+)
+from deltaserve.cache.disk_index import DiskEntry, DiskIndex
 from deltaserve.logs import get_logger
+
+# the format's names callers import from here
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "WRITER_THREADS",
+    "DiskStore",
+    "DiskStoreError",
+    "DiskStoreLocked",
+    "ItemKind",
+    "StoreIdentity",
+    "accounted_bytes",
+    "decode_header",
+    "encode_header",
+    "item_name",
+    "parse_item_name",
+]
 
 log = get_logger("deltaserve.cache")
 
-FORMAT_VERSION = 1
-
-_MAGIC = b"DSI1"
-# magic, format, kind, reserved, key, parent, payload length, cost, payload xxh3_64
-_HEAD_BODY = struct.Struct("<4sHBB16s16sQdQ")
-_HEAD_SUM = struct.Struct("<Q")  # xxh3_64 of the body: a torn header never parses
-HEADER_BYTES = _HEAD_BODY.size + _HEAD_SUM.size
-FS_BLOCK = 4096
-_FANOUT_BITS = 8  # 256 item directories: ~2.5 k files each for 10 GB of 16 KiB items
-
-_INDEX_MAGIC = b"DSX1"
-_INDEX_HEAD = struct.Struct("<4sHQdQ")  # magic, format, count, L, xxh3_64 of the records
-_INDEX_REC = struct.Struct("<B16sQ")  # kind, key, freq
-_MAX_CHAIN = 1 << 16  # bound on the walk for a checkpoint's exclusive KV path
 _ERROR_LOG_INTERVAL_S = 60.0
-_KEY_LIMIT = 1 << 128
 # Writer threads: creating a file costs this filesystem 0.3 ms idle and several ms under
 # writeback pressure, mostly waiting (GIL released); two writers overlap those waits.
 WRITER_THREADS = 2
-
-
-class ItemKind(enum.IntEnum):
-    KV = 1
-    CHECKPOINT = 2
-
-
-class StoreIdentity(msgspec.Struct, frozen=True):
-    """What must match for a store to be reused: else it is set aside, never mixed."""
-
-    model: str  # hash of the model config
-    weights: str  # weights fingerprint
-    dtype: str
-    block_size: int
-    gdn_chunk_size: int
-    salt_rule: str  # how cache salts/namespaces are formed (a version string)
-    kv_block_bytes: int
-    checkpoint_bytes: int
-    format: int = FORMAT_VERSION  # the on-disk format of this module
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "gdn_chunk_size", "kv_block_bytes", "checkpoint_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"StoreIdentity.{name} must be > 0, got {getattr(self, name)}")
-
-
-class Manifest(msgspec.Struct, frozen=True):
-    identity: StoreIdentity
-    created: float  # unix time the store was created
 
 
 class DiskStoreError(Exception):
@@ -129,20 +116,6 @@ class DiskStoreLocked(DiskStoreError):
 
 
 @dataclass(slots=True)
-class _Entry:
-    kind: ItemKind
-    key: int
-    parent: int
-    length: int  # payload bytes
-    size: int  # accounted bytes on disk
-    cost: float
-    freq: int
-    base: float = 0.0  # GDSF's L when the item was last written, read or made a leaf
-    h: float = 0.0  # GDSF priority as last pushed
-    gen: int = 0  # heap entries with another gen are stale
-
-
-@dataclass(slots=True)
 class _Pending:
     kind: ItemKind
     key: int
@@ -151,73 +124,8 @@ class _Pending:
     cost: float
 
 
-def accounted_bytes(length: int) -> int:
-    """Bytes an item of ``length`` payload bytes costs on disk: header + data, whole blocks."""
-    return -(-(HEADER_BYTES + length) // FS_BLOCK) * FS_BLOCK
-
-
-def encode_header(kind: ItemKind, key: int, parent: int, payload: bytes, cost: float) -> bytes:
-    body = _HEAD_BODY.pack(
-        _MAGIC,
-        FORMAT_VERSION,
-        int(kind),
-        0,
-        key.to_bytes(16, "little"),
-        parent.to_bytes(16, "little"),
-        len(payload),
-        cost,
-        xxhash.xxh3_64_intdigest(payload),
-    )
-    return body + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def decode_header(raw: bytes) -> tuple[ItemKind, int, int, int, float, int] | None:
-    """(kind, key, parent, length, cost, payload checksum), or None if not a valid header."""
-    if len(raw) < HEADER_BYTES:
-        return None
-    body = raw[: _HEAD_BODY.size]
-    (checksum,) = _HEAD_SUM.unpack_from(raw, _HEAD_BODY.size)
-    if xxhash.xxh3_64_intdigest(body) != checksum:
-        return None
-    magic, fmt, kind, _, key, parent, length, cost, psum = _HEAD_BODY.unpack(body)
-    if magic != _MAGIC or fmt != FORMAT_VERSION or kind not in (1, 2):
-        return None
-    return (
-        ItemKind(kind),
-        int.from_bytes(key, "little"),
-        int.from_bytes(parent, "little"),
-        length,
-        cost,
-        psum,
-    )
-
-
-def item_name(kind: ItemKind, key: int, parent: int, length: int, cost: float) -> str:
-    """An item's file name: everything the index needs, so an open reads no file."""
-    return f"{int(kind)}-{key:032x}-{parent:032x}-{length:x}-{cost.hex()}"
-
-
-_KIND_OF_DIGIT = {"1": ItemKind.KV, "2": ItemKind.CHECKPOINT}
-
-
-def parse_item_name(name: str) -> tuple[ItemKind, int, int, int, float] | None:
-    """The fields ``item_name`` wrote, or None for any other name."""
-    parts = name.split("-", 4)  # the cost's hex exponent may hold a '-'
-    kind = _KIND_OF_DIGIT.get(parts[0])
-    if kind is None or len(parts) != 5 or len(parts[1]) != 32 or len(parts[2]) != 32:
-        return None
-    try:
-        key, parent, length = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
-        cost = float.fromhex(parts[4])
-    except ValueError:
-        return None
-    if not (math.isfinite(cost) and cost >= 0 and key >= 0 and parent >= 0 and length >= 0):
-        return None
-    return kind, key, parent, length, cost
-
-
-def _length(e: _Entry | _Pending) -> int:
-    return e.length if isinstance(e, _Entry) else len(e.payload)
+def _length(e: DiskEntry | _Pending) -> int:
+    return e.length if isinstance(e, DiskEntry) else len(e.payload)
 
 
 def _write_file(path: str, header: bytes, payload: bytes) -> None:
@@ -275,15 +183,10 @@ class DiskStore:
         self._queue_bytes = queue_bytes
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._index: dict[tuple[ItemKind, int], _Entry] = {}
-        # number of stored *or queued* items whose parent is this key: a KV block with
-        # dependents is not a leaf (queued ones count so that a chain is not evicted from
-        # under a checkpoint that is still on its way to disk)
-        self._deps: dict[int, int] = {}
-        self._heap: list[tuple[float, int, int, int, int]] = []
-        self._seq = 0
-        self._inflate = 0.0  # GDSF's L
-        self._used = 0
+        # entries, dependents and the eviction order; a queued item's parent is registered
+        # at ``put`` (``depend``) so that a chain is not evicted from under a checkpoint that
+        # is still on its way to disk
+        self._index = DiskIndex(capacity_bytes)
         self._queue: deque[_Pending] = deque()
         self._queued: set[tuple[ItemKind, int]] = set()
         self._queued_bytes = 0
@@ -331,7 +234,7 @@ class DiskStore:
             "disk_store.opened",
             path=str(self._path),
             items=len(self._index),
-            bytes=self._used,
+            bytes=self._index.used,
             capacity=self._capacity,
             opened_in_ms=round(self._opened_in_ms, 1),
         )
@@ -407,12 +310,13 @@ class DiskStore:
         tmp.mkdir(exist_ok=True)
         (self._path / "items").mkdir(exist_ok=True)  # its fan-out directories come on demand
 
-    def _item_path(self, e: _Entry | _Pending) -> str:
+    def _item_path(self, e: DiskEntry | _Pending) -> str:
         name = item_name(e.kind, e.key, e.parent, _length(e), e.cost)
-        return os.path.join(self._items_dir, f"{e.key >> (128 - _FANOUT_BITS):02x}", name)
+        return os.path.join(self._items_dir, f"{fan_of(e.key):02x}", name)
 
-    def _list_items(self) -> None:
-        """Index every item file by its name alone (no file is opened); foreign files go."""
+    def _list_items(self) -> list[DiskEntry]:
+        """Every item file, by its name alone (no file is opened); foreign files go."""
+        found: list[DiskEntry] = []
         for sub in os.scandir(self._items_dir):
             try:
                 fan = int(sub.name, 16) if len(sub.name) == 2 else -1
@@ -422,49 +326,30 @@ class DiskStore:
                 self._fan_dirs.add(fan)
             for entry in os.scandir(sub.path):
                 parsed = parse_item_name(entry.name)
-                if parsed is None or (parsed[1] >> (128 - _FANOUT_BITS)) != fan:
+                if parsed is None or fan_of(parsed[1]) != fan:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
                     continue
                 kind, key, parent, length, cost = parsed
-                e = _Entry(kind, key, parent, length, accounted_bytes(length), cost, 1)
-                self._index[(kind, key)] = e
-                self._used += e.size
-
-    def _load_frequencies(self) -> None:
-        """Frequencies and GDSF's L saved at the last close (an older or damaged file only
-        costs what it knew: items it does not name keep frequency 1)."""
-        try:
-            raw = (self._path / "index.bin").read_bytes()
-        except OSError:
-            return
-        if len(raw) < _INDEX_HEAD.size:
-            return
-        magic, fmt, count, inflate, checksum = _INDEX_HEAD.unpack_from(raw)
-        body = memoryview(raw)[_INDEX_HEAD.size :]
-        ok = magic == _INDEX_MAGIC and fmt == FORMAT_VERSION and len(body) == count * _INDEX_REC.size
-        if not ok or xxhash.xxh3_64_intdigest(body) != checksum:
-            return
-        self._inflate = inflate
-        index = self._index
-        for kind, key, freq in _INDEX_REC.iter_unpack(body):
-            e = index.get((ItemKind(kind), int.from_bytes(key, "little")))
-            if e is not None:
-                e.freq = freq
+                found.append(DiskEntry(kind, key, parent, length, accounted_bytes(length), cost))
+        return found
 
     def _load_index(self) -> None:
-        self._list_items()
-        self._load_frequencies()
-        for e in self._index.values():
-            if e.parent:
-                self._deps[e.parent] = self._deps.get(e.parent, 0) + 1
-        for e in self._index.values():
-            self._push(e)
-        victims, _ = self._make_room(0)  # the capacity may have shrunk since the last run
+        """Index what is on disk, with the frequencies and L saved at the last close (an
+        older or damaged ``index.bin`` only costs what it knew: items restart at frequency 1)."""
+        entries = self._list_items()
+        saved = None
+        with contextlib.suppress(OSError):
+            saved = decode_index((self._path / "index.bin").read_bytes())
+        inflation, freqs = saved if saved is not None else (0.0, {})
+        for e in entries:
+            e.freq = freqs.get((e.kind, e.key), e.freq)
+        self._index.load(entries, inflation)
+        victims, _ = self._index.make_room(0)  # the capacity may have shrunk since the last run
         self._counters["evicted_items"] += len(victims)
         self._unlink_victims(victims)
 
-    def _unlink_victims(self, victims: list[_Entry]) -> None:
+    def _unlink_victims(self, victims: list[DiskEntry]) -> None:
         """Remove evicted items' files (lock not held); until then ``put`` refuses their keys,
         so a new copy cannot be written under a name that is about to be unlinked."""
         for v in victims:
@@ -474,92 +359,15 @@ class DiskStore:
             with self._lock:
                 self._unlinking.difference_update((v.kind, v.key) for v in victims)
 
-    # ------------------------------------------------------------------ eviction (lock held)
-    def _exclusive_size(self, e: _Entry) -> int:
-        """A checkpoint's bytes plus the KV path only it keeps useful."""
-        total = e.size
-        k = e.parent
-        for _ in range(_MAX_CHAIN):
-            kv = self._index.get((ItemKind.KV, k)) if k else None
-            if kv is None or self._deps.get(k, 0) != 1:
-                break
-            total += kv.size
-            k = kv.parent
-        return total
-
-    def _priority(self, e: _Entry) -> float:
-        """GDSF: H = L + freq * cost / size; a KV block's value lives in its checkpoints."""
-        if e.kind == ItemKind.KV or e.cost <= 0:
-            return e.base
-        return e.base + e.freq * e.cost / self._exclusive_size(e)
-
-    def _is_leaf(self, e: _Entry) -> bool:
-        return e.kind == ItemKind.CHECKPOINT or self._deps.get(e.key, 0) == 0
-
-    def _push(self, e: _Entry) -> None:
-        """(Re)insert ``e`` in the heap if it is a leaf; older heap entries become stale."""
-        e.gen += 1
-        if not self._is_leaf(e):
-            return
-        e.base = self._inflate
-        e.h = self._priority(e)
-        self._seq += 1
-        heapq.heappush(self._heap, (e.h, self._seq, e.gen, int(e.kind), e.key))
-        if len(self._heap) > 2 * len(self._index) + 1024:
-            self._rebuild_heap()
-
-    def _rebuild_heap(self) -> None:
-        """Drop stale heap entries (reads re-push items, each leaving one behind)."""
-        live = []
-        for h, seq, gen, kind, key in self._heap:
-            e = self._index.get((ItemKind(kind), key))
-            if e is not None and e.gen == gen:
-                live.append((h, seq, gen, kind, key))
-        heapq.heapify(live)
-        self._heap = live
-
-    def _drop_dependent(self, parent: int) -> None:
-        """One dependent of ``parent`` is gone; the KV block there may now be a leaf."""
-        if not parent:
-            return
-        left = self._deps.get(parent, 0) - 1
-        if left > 0:
-            self._deps[parent] = left
-            return
-        self._deps.pop(parent, None)
-        kv = self._index.get((ItemKind.KV, parent))
-        if kv is not None:
-            self._push(kv)
-
-    def _remove(self, e: _Entry) -> None:
-        del self._index[(e.kind, e.key)]
-        self._used -= e.size
-        e.gen += 1
-        self._drop_dependent(e.parent)
-
-    def _pop_victim(self) -> _Entry | None:
-        while self._heap:
-            h, _, gen, kind, key = heapq.heappop(self._heap)
-            e = self._index.get((ItemKind(kind), key))
-            if e is None or e.gen != gen or not self._is_leaf(e):
-                continue
-            if e.kind == ItemKind.CHECKPOINT and e.cost > 0:
-                # lazily re-priced: a fork that appeared above it since it was pushed shortened
-                # its exclusive path, so its value per byte rose
-                now = e.base + e.freq * e.cost / self._exclusive_size(e)
-                if now > h:
-                    e.h = now
-                    self._seq += 1
-                    heapq.heappush(self._heap, (now, self._seq, e.gen, kind, key))
-                    continue
-            self._inflate = max(self._inflate, h)
-            return e
-        return None
-
     # ------------------------------------------------------------------ public API
     @property
     def path(self) -> Path:
         return self._path
+
+    @property
+    def _heap(self) -> list[tuple[float, int, int, DiskEntry]]:
+        """The index's lazy heap (its tests bound its size)."""
+        return self._index.heap
 
     def has(self, kind: ItemKind, key: int) -> bool:
         """Written and indexed (a later ``read`` may still miss if the file was damaged)."""
@@ -591,7 +399,7 @@ class DiskStore:
         """
         if not isinstance(kind, ItemKind):
             raise ValueError(f"kind must be an ItemKind, got {kind!r}")
-        if not (0 <= key < _KEY_LIMIT and 0 <= parent < _KEY_LIMIT):
+        if not (0 <= key < KEY_LIMIT and 0 <= parent < KEY_LIMIT):
             raise ValueError(f"key and parent must be 128-bit unsigned ints, got {key}, {parent}")
         if not (math.isfinite(cost) and cost >= 0):
             raise ValueError(f"cost must be finite and >= 0, got {cost}")
@@ -607,8 +415,7 @@ class DiskStore:
             self._queue.append(_Pending(kind, key, parent, data, float(cost)))
             self._queued.add(ident)
             self._queued_bytes += len(data)
-            if parent:
-                self._deps[parent] = self._deps.get(parent, 0) + 1
+            self._index.depend(parent)
             self._cond.notify_all()
         return True
 
@@ -631,7 +438,7 @@ class DiskStore:
         """The verified payload, or None (missing or damaged: counted and forgotten; or the
         store is closed)."""
         with self._lock:
-            e = None if self._closed else self._index.get((kind, key))
+            e = None if self._closed else self._index.get(kind, key)
         if e is None:
             return None
         path = self._item_path(e)
@@ -651,11 +458,11 @@ class DiskStore:
             and xxhash.xxh3_64_intdigest(payload) == head[5]
         )
         with self._lock:
-            current = self._index.get((kind, key)) is e
+            current = self._index.get(kind, key) is e
             if not ok:
                 if current:  # damaged; an item evicted meanwhile is just a miss
                     self._counters["damaged_items"] += 1
-                    self._remove(e)
+                    self._index.remove(e)
                     with contextlib.suppress(OSError):
                         os.unlink(path)
                     log.warning("disk_store.damaged_item", kind=e.kind.name, key=f"{key:032x}")
@@ -663,8 +470,7 @@ class DiskStore:
             self._counters["items_read"] += 1
             self._counters["bytes_read"] += e.length
             if current:
-                e.freq += 1
-                self._push(e)
+                self._index.touch(e)
         return payload
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -709,7 +515,7 @@ class DiskStore:
         with self._lock:
             out: dict[str, int | float] = {
                 "disk.items": len(self._index),
-                "disk.bytes": self._used,
+                "disk.bytes": self._index.used,
                 "disk.capacity_bytes": self._capacity,
                 "disk.queue_items": len(self._queue),
                 "disk.queue_bytes": self._queued_bytes,
@@ -722,7 +528,7 @@ class DiskStore:
             return {
                 "path": str(self._path),
                 "items": len(self._index),
-                "bytes": self._used,
+                "bytes": self._index.used,
                 "capacity": self._capacity,
                 "age_s": round(time.time() - self._created, 1),
                 "opened_in_ms": round(self._opened_in_ms, 1),
@@ -753,18 +559,12 @@ class DiskStore:
                     self._queued_bytes -= len(item.payload)
                     self._cond.notify_all()
 
-    def _make_room(self, size: int) -> tuple[list[_Entry], bool]:
+    def _make_room(self, size: int) -> tuple[list[DiskEntry], bool]:
         """Victims evicted (removed from the index) so ``size`` more bytes fit, and whether
         they do fit: an item whose dependent is still queued cannot go. Lock held."""
-        victims: list[_Entry] = []
-        while self._used + size > self._capacity:
-            v = self._pop_victim()
-            if v is None:
-                return victims, False
-            self._remove(v)
-            self._unlinking.add((v.kind, v.key))
-            victims.append(v)
-        return victims, True
+        victims, fits = self._index.make_room(size)
+        self._unlinking.update((v.kind, v.key) for v in victims)
+        return victims, fits
 
     def _write(self, item: _Pending) -> None:
         size = accounted_bytes(len(item.payload))
@@ -772,10 +572,10 @@ class DiskStore:
             victims, fits = self._make_room(size)
             self._counters["evicted_items"] += len(victims)
             if fits:
-                self._used += size  # reserved while the file is written
+                self._index.reserve(size)  # while the file is written
             else:
                 self._counters["queue_drops"] += 1
-                self._drop_dependent(item.parent)
+                self._index.undepend(item.parent)
         self._unlink_victims(victims)
         if not fits:
             return
@@ -783,7 +583,7 @@ class DiskStore:
         final = self._item_path(item)
         tmp = os.path.join(self._tmp_dir, os.path.basename(final))
         try:
-            fan = item.key >> (128 - _FANOUT_BITS)
+            fan = fan_of(item.key)
             if fan not in self._fan_dirs:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
                 self._fan_dirs.add(fan)
@@ -793,15 +593,14 @@ class DiskStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             with self._lock:
-                self._used -= size
+                self._index.release(size)
                 self._counters["write_errors"] += 1
-                self._drop_dependent(item.parent)
+                self._index.undepend(item.parent)
             self._log_write_error(e)
             return
         with self._lock:
-            e = _Entry(item.kind, item.key, item.parent, len(item.payload), size, item.cost, 1)
-            self._index[(item.kind, item.key)] = e
-            self._push(e)
+            self._index.release(size)
+            self._index.add(DiskEntry(item.kind, item.key, item.parent, len(item.payload), size, item.cost))
             self._counters["items_written"] += 1
             self._counters["bytes_written"] += len(item.payload)
 
@@ -824,11 +623,6 @@ class DiskStore:
 
     def _save_index(self) -> None:
         with self._lock:
-            entries = list(self._index.values())
-            inflate = self._inflate
-        body = b"".join(
-            _INDEX_REC.pack(int(e.kind), e.key.to_bytes(16, "little"), e.freq) for e in entries if e.freq > 1
-        )
-        count = len(body) // _INDEX_REC.size
-        head = _INDEX_HEAD.pack(_INDEX_MAGIC, FORMAT_VERSION, count, inflate, xxhash.xxh3_64_intdigest(body))
-        _fsync_replace(self._path / "index.bin", head + body)
+            freqs = [(e.kind, e.key, e.freq) for e in self._index.entries()]
+            inflation = self._index.inflation
+        _fsync_replace(self._path / "index.bin", encode_index(freqs, inflation))
