@@ -10,31 +10,26 @@ Items are byte payloads of two kinds (``ItemKind``: a KV block, a GDN checkpoint
   exception. A kill -9 at any moment leaves only complete items under their final names
   (each is written to ``tmp/`` and renamed into place); leftovers are removed at open.
 * ``capacity_bytes`` bounds the accounted bytes (payload + header rounded up to whole 4 KiB
-  filesystem blocks). Eviction is GreedyDual-Size-Frequency over *leaves* only: an item that
-  another stored or queued item depends on (its ``parent``) stays until its dependents go.
+  filesystem blocks). Eviction is ``cache/disk_index.py``'s GreedyDual-Size-Frequency over
+  *leaves* only: an item that another stored or queued item depends on (its ``parent``)
+  stays until its dependents go.
 * One process at a time: ``flock`` on ``<path>/lock``; a second opener gets ``DiskStoreLocked``.
 * A store is reused only if its manifest's ``StoreIdentity`` equals the caller's; otherwise
   its contents are moved to ``<path>/set-aside-<utc stamp>/`` and a warning names the fields
   that differ.
 
-Layout (one file per item; ``tools/bench_disk_store.py`` measures it against segment files
-and sqlite): ``manifest.json``; ``items/<first byte of key>/<kind>-<key>-<parent>-<length>-
-<cost>`` (hex; a file's name carries all the index needs, so an open lists the directories
-and opens no item); ``tmp/`` (writes in progress, emptied at open); ``index.bin``
-(frequencies and GDSF's L saved at close; without it, after a crash, items restart at
-frequency 1).
+Layout (``cache/disk_format.py``: the header, the names, ``index.bin``): ``manifest.json``;
+``items/<first byte of key>/<name>``, one file per item, its name all the index needs (an
+open lists the directories and opens no item); ``tmp/`` (writes in progress, emptied at
+open); ``index.bin`` (frequencies and GDSF's L saved at close; without it, after a crash,
+items restart at frequency 1).
 
-Why files and not segments: at steady state a cache store is full and evicts by value, not
-by age, so a segment layout must compact (copy live records) to reclaim space: modelled with
-greedy compaction (``bench_disk_store.py --amplification``) it copies 1.6 records per record
-written with 20 % of the disk left to dead records, 3.9 with 10 %. One file per item frees
-space with an unlink, uses the whole capacity and needs no compaction. Measured here,
-writing 10 GB of 0.8B-shaped items (one 19 MiB checkpoint per 32 384-KiB blocks): files
-with two writers 28.7 s, segments 33.0 s before any compaction (with one writer, files took
-80 s against 41 s: file creation waits, so two writers overlap it). Small items are this
-layout's weak spot (16 KiB: tens of MB/s against hundreds for segment appends), which only
-the built-in tiny model has. An open is a directory listing, ~18 us per item: 65 ms for the
-10 GB above (11 k files), about 12 s for 10 GB of 16 KiB items (655 k files).
+Why files and not segments (measured with ``tools/bench_disk_store.py``; docs/cache.md, "The
+disk tier"): a full cache evicts by value, not by age, so segments must compact to reclaim
+space (1.6 records copied per record written with 20 % of the disk dead, 3.9 with 10 %);
+a file is freed by an unlink, so the whole capacity is usable. Two writer threads overlap
+the file-creation waits (10 GB of 0.8B-shaped items: 28.7 s, segments 33.0 s). The weak
+spot is tiny items (16 KiB: tens of MB/s, an open of ~18 us per item).
 
 fsync policy: none per item. A crash of the process cannot tear a renamed file (its writes
 are in the page cache before the rename); a power loss can, and then the payload checksum
@@ -60,6 +55,7 @@ from types import TracebackType
 import msgspec
 import xxhash
 
+# ItemKind, StoreIdentity and the format helpers are imported from here too (re-exported)
 from deltaserve.cache.disk_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -78,23 +74,6 @@ from deltaserve.cache.disk_format import (
 )
 from deltaserve.cache.disk_index import DiskEntry, DiskIndex
 from deltaserve.logs import get_logger
-
-# the format's names callers import from here
-__all__ = [
-    "FORMAT_VERSION",
-    "HEADER_BYTES",
-    "WRITER_THREADS",
-    "DiskStore",
-    "DiskStoreError",
-    "DiskStoreLocked",
-    "ItemKind",
-    "StoreIdentity",
-    "accounted_bytes",
-    "decode_header",
-    "encode_header",
-    "item_name",
-    "parse_item_name",
-]
 
 log = get_logger("deltaserve.cache")
 
@@ -194,18 +173,8 @@ class DiskStore:
         self._unlinking: set[tuple[ItemKind, int]] = set()  # evicted, file not yet gone
         self._closed = False
         self._counters = dict.fromkeys(
-            (
-                "bytes_written",
-                "bytes_read",
-                "items_written",
-                "items_read",
-                "queue_drops",
-                "write_errors",
-                "damaged_items",
-                "evicted_items",
-            ),
-            0,
-        )
+            ("bytes_written", "bytes_read", "items_written", "items_read", "queue_drops",
+             "write_errors", "damaged_items", "evicted_items"), 0)  # fmt: skip
         self._error_log_at: dict[str, float] = {}
         try:
             self._path.mkdir(parents=True, exist_ok=True)
