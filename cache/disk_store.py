@@ -333,11 +333,6 @@ class DiskStore:
     def path(self) -> Path:
         return self._path
 
-    @property
-    def _heap(self) -> list[tuple[float, int, int, DiskEntry]]:
-        """The index's lazy heap (its tests bound its size)."""
-        return self._index.heap
-
     def has(self, kind: ItemKind, key: int) -> bool:
         """Written and indexed (a later ``read`` may still miss if the file was damaged)."""
         with self._lock:

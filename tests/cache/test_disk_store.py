@@ -501,7 +501,7 @@ def test_heap_stays_bounded_under_reads(tmp_path: Path) -> None:
             for k in range(1, 11):
                 assert s.read(CP, k) == payload_for(k, 100)
         # every read re-prices its item and leaves a stale heap entry; they are swept
-        assert len(s._heap) <= 2 * 10 + 1024
+        assert len(s._index.heap) <= 2 * 10 + 1024
         assert s.stats()["disk.items_read"] == 5000
 
 
