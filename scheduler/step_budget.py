@@ -9,7 +9,7 @@ no stream an inter-token gap), and a step with decodes always gets at least ``mi
 of prefill, so a waiting prompt is never starved.
 
 Until the model has seen steps with prefill and steps with decodes, or while it predicts no
-positive cost per prefill token, the budget is the full one (as if unbounded): a model that
+positive cost per prefill token or no positive decode time, the budget is the full one (as if unbounded): a model that
 knows nothing does not throttle. Torch-free; one ``observe`` and one ``prefill_budget`` per
 step, a few microseconds each.
 """
@@ -141,9 +141,10 @@ class StepBudget:
             return full
         model = self.model
         per_token = model.coefficients[1]
-        if not model.ready or per_token <= 0:
-            return full
-        spare = self.target_s(decodes) - model.predict(0, decodes)
+        decode_s = model.predict(0, decodes)
+        if not model.ready or per_token <= 0 or decode_s <= 0:
+            return full  # (a fit that predicts no time cannot be planned with)
+        spare = self.target_s(decodes) - decode_s
         fits = int(spare / per_token) if spare > 0 else 0
         budget = min(full, max(self.min_tokens, fits))
         self.last_budget = budget

@@ -131,6 +131,12 @@ def test_untrained_or_degenerate_model_leaves_the_budget_full() -> None:
         free.observe(64 * (i % 3), 1 + i % 4, machine(0, 1 + i % 4))
     assert free.ready and abs(free.coefficients[1]) < 1e-3 * B
     assert StepBudget(min_tokens=64, model=free).prefill_budget(4, 2048) == 2048
+    # a fit whose decode slope is negative (decode counts it never saw vary) predicts nothing
+    # sensible far from its data: a step with many decodes is not planned with it
+    odd = fitted(c=-0.001)
+    assert odd.predict(0, 200) < 0
+    assert StepBudget(min_tokens=64, model=odd).prefill_budget(200, 2048) == 2048
+    assert StepBudget(min_tokens=64, model=odd).prefill_budget(4, 2048) in (95, 96)  # (100 - 4) ms
 
 
 # ---------------------------------------------------------------------- in the scheduler
