@@ -339,8 +339,32 @@ class SchedulerConfig(_Section):
     max_waiting: Annotated[
         int, _doc("Most waiting requests; beyond, generate raises EngineOverloadedError.", ge=1)
     ] = 4096
+    decode_step_factor: Annotated[
+        float,
+        _doc(
+            "A step that carries decodes takes at most this many times the measured decode-only step "
+            "time: its prefill gets what fits in the rest (at least one checkpoint unit). Bounds the "
+            "inter-token latency while long prompts prefill; 0 = off (the full token budget). "
+            'See docs/architecture.md, "Inter-token latency under prefill".',
+            ge=0.0,
+            le=1000.0,
+        ),
+    ] = 4.0
+    max_decode_step_ms: Annotated[
+        float,
+        _doc(
+            ">0: a fixed target time (ms) of a step that carries decodes, instead of decode_step_factor.",
+            ge=0.0,
+        ),
+    ] = 0.0
 
     def check(self) -> None:
+        if 0.0 < self.decode_step_factor <= 1.0:
+            raise _bad(
+                "scheduler.decode_step_factor",
+                self.decode_step_factor,
+                "must be > 1 (a step with decodes takes the decodes' time and some prefill), or 0 = off",
+            )
         try:
             resolve_policy_class(self.policy)
         except (ValueError, ImportError, AttributeError, TypeError) as e:

@@ -243,10 +243,12 @@ class EngineCore:
         if not out.seqs:  # a step of copies only
             self.scheduler.update(out, [])
             return outputs
+        started = time.perf_counter()
         try:
             sampled = self.runner.execute(out, self.states)
         except Exception as e:  # one failed step ends only its own requests
             return outputs + self._step_failed(out, e)
+        self.scheduler.observe_step(out, time.perf_counter() - started)  # the step-time model
         try:
             self.scheduler.update(out, sampled)
         except Exception as e:

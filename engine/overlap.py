@@ -30,6 +30,7 @@ commit lands them (``Scheduler.land``) first. Design notes: docs/architecture.md
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -78,6 +79,9 @@ class Overlap:
         self.deferred: dict[Request, tuple[str, bool]] = {}  # request -> (reason, publish_output)
         self._worker: ThreadPoolExecutor | None = None  # started on first use, stopped by close()
         self._worker_broken = False  # a step failed on the worker: it refuses the next until reset
+        # step -> (start, end) of its launch on the worker, read once its future is done
+        self._launch_times: dict[int, tuple[float, float]] = {}
+        self._last_ready = 0.0  # when the last step's tokens were ready (perf_counter)
 
     # ------------------------------------------------------------------ ending requests
     def defer(self, req: Request, reason: str, publish_output: bool) -> bool:
@@ -200,7 +204,12 @@ class Overlap:
             # (host copies report failures; a device block move that raises stops the engine:
             # the cache already addresses its destination)
             transfers.set_result(self.core.runner.transfer(out))
-            return self.core.runner.launch(prep) if prep is not None else None
+            if prep is None:
+                return None
+            started = time.perf_counter()
+            result = self.core.runner.launch(prep)
+            self._launch_times[out.step] = (started, time.perf_counter())
+            return result
         except BaseException as e:
             if not transfers.done():
                 transfers.set_exception(e)
@@ -219,6 +228,7 @@ class Overlap:
             return
         if flight.prep is None or result is None:
             return  # host-tier copies only
+        self._observe(flight.out, result)
         core, seqs, deferred = self.core, flight.out.seqs, self.deferred
         finished = RequestStatus.FINISHED
         logprobs = result.logprobs
@@ -238,6 +248,19 @@ class Overlap:
                 outputs.append(core._process_token(req, token))
             except Exception as e:  # detokenizer / stop check of one request: that request ends
                 outputs.append(core._output_failed(req, e))
+
+    def _observe(self, out: SchedulerOutput, result: StepResult) -> None:
+        """Report the step's time to the scheduler's step-time model. On the CPU the launch is
+        the forward; on a device it only queues kernels, so the step ends when its tokens are
+        ready (seen here, after ``token_list``) and starts when it was queued or when the step
+        before it ended, whichever is later."""
+        times = self._launch_times.pop(out.step, None)
+        if times is None:
+            return
+        started, launched = times
+        ended = launched if result.tokens.device.type == "cpu" else time.perf_counter()
+        self.core.scheduler.observe_step(out, max(ended - max(started, self._last_ready), 0.0))
+        self._last_ready = ended
 
     def _recover(self, flight: InFlight, error: Exception) -> list[RequestOutput]:
         """Step N failed on the worker after its plan was committed. It ends N's requests and
@@ -261,6 +284,7 @@ class Overlap:
         self.apply_deferred()
         self._discard_written(flight)
         self._worker_broken = False
+        self._launch_times.clear()  # (no step is in flight now: their times are nobody's)
         return outputs
 
     def _discard_written(self, flight: InFlight) -> None:

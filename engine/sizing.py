@@ -42,6 +42,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import ConfigError
 from deltaserve.scheduler.policy import make_policy
 from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.scheduler.step_budget import StepBudget
 
 MiB = 1024**2
 DEFAULT_CPU_MEMORY_BYTES = 1024**3
@@ -417,4 +418,14 @@ def build_scheduler(
         max_num_partial_prefills=sc.max_num_partial_prefills,
         enable_chunked_prefill=sc.enable_chunked_prefill,
         long_prefill_token_threshold=sc.long_prefill_token_threshold,
+        step_budget=_step_budget(config, cache.unit),
     )
+
+
+def _step_budget(config: EngineConfig, unit: int) -> StepBudget | None:
+    """The bound on a decode step's prefill (``scheduler.decode_step_factor`` /
+    ``max_decode_step_ms``); None when both are 0 (off)."""
+    sc = config.scheduler
+    if sc.max_decode_step_ms <= 0 and sc.decode_step_factor <= 0:
+        return None
+    return StepBudget(min_tokens=unit, factor=sc.decode_step_factor, target_ms=sc.max_decode_step_ms)

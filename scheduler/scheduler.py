@@ -8,6 +8,11 @@ Per step (``schedule``):
    sequence cap (``max_num_seqs``), the partial-prefill cap, live state slots and KV
    blocks allow. Admission finds the joint prefix hit (``CacheManager.admit``).
 
+A step that carries decodes takes only the prefill that fits in its target time
+(``scheduler/step_budget.py``, learned from the step times the engine reports through
+``observe_step``), at least one checkpoint unit: streams keep moving while a long prompt
+prefills. A step without decodes keeps the full budget.
+
 Every prefill chunk except a prompt's last ends on a checkpoint-unit boundary, so chunks
 line up with GDN chunks and checkpoint captures cost no extra compute. When KV blocks run
 out for a running request, the policy picks a victim among running requests not yet
@@ -54,6 +59,7 @@ from deltaserve.cache.types import PrefixMatch, SeqCache, StepItem, StepPlan, Tr
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.request import Request, RequestStatus, is_placeholder
+from deltaserve.scheduler.step_budget import StepBudget
 
 log = get_logger("deltaserve.scheduler")
 
@@ -119,6 +125,7 @@ class Scheduler:
         max_num_partial_prefills: int = 4,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        step_budget: StepBudget | None = None,
     ) -> None:
         self.cache = cache
         self.policy = policy
@@ -127,6 +134,8 @@ class Scheduler:
         self.max_num_partial_prefills = max_num_partial_prefills
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # None: a step with decodes takes the full token budget of prefill
+        self.step_budget = step_budget
         self.unit = cache.unit
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -310,6 +319,10 @@ class Scheduler:
             raise RuntimeError("schedule() while a step is in flight")
         step = _StepBuild(self._ctx(), self.max_num_batched_tokens)
         rest = self._schedule_decodes(step)
+        if step.decodes and self.step_budget is not None:
+            # bounded inter-token latency: the prefill of a step with decodes is what fits
+            # in the target step time (scheduler/step_budget.py)
+            step.budget = min(step.budget, self.step_budget.prefill_budget(len(step.decodes), step.budget))
         self._schedule_prefills(rest, step)
         if self.waiting and step.budget > 0:
             self._admit_waiting(step)
@@ -454,7 +467,7 @@ class Scheduler:
         out = SchedulerOutput(seqs=seqs, plan=plan, preempted=step.preempted, step=self.step_count)
         # (cached properties: known here without counting)
         out.num_decodes = len(decodes)
-        out.num_tokens = self.max_num_batched_tokens - step.budget
+        out.num_tokens = len(decodes) + sum(s.num_tokens for s in step.prefills)
         self._inflight = out
         self.step_count += 1
         return out
@@ -501,6 +514,12 @@ class Scheduler:
         for s, token in zip(out.seqs, sampled, strict=True):
             if token is not None:
                 s.request.append_token(token)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """``out``'s forward took ``seconds`` (measured by the engine): the step-time model
+        learns from it."""
+        if self.step_budget is not None:
+            self.step_budget.observe(out.num_tokens - out.num_decodes, out.num_decodes, seconds)
 
     def fail_step(self, out: SchedulerOutput) -> list[Request]:
         """The step raised: release its reservations and end its requests (returned)."""
@@ -552,6 +571,8 @@ class Scheduler:
             "scheduler.policy_errors": self.policy_errors,
         }
         out.update({f"scheduler.policy.{k}": v for k, v in policy_stats.items()})
+        if self.step_budget is not None:
+            out.update(self.step_budget.stats())
         return out
 
     def check_integrity(self) -> None:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from deltaserve.tools.metrics import prometheus_stats
 from deltaserve.tools.workloads import RequestSpec
 
 
@@ -100,7 +101,8 @@ class OpenAIBackend:
     arrival times; prompt and cached tokens from the final ``usage``
     (``prompt_tokens_details.cached_tokens``). A server that does not return token ids gets its
     text re-encoded with the workload's tokenizer (token counts then approximate). Engine
-    counters are read from ``/metrics`` when it exposes ``deltaserve:`` (or ``vllm:``) ones.
+    counters are read from ``/metrics`` when it exposes ``deltaserve:``, ``vllm:`` or
+    ``llamacpp:`` ones (``metrics.prometheus_stats``).
     """
 
     kind = "openai"
@@ -198,33 +200,13 @@ class OpenAIBackend:
         yield Delta([], finished=True, finish_reason=reason or "length", num_prompt_tokens=n_prompt)
 
     async def _scrape(self) -> dict[str, Any]:
-        """Engine counters from ``/metrics`` under the stats names the summary uses ({} if none)."""
+        """Engine counters from ``/metrics`` under the stats names the summary uses ({} if none):
+        deltaserve's, vLLM's or llama.cpp's (``metrics.prometheus_stats``)."""
         try:
             resp = await self._client.get("/metrics")
-            if resp.status_code != 200:
-                return {}
-            from prometheus_client.parser import text_string_to_metric_families
-
-            values: dict[str, float] = {}
-            for fam in text_string_to_metric_families(resp.text):
-                for sample in fam.samples:
-                    # every series is per model_name (ours and vLLM's): summed over the models
-                    labels = sorted((k, v) for k, v in sample.labels.items() if k != "model_name")
-                    label = ",".join(f"{k}={v}" for k, v in labels)
-                    key = sample.name + (f"{{{label}}}" if label else "")
-                    values[key] = values.get(key, 0.0) + sample.value
-        except Exception:  # no metrics endpoint, or not Prometheus text
+        except Exception:  # no metrics endpoint (or the server went away)
             return {}
-        out: dict[str, Any] = {}
-        for key, names in _METRIC_STATS.items():
-            for name in names:
-                if name in values:
-                    out[key] = values[name]
-                    break
-        if "prefix_cache.query_tokens" in out and "prefix_cache.hit_tokens" in out:
-            q = out["prefix_cache.query_tokens"]
-            out["prefix_cache.hit_rate"] = out["prefix_cache.hit_tokens"] / q if q else 0.0
-        return out
+        return prometheus_stats(resp.text) if resp.status_code == 200 else {}
 
     def stats(self) -> dict[str, Any]:
         return dict(self._last_stats)
@@ -240,19 +222,6 @@ async def _error_message(resp: Any) -> str:
         return str(json.loads(text)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return text[:500]
-
-
-_METRIC_STATS = {
-    "prefix_cache.query_tokens": ("deltaserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
-    "prefix_cache.hit_tokens": ("deltaserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
-    "scheduler.preemptions": ("deltaserve:num_preemptions_total", "vllm:num_preemptions_total"),
-    "tokens.computed": ("deltaserve:computed_tokens_total",),
-    "checkpoints.stored": ("deltaserve:checkpoints_stored_total",),
-    "checkpoints.evicted": ("deltaserve:checkpoints_evicted_total",),
-    "checkpoints.skipped_budget": ("deltaserve:checkpoints_skipped_total{reason=budget}",),
-    "checkpoints.skipped_pool": ("deltaserve:checkpoints_skipped_total{reason=pool}",),
-    "kv.usage": ("deltaserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
-}
 
 
 class HFBackend:

@@ -18,7 +18,8 @@ Columns: the engine (or one per ``--compare`` entry: a config file, ``base`` for
 a fresh engine each, the identical workload), then ``--backend openai``: the same
 requests over HTTP to any OpenAI-compatible server (``deltaserve serve``, vLLM, SGLang;
 token-id prompts on ``/v1/completions``, TTFT/ITL from SSE arrival times, cached tokens from
-``usage``), then ``--baseline hf``: the same requests
+``usage``, the engine hit rate from ``/metrics``: deltaserve's, vLLM's or llama-server's
+counters), then ``--baseline hf``: the same requests
 through transformers ``generate``, greedy, one at a time (an application without a
 serving engine). Ratios are against the first column. Everything goes to ``--json``;
 ``--plot`` draws latency distributions and hit rate per turn.

@@ -136,7 +136,70 @@ COUNTER_PREFIXES = (
 GAUGES = {
     "scheduler.running", "scheduler.waiting", "scheduler.oldest_waiting_s", "prefix_cache.hit_rate",
     "checkpoints.slots", "checkpoints.used_slots", "checkpoints.attached", "checkpoints.bytes_used",
+    "scheduler.step_model.base_ms", "scheduler.step_model.prefill_us_per_token",
+    "scheduler.decode_step_prefill_budget",
 }  # fmt: skip
+
+
+#: engine stats read from a server's Prometheus ``/metrics`` text: per stat, alternatives tried
+#: in order (deltaserve, vLLM, llama.cpp); an alternative is a sum of series and applies only
+#: when every one is present. A series is ``name`` or ``name{label=value,...}``; its value sums
+#: every sample of that name whose labels include those given, so vLLM's ``engine`` and
+#: ``model_name`` labels (one series per engine core and model) are summed over.
+#: llama.cpp's ``prompt_tokens_total`` counts prompt tokens computed, excluding those from its
+#: cache (``prompt_tokens_cached_total``): the two add up to the tokens looked up.
+PROMETHEUS_STATS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "prefix_cache.query_tokens": (
+        ("deltaserve:prefix_cache_queries_total",),
+        ("vllm:prefix_cache_queries_total",),
+        ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total"),
+    ),
+    "prefix_cache.hit_tokens": (
+        ("deltaserve:prefix_cache_hits_total",),
+        ("vllm:prefix_cache_hits_total",),
+        ("llamacpp:prompt_tokens_cached_total",),
+    ),
+    "scheduler.preemptions": (("deltaserve:num_preemptions_total",), ("vllm:num_preemptions_total",)),
+    "tokens.computed": (("deltaserve:computed_tokens_total",),),
+    "checkpoints.stored": (("deltaserve:checkpoints_stored_total",),),
+    "checkpoints.evicted": (("deltaserve:checkpoints_evicted_total",),),
+    "checkpoints.skipped_budget": (("deltaserve:checkpoints_skipped_total{reason=budget}",),),
+    "checkpoints.skipped_pool": (("deltaserve:checkpoints_skipped_total{reason=pool}",),),
+    "kv.usage": (("deltaserve:kv_cache_usage_perc",), ("vllm:kv_cache_usage_perc",)),
+}
+
+
+def prometheus_stats(text: str) -> dict[str, float]:
+    """Engine stats (``PROMETHEUS_STATS`` names) from Prometheus exposition text, with
+    ``prefix_cache.hit_rate`` when both token counters are there; {} for text that does not
+    parse (prometheus_client's parser raises ``ValueError`` on it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: list[tuple[str, dict[str, str], float]] = []
+    try:
+        for fam in text_string_to_metric_families(text):
+            samples += [(s.name, dict(s.labels), float(s.value)) for s in fam.samples]
+    except ValueError:
+        return {}
+    out: dict[str, float] = {}
+    for key, alternatives in PROMETHEUS_STATS.items():
+        for series in alternatives:
+            values = [_series_sum(samples, spec) for spec in series]
+            if all(v is not None for v in values):
+                out[key] = math.fsum(v for v in values if v is not None)
+                break
+    if "prefix_cache.query_tokens" in out and "prefix_cache.hit_tokens" in out:
+        q = out["prefix_cache.query_tokens"]
+        out["prefix_cache.hit_rate"] = out["prefix_cache.hit_tokens"] / q if q else 0.0
+    return out
+
+
+def _series_sum(samples: Sequence[tuple[str, dict[str, str], float]], spec: str) -> float | None:
+    """The sum of the samples ``spec`` (``name`` or ``name{k=v,...}``) selects; None if none."""
+    name, _, rest = spec.partition("{")
+    wanted = dict(item.split("=", 1) for item in rest.rstrip("}").split(",") if item)
+    picked = [v for n, labels, v in samples if n == name and wanted.items() <= labels.items()]
+    return math.fsum(picked) if picked else None
 
 
 def stats_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:

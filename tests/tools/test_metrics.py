@@ -16,6 +16,7 @@ from deltaserve.tools.metrics import (
     itls,
     lookup,
     percentile,
+    prometheus_stats,
     stats_delta,
     summarize,
     tpot,
@@ -142,3 +143,102 @@ def test_table(timeline: list[RequestRecord]) -> None:
 def test_record_roundtrip(timeline: list[RequestRecord]) -> None:
     d = timeline[0].to_dict()
     assert RequestRecord.from_dict(d) == timeline[0]
+
+
+# ---------------------------------------------------------------------------- peers' /metrics
+# Exposition text in each server's format (names, labels and HELP as each one writes them).
+VLLM_METRICS = """\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="/models/q08"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="/models/q08"} 600.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="/models/q08"} 1.7640e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="/models/q08"} 576.0
+vllm:prefix_cache_hits_total{engine="1",model_name="/models/q08"} 224.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="/models/q08"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="/models/q08"} 0.25
+"""
+
+LLAMACPP_METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1200
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens served from the cache.
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 800
+# HELP llamacpp:prompt_seconds_total Prompt process time
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 12.5
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 96
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 4
+"""
+
+DELTASERVE_METRICS = """\
+# HELP deltaserve:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
+# TYPE deltaserve:prefix_cache_queries_total counter
+deltaserve:prefix_cache_queries_total{model_name="q08"} 640.0
+# HELP deltaserve:prefix_cache_hits_total Prompt tokens served from the prefix cache.
+# TYPE deltaserve:prefix_cache_hits_total counter
+deltaserve:prefix_cache_hits_total{model_name="q08"} 448.0
+# HELP deltaserve:prefix_cache_hits_by_tier_total Prompt tokens served, by tier.
+# TYPE deltaserve:prefix_cache_hits_by_tier_total counter
+deltaserve:prefix_cache_hits_by_tier_total{model_name="q08",tier="device"} 448.0
+# HELP deltaserve:checkpoints_skipped_total Checkpoint captures skipped.
+# TYPE deltaserve:checkpoints_skipped_total counter
+deltaserve:checkpoints_skipped_total{model_name="q08",reason="budget"} 3.0
+deltaserve:checkpoints_skipped_total{model_name="q08",reason="pool"} 1.0
+deltaserve:checkpoints_skipped_total{model_name="q08",reason="value"} 5.0
+"""
+
+
+def test_prometheus_stats_of_vllm_sum_over_engine_and_model_labels() -> None:
+    stats = prometheus_stats(VLLM_METRICS)
+    assert stats == {
+        "prefix_cache.query_tokens": 1600.0,
+        "prefix_cache.hit_tokens": 800.0,
+        "prefix_cache.hit_rate": 0.5,
+        "scheduler.preemptions": 2.0,
+        "kv.usage": 0.25,
+    }
+
+
+def test_prometheus_stats_of_llamacpp_count_cached_and_computed_prompt_tokens() -> None:
+    stats = prometheus_stats(LLAMACPP_METRICS)
+    assert stats == {
+        "prefix_cache.query_tokens": 2000.0,  # 1200 computed + 800 from the cache
+        "prefix_cache.hit_tokens": 800.0,
+        "prefix_cache.hit_rate": 0.4,
+    }
+    # a llama.cpp without the cached-token counter: its prompt counter alone says nothing of hits
+    older = "\n".join(line for line in LLAMACPP_METRICS.splitlines() if "cached" not in line)
+    assert prometheus_stats(older) == {}
+    # the run's share: counters after minus before, the hit rate from those
+    before = prometheus_stats(LLAMACPP_METRICS.replace(" 1200", " 200").replace(" 800", " 0"))
+    delta = stats_delta(before, stats)
+    assert delta["prefix_cache.query_tokens"] == 1800.0 and delta["prefix_cache.hit_tokens"] == 800.0
+    assert delta["prefix_cache.hit_rate"] == pytest.approx(800 / 1800)
+    assert summarize([], delta)["engine_hit_rate"] == pytest.approx(800 / 1800)
+
+
+def test_prometheus_stats_of_deltaserve_select_labels() -> None:
+    stats = prometheus_stats(DELTASERVE_METRICS)
+    assert stats["prefix_cache.hit_rate"] == pytest.approx(0.7)
+    assert stats["checkpoints.skipped_budget"] == 3.0 and stats["checkpoints.skipped_pool"] == 1.0
+    assert "checkpoints.stored" not in stats  # not exported: absent, not zero
+
+
+@pytest.mark.parametrize("text", ["", "<html><body>404 not found</body></html>", "just some words\n"])
+def test_prometheus_stats_of_other_text_is_empty(text: str) -> None:
+    assert prometheus_stats(text) == {}
