@@ -256,7 +256,7 @@ class CoreLoop:
         for ident, front in list(self.fronts.items()):
             if pid_alive(front.pid):
                 continue
-            log.warning("core_proc.front_end_died", pid=front.pid, open_requests=len(front.requests))
+            log.warning("core_proc.front_end_gone", pid=front.pid, open_requests=len(front.requests))
             del self.fronts[ident]
             for rid in front.requests:
                 self.owner_of.pop(rid, None)
