@@ -37,6 +37,7 @@ from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,
     FrontMessage,
+    GetStats,
     Hello,
     Ready,
     Shutdown,
@@ -214,6 +215,8 @@ class CoreLoop:
             ready = Ready(info, list(ip.salt_parts), ip.max_token_chars, os.getpid(), self._stats())
             self.sock.send_multipart([ident, self.enc.encode(ready)])
             log.info("core_proc.front_end", pid=msg.pid, owner=msg.owner, front_ends=len(self.fronts))
+        elif isinstance(msg, GetStats):
+            self.sock.send_multipart([ident, self.enc.encode(StepOutputs([], self._stats()))])
         elif isinstance(msg, Shutdown):
             log.info("core_proc.shutdown", front_ends=len(self.fronts))
             self.stop = True

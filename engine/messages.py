@@ -2,7 +2,7 @@
 
 msgspec structs, msgpack-encoded, one ZeroMQ frame each (``engine/core_proc.py``). A front end
 sends ``Hello`` first (its pid: the core aborts its requests if it dies), then ``AddRequest`` /
-``AbortRequests``, and ``Shutdown`` when it owns the core. The core answers ``Hello`` with
+``AbortRequests`` / ``GetStats``, and ``Shutdown`` when it owns the core. The core answers ``Hello`` with
 ``Ready`` (or ``StartFailed``), and sends one ``StepOutputs`` per step and front end: token ids
 only, never text (the front end detokenizes and applies stop strings), plus the engine's stats
 every ``STATS_INTERVAL_S`` and whenever it goes idle.
@@ -50,11 +50,15 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+class GetStats(msgspec.Struct, tag="get_stats", array_like=True):
+    """Send this front end the engine's stats now (a ``StepOutputs`` without deltas)."""
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """The owning front end is done: abort what is left, close the engine, exit 0."""
 
 
-FrontMessage = Hello | AddRequest | AbortRequests | Shutdown
+FrontMessage = Hello | AddRequest | AbortRequests | GetStats | Shutdown
 
 
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):

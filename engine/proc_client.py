@@ -39,6 +39,7 @@ from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreMessage,
+    GetStats,
     Hello,
     Ready,
     Shutdown,
@@ -88,6 +89,7 @@ class EngineProcClient(EngineClient[ProcStream]):
         self._routes: dict[str, tuple[ProcStream, Completion]] = {}  # core id -> its stream
         self._by_id: dict[str, ProcStream] = {}  # the request id given to the user -> its stream
         self._stats: dict[str, Any] = {}
+        self._stats_waiters: list[tuple[float, asyncio.Future[dict[str, Any]]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._dead: str | None = None
@@ -225,6 +227,14 @@ class EngineProcClient(EngineClient[ProcStream]):
         goes idle); ``core.pid`` and ``core.cpu_s`` (its process CPU time) among them."""
         return dict(self._stats)
 
+    async def fetch_stats(self) -> dict[str, Any]:
+        """The core's stats taken now (after everything this front end sent before the call)."""
+        self._check_alive()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append((time.time(), fut))
+        self._send(GetStats())
+        return await fut
+
     # ------------------------------------------------------------------ API
     def submit(self, inp: RequestInput) -> ProcStream:
         """Validate and tokenize here (typed errors at the call); the request runs in the core."""
@@ -320,10 +330,24 @@ class EngineProcClient(EngineClient[ProcStream]):
                 continue
             if msg.stats is not None:
                 self._stats = msg.stats
+                if self._stats_waiters:
+                    self._answer_stats(msg.stats)
             for d in msg.deltas:
                 route = routes.get(d.request_id)
                 if route is not None:
                     route[0].on_delta(route[1], d)
+
+    def _answer_stats(self, stats: dict[str, Any]) -> None:
+        taken = float(stats.get("time", 0.0))
+        waiting = []
+        for asked, fut in self._stats_waiters:
+            if fut.done():
+                continue
+            if taken >= asked:
+                fut.set_result(dict(stats))
+            else:
+                waiting.append((asked, fut))
+        self._stats_waiters = waiting
 
     async def _watch(self) -> None:
         """Poll the core's liveness; its death ends every open stream with an error."""
@@ -347,6 +371,10 @@ class EngineProcClient(EngineClient[ProcStream]):
             stream.end_all("error", message)
         self._by_id.clear()
         self._routes.clear()
+        for _, fut in self._stats_waiters:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(message))
+        self._stats_waiters = []
         for callback in self.on_core_death:
             try:
                 callback(message)
