@@ -182,7 +182,8 @@ class EngineProcClient(EngineClient[ProcStream]):
             with contextlib.suppress(BaseException):
                 await t
         if self._sock is not None:
-            self._sock.close(linger=0)
+            # a live core gets the aborts queued above; nothing waits on a dead one
+            self._sock.close(linger=0 if self._dead is not None else 1000)
             self._ctx.term()
             self._sock = None
 
@@ -322,7 +323,17 @@ class EngineProcClient(EngineClient[ProcStream]):
         self._abort_in_core(ids)
 
     async def _read(self) -> None:
-        """Route the core's step outputs to their streams."""
+        """Route the core's step outputs to their streams; a reader that fails is as bad as a dead
+        core for this front end (no output would reach a stream again)."""
+        try:
+            await self._route_outputs()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to every open stream
+            log.exception("engine_proc.read_failed")
+            self._die(f"reading the engine core's outputs failed: {type(e).__name__}: {e}")
+
+    async def _route_outputs(self) -> None:
         sock, dec, routes = self._sock, self._dec, self._routes
         while True:
             msg = dec.decode(await sock.recv())
