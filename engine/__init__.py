@@ -1,7 +1,7 @@
 """deltaserve public API: ``AsyncEngine``, ``EngineConfig``, ``SamplingParams``, ``RequestOutput``.
 
-The front-end seam (``engine/client.py``): ``EngineClient`` (what ``AsyncEngine`` and the
-cluster's ``RemoteEngine`` implement), ``RequestInput``, ``ModelInfo``; ``InputProcessor``
+The front-end seam (``engine/client.py``): ``EngineClient`` (what ``AsyncEngine``,
+``EngineProcClient`` (the core in its own process) and the cluster's ``RemoteEngine`` implement), ``RequestInput``, ``ModelInfo``; ``InputProcessor``
 validates and tokenizes. Torch-heavy names (``AsyncEngine``, ``EngineCore``) load on first
 use, so torch-free tools (the cache simulator) can import ``engine.config``, ``engine.cli``
 and friends cheaply.
@@ -30,11 +30,13 @@ if TYPE_CHECKING:
     from deltaserve.engine.async_engine import AsyncEngine, install_uvloop
     from deltaserve.engine.core import EngineCore
     from deltaserve.engine.input_processor import InputProcessor
+    from deltaserve.engine.proc_client import EngineProcClient
 
 _LAZY = {
     "AsyncEngine": "deltaserve.engine.async_engine",
     "install_uvloop": "deltaserve.engine.async_engine",
     "EngineCore": "deltaserve.engine.core",
+    "EngineProcClient": "deltaserve.engine.proc_client",
     "InputProcessor": "deltaserve.engine.input_processor",
 }
 
@@ -56,6 +58,7 @@ __all__ = [
     "EngineCore",
     "EngineDeadError",
     "EngineOverloadedError",
+    "EngineProcClient",
     "InputProcessor",
     "InvalidRequestError",
     "ModelInfo",

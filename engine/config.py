@@ -56,6 +56,13 @@ class KernelBackend(str, enum.Enum):
     TRITON = "triton"
 
 
+class CoreProcess(str, enum.Enum):
+    """Where ``deltaserve serve`` runs the engine core (``engine.core_process``)."""
+
+    IN_PROCESS = "in_process"  # AsyncEngine: the step thread shares the server's process (and GIL)
+    SEPARATE = "separate"  # EngineProcClient: the core in a process of its own (engine/core_proc.py)
+
+
 class LogLevel(str, enum.Enum):
     """Level of the ``deltaserve`` logger (stdlib ``logging`` levels)."""
 
@@ -398,6 +405,16 @@ class EngineLoopConfig(_Section):
             "the device). Same outputs as off; pays on a GPU, may not on a CPU. See docs/architecture.md."
         ),
     ] = False
+    core_process: Annotated[
+        CoreProcess,
+        _doc(
+            "Where `deltaserve serve` runs the engine core: in_process (AsyncEngine, the step thread beside "
+            "the HTTP front end) | separate (its own process: scheduler, cache, model and sampling there; "
+            "tokenizing, detokenizing, stop strings and HTTP in the server's; docs/server.md). "
+            "`--engine-process` sets separate. An application picks by constructing AsyncEngine or "
+            "EngineProcClient."
+        ),
+    ] = CoreProcess.IN_PROCESS
 
 
 class LoggingConfig(_Section):

@@ -36,7 +36,7 @@ from deltaserve.engine.builder import (
 )
 from deltaserve.engine.client import RequestInput
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.host_pool import Failure
@@ -74,8 +74,17 @@ class EngineCore:
     and allocates the cache tensors. ``capacity`` tells what was built.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+        detokenize: bool = True,
+    ) -> None:
         self.config = config = config or EngineConfig()
+        # False in the core process: outputs carry token ids only, and stop strings are the
+        # front end's to apply (engine/core_proc.py)
+        self.detokenize = detokenize
         set_level(config.logging.level.value)
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -170,7 +179,11 @@ class EngineCore:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         return RequestState(
-            detokenizer=IncrementalDetokenizer(self.detok_tokenizer, params.stop),
+            detokenizer=(
+                IncrementalDetokenizer(self.detok_tokenizer, params.stop)
+                if self.detokenize
+                else NoDetokenizer()
+            ),
             stop_ids=stop_ids,
             generator=generator,
             plain_greedy=plain_greedy(params),

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from deltaserve.engine.outputs import TokenLogprob
 
 
@@ -22,7 +22,7 @@ class RequestState:
     """Engine-side state of one request, kept by ``EngineCore.states`` beside the torch-free
     scheduler ``Request`` (created at ``add_request``, dropped when the request ends)."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoDetokenizer  # NoDetokenizer: the front end detokenizes
     stop_ids: frozenset[int]  # stop_token_ids, plus the model's EOS ids unless ignore_eos
     generator: torch.Generator | None  # per-request RNG when SamplingParams.seed is set
     # log-probabilities of the tokens sampled since the engine last took them (logprobs requests)

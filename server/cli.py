@@ -16,6 +16,12 @@ Startup loads the model, prints the URL and the planned capacity (``EngineCore.c
 stdout, then serves. SIGINT / SIGTERM drain: no new connections, in-flight requests get up to
 ``--drain-timeout`` seconds to finish, what is left is aborted, and the process exits 0. A
 second signal exits at once (still 0: leftovers are aborted).
+
+``--engine-process`` (``engine.core_process = "separate"``) runs the engine core in a process
+of its own (``EngineProcClient``, docs/server.md): if that process dies, open streams end with
+an error, ``/health`` answers 503, and the server drains and exits 1 (a supervisor restarts
+it). ``--api-server-count N`` (N > 1, implies ``--engine-process``) runs N front-end processes
+on one listening socket around one core (``server/front_ends.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ SHORTHANDS = {
     "max_model_len": "model.max_model_len",
     "gpu_memory_utilization": "cache.gpu_memory_utilization",
 }
+#: the exit code of a server whose engine core process died
+CORE_DIED_EXIT = 1
 #: where the API key is read from when ``--api-key`` is not given
 API_KEY_ENV = "DELTASERVE_API_KEY"
 
@@ -64,6 +72,15 @@ def _add_model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--gpu-memory-utilization", type=float, default=None, metavar="F",
         help="cache.gpu_memory_utilization: share of the GPU's memory the engine may use (CUDA)",
+    )  # fmt: skip
+    s.add_argument(
+        "--engine-process", action="store_true",
+        help="engine.core_process=separate: the engine core in its own process (docs/server.md)",
+    )  # fmt: skip
+    s.add_argument(
+        "--api-server-count", type=int, default=1, metavar="N",
+        help="N front-end processes (HTTP, tokenizing, detokenizing) share one engine core process "
+        "(N > 1 implies --engine-process; default %(default)s)",
     )  # fmt: skip
 
 
@@ -193,6 +210,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
         value = getattr(args, dest)
         if value is not None:
             out[key] = value
+    if getattr(args, "engine_process", False) or getattr(args, "api_server_count", 1) > 1:
+        out["engine.core_process"] = "separate"
     return out
 
 
@@ -380,17 +399,49 @@ class BackgroundServer:
             await self._task
 
 
-async def serve(engine_config: Any, server_config: ServerConfig, *, out: Any = None) -> int:
-    """Start the engine, serve until a signal, drain, shut down. Returns the exit code."""
+def build_engine(engine_config: Any, address: str | None = None) -> Any:
+    """The ``EngineClient`` ``engine.core_process`` asks for: ``AsyncEngine`` (in this process) or
+    ``EngineProcClient`` (the core in its own process; joining the one at ``address`` if given)."""
+    from deltaserve.engine.config import CoreProcess
 
+    if address is not None or engine_config.engine.core_process is CoreProcess.SEPARATE:
+        from deltaserve.engine.proc_client import EngineProcClient
+
+        return EngineProcClient(engine_config, address=address)
     from deltaserve.engine import AsyncEngine
+
+    return AsyncEngine(engine_config)
+
+
+async def serve(
+    engine_config: Any,
+    server_config: ServerConfig,
+    *,
+    out: Any = None,
+    sock: socket.socket | None = None,
+    address: str | None = None,
+) -> int:
+    """Start the engine, serve until a signal, drain, shut down. Returns the exit code
+    (``CORE_DIED_EXIT`` when a separate engine core process died). ``sock``: a listening socket
+    to serve on (else one is bound); ``address``: join that engine core process."""
     from deltaserve.server.app import create_app
 
     out = out or sys.stdout
-    engine = AsyncEngine(engine_config)
+    engine = build_engine(engine_config, address)
     await engine.start()
+    state: dict[str, Any] = {"server": None, "code": 0}
+
+    def core_died(message: str) -> None:
+        # the streams have ended with an error and /health answers 503: drain what is left, exit
+        print(f"deltaserve: error: {message}", file=sys.stderr, flush=True)
+        state["code"] = CORE_DIED_EXIT
+        if state["server"] is not None:
+            state["server"].should_exit = True
+
+    if hasattr(engine, "on_core_death"):
+        engine.on_core_death.append(core_died)
     try:
-        sock = bind_socket(server_config.host, server_config.port)
+        sock = sock or bind_socket(server_config.host, server_config.port)
         host, port = sock.getsockname()[:2]
         app = create_app(engine, server_config)
         names = app.state.server.model_names
@@ -402,11 +453,14 @@ async def serve(engine_config: Any, server_config: ServerConfig, *, out: Any = N
         )
         config = uvicorn_config(app, server_config, server_config.drain_timeout_s, keep_alive_s=30)
         server = _uvicorn_server_class(signals=True)(config, server_config.drain_timeout_s)
+        state["server"] = server
+        if state["code"]:  # the core died while the app was being built
+            server.should_exit = True
         await server.serve(sockets=[sock])
     finally:
         await engine.shutdown()
     print("deltaserve: stopped", file=out, flush=True)
-    return 0
+    return int(state["code"])
 
 
 #: another way to serve the parsed command (``deltaserve.__main__``: replicas on Ray Serve):
@@ -434,6 +488,12 @@ def main(
     except ConfigError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
+    if args.api_server_count < 1:
+        print(
+            f"deltaserve: error: --api-server-count must be >= 1, got {args.api_server_count}",
+            file=sys.stderr,
+        )
+        return 2
     if getattr(args, "replicas", None) and (server_config.api_key or server_config.allowed_origins):
         # the replicas' ingress is built by deltaserve.cluster from the served names alone: refuse
         # rather than serve without the key or the CORS policy the command asked for
@@ -448,6 +508,10 @@ def main(
             return code
     install_uvloop()
     try:
+        if args.api_server_count > 1:
+            from deltaserve.server.front_ends import serve_front_ends
+
+            return serve_front_ends(engine_config, server_config, args.api_server_count)
         return asyncio.run(serve(engine_config, server_config))
     except ConfigError as e:  # raised by the engine at start (e.g. no CUDA device)
         print(f"deltaserve: error: {e}", file=sys.stderr)

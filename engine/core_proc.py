@@ -1,0 +1,355 @@
+"""The engine-core process: one ``EngineCore`` (scheduler, cache, model, sampling) in a process
+of its own, serving front ends (``EngineProcClient``) over a ZeroMQ ROUTER socket.
+
+``start_core(config)`` starts it (a fresh interpreter, never a fork: torch and CUDA do not
+survive one) and returns a ``CoreHandle``. The loop, single-threaded: take every message waiting (adds,
+aborts, hellos), run one step if there is work, send each front end one ``StepOutputs`` of
+token ids for the step (``engine/messages.py``); block on the socket when idle.
+
+The core never detokenizes (``EngineCore(detokenize=False)``): stop strings and text are the
+front end's work; it aborts a request a stop string ended.
+
+Lifetime: the owning front end's ``Shutdown`` ends the loop (what is left is aborted, the engine
+closed: exit 0); so does the death of the process that spawned the core. SIGINT and SIGTERM are
+ignored here: the front end drains on them and then shuts the core down. A front end that
+dies (its pid gone) has its requests aborted; the core and the other front ends go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.messages import (
+    STATS_INTERVAL_S,
+    AbortRequests,
+    AddRequest,
+    FrontMessage,
+    GetStats,
+    Hello,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StepOutputs,
+    TokenDelta,
+)
+from deltaserve.engine.outputs import RequestOutput
+from deltaserve.logs import configure_logging, get_logger
+
+log = get_logger("deltaserve.engine")
+
+#: how often the core checks that its parent and its front ends are alive
+WATCH_INTERVAL_S = 0.5
+#: a step that scheduled nothing (requests wait for room): wait this long before the next
+IDLE_RETRY_S = 0.05
+
+
+def pid_alive(pid: int) -> bool:
+    """The process ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): the kill probe answered
+
+
+def new_address() -> str:
+    """A fresh ipc:// address in the temp folder."""
+    return f"ipc://{tempfile.gettempdir()}/deltaserve-core-{uuid.uuid4().hex[:12]}"
+
+
+def to_delta(out: RequestOutput) -> TokenDelta:
+    return TokenDelta(
+        request_id=out.request_id,
+        token_ids=out.token_ids,
+        finish_reason=out.finish_reason if out.finished else None,
+        error=out.error,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        logprobs=out.logprobs,
+        queue_time_s=out.queue_time_s,
+        prefill_time_s=out.prefill_time_s,
+        prompt_logprobs=out.prompt_logprobs,
+        prompt_token_ids=out.prompt_token_ids,
+    )
+
+
+@dataclass
+class FrontEnd:
+    """A connected front end: its pid and the core ids of its open requests."""
+
+    pid: int
+    requests: set[str] = field(default_factory=set)
+
+
+class CoreLoop:
+    """The loop of the core process (module docstring); ``run()`` returns the exit code."""
+
+    def __init__(self, config: EngineConfig, address: str, parent_pid: int) -> None:
+        import zmq
+
+        self.config = config
+        self.address = address
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        # a ROUTER drops what passes its high-water mark: outputs must never be lost
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.bind(address)
+        self.enc = msgspec.msgpack.Encoder()
+        self.dec = msgspec.msgpack.Decoder(FrontMessage)
+        self.core: Any = None
+        self.fronts: dict[bytes, FrontEnd] = {}
+        self.owner_of: dict[str, bytes] = {}  # core request id -> the front end's identity
+        self.stop = False
+        self.last_stats = 0.0
+        self.last_watch = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        from deltaserve.engine.core import EngineCore
+
+        try:
+            self.core = EngineCore(self.config, detokenize=False)
+        except Exception as e:  # noqa: BLE001 - reported to the front end that waits for Ready
+            log.error("core_proc.start_failed", error=repr(e))
+            self._answer_start_failure(e)
+            return 1
+        log.info("core_proc.ready", pid=os.getpid(), address=self.address)
+        try:
+            self._loop()
+        finally:
+            self._finish()
+        return 0
+
+    def _answer_start_failure(self, error: Exception) -> None:
+        """Tell the front ends that say hello within a few seconds why the engine did not start."""
+        failed = self.enc.encode(StartFailed(type(error).__name__, str(error)))
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and self.sock.poll(100):
+            ident, _ = self.sock.recv_multipart()
+            self.sock.send_multipart([ident, failed])
+            return
+
+    def _finish(self) -> None:
+        """Abort what is left (front ends get the outputs), close the engine and the socket."""
+        try:
+            if self.core is not None:
+                self._send(self.core.abort_all(), stats=True)
+                self.core.close()
+        finally:
+            self.sock.close()
+            self.ctx.term()
+            log.info("core_proc.stopped", pid=os.getpid())
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        core = self.core
+        idle_sent = True
+        while not self.stop:
+            busy = core.has_work()
+            timeout_ms = 0 if busy else int(WATCH_INTERVAL_S * 1000)
+            if self.sock.poll(timeout_ms):
+                self._receive()
+            self._watch()
+            if self.stop or not core.has_work():
+                if not idle_sent:  # went idle: the front ends see the last stats at once
+                    self._send([], stats=True)
+                    idle_sent = True
+                continue
+            idle_sent = False
+            steps_before = core.scheduler.step_count
+            outputs = core.step()
+            self._send(outputs, stats=False)
+            if core.scheduler.step_count == steps_before and not outputs:
+                # requests wait but none could be scheduled: do not spin
+                self.sock.poll(int(IDLE_RETRY_S * 1000))
+
+    def _receive(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                ident, data = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self.dec.decode(data)
+            except msgspec.DecodeError as e:
+                log.error("core_proc.bad_message", error=str(e))
+                continue
+            self._apply(ident, msg)
+
+    def _apply(self, ident: bytes, msg: Any) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(ident, msg)
+        elif isinstance(msg, AbortRequests):
+            outs = [
+                self.core.abort_request(rid) for rid in msg.request_ids if self.owner_of.get(rid) == ident
+            ]
+            self._send([o for o in outs if o is not None], stats=False)
+        elif isinstance(msg, Hello):
+            self.fronts[ident] = FrontEnd(msg.pid)
+            info = self.core.model_info
+            ip = self.core.input_processor
+            ready = Ready(info, list(ip.salt_parts), ip.max_token_chars, os.getpid(), self._stats())
+            self.sock.send_multipart([ident, self.enc.encode(ready)])
+            log.info("core_proc.front_end", pid=msg.pid, owner=msg.owner, front_ends=len(self.fronts))
+        elif isinstance(msg, GetStats):
+            self.sock.send_multipart([ident, self.enc.encode(StepOutputs([], self._stats()))])
+        elif isinstance(msg, Shutdown):
+            log.info("core_proc.shutdown", front_ends=len(self.fronts))
+            self.stop = True
+
+    def _add(self, ident: bytes, msg: AddRequest) -> None:
+        from deltaserve.scheduler.request import Request
+
+        req = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=msg.sampling_params,
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
+            arrival_time=msg.arrival_time or time.monotonic(),
+        )
+        front = self.fronts.get(ident)
+        if front is None:  # a front end that never said hello: nobody to answer
+            log.error("core_proc.unknown_front_end", request_id=msg.request_id)
+            return
+        self.owner_of[req.request_id] = ident
+        front.requests.add(req.request_id)
+        try:
+            if req.request_id in self.core.scheduler.requests:
+                raise ValueError(f"request_id {req.request_id!r} is already in use")
+            self.core.add_request(req)
+        except Exception as e:  # noqa: BLE001 - ends this request only (overload raced the front end's check)
+            out = self.core._final_output(req, "error", [], "", error=f"{type(e).__name__}: {e}")
+            self._send([out], stats=False)
+
+    def _watch(self) -> None:
+        """Every ``WATCH_INTERVAL_S``: stop if the parent died; abort a dead front end's requests."""
+        now = time.monotonic()
+        if now - self.last_watch < WATCH_INTERVAL_S:
+            return
+        self.last_watch = now
+        if os.getppid() != self.parent_pid:
+            log.error("core_proc.parent_died", parent=self.parent_pid)
+            self.stop = True
+            return
+        for ident, front in list(self.fronts.items()):
+            if pid_alive(front.pid):
+                continue
+            log.warning("core_proc.front_end_gone", pid=front.pid, open_requests=len(front.requests))
+            del self.fronts[ident]
+            for rid in front.requests:
+                self.owner_of.pop(rid, None)
+                self.core.abort_request(rid)  # nobody reads the output
+
+    # ------------------------------------------------------------------ outputs
+    def _stats(self) -> dict[str, Any]:
+        s = self.core.stats()
+        s["core.pid"] = os.getpid()
+        s["core.cpu_s"] = time.process_time()
+        return s
+
+    def _send(self, outputs: list[RequestOutput], *, stats: bool) -> None:
+        """One ``StepOutputs`` per front end with deltas (all of them when stats are due)."""
+        by_front: dict[bytes, list[TokenDelta]] = defaultdict(list)
+        for out in outputs:
+            rid = out.request_id
+            ident = self.owner_of.get(rid)
+            if ident is None:
+                continue
+            by_front[ident].append(to_delta(out))
+            if out.finished:
+                del self.owner_of[rid]
+                front = self.fronts.get(ident)
+                if front is not None:
+                    front.requests.discard(rid)
+        now = time.monotonic()
+        snapshot = None
+        if stats or now - self.last_stats >= STATS_INTERVAL_S:
+            snapshot = self._stats()
+            self.last_stats = now
+            for ident in self.fronts:
+                by_front.setdefault(ident, [])
+        for ident, deltas in by_front.items():
+            self.sock.send_multipart([ident, self.enc.encode(StepOutputs(deltas, snapshot))])
+
+
+def run_core(argv: list[str]) -> int:
+    """The core process's entry point (``python -m deltaserve.engine.core_proc ADDRESS PARENT_PID``,
+    the config as JSON on stdin): ignore SIGINT/SIGTERM (the front end drains, then shuts the
+    core down), log to stderr, run the loop; its exit code."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    address, parent_pid = argv[0], int(argv[1])
+    config = EngineConfig.from_dict(msgspec.json.decode(sys.stdin.buffer.read()))
+    configure_logging(config.logging.level.value)
+    return CoreLoop(config, address, parent_pid).run()
+
+
+class CoreHandle:
+    """The core process, seen from the process that started it."""
+
+    def __init__(self, process: subprocess.Popen[bytes], address: str) -> None:
+        self.process = process
+        self.address = address
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.kill()
+
+
+def start_core(config: EngineConfig, address: str | None = None) -> CoreHandle:
+    """Start the engine-core process for ``config`` on ``address`` (a fresh ipc:// address by
+    default): a new interpreter (never a fork: torch and CUDA do not survive one, and a fresh
+    interpreter does not re-import the application's ``__main__`` as multiprocessing's spawn does)."""
+    address = address or new_address()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve.engine.core_proc", address, str(os.getpid())],
+        stdin=subprocess.PIPE,
+    )
+    assert process.stdin is not None
+    process.stdin.write(msgspec.json.encode(config.to_dict()))
+    process.stdin.close()
+    return CoreHandle(process, address)
+
+
+if __name__ == "__main__":
+    sys.exit(run_core(sys.argv[1:]))

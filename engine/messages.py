@@ -1,0 +1,105 @@
+"""The messages between a front end (``EngineProcClient``) and the engine-core process.
+
+msgspec structs, msgpack-encoded, one ZeroMQ frame each (``engine/core_proc.py``). A front end
+sends ``Hello`` first (its pid: the core aborts its requests if it dies), then ``AddRequest`` /
+``AbortRequests`` / ``GetStats``, and ``Shutdown`` when it owns the core. The core answers ``Hello`` with
+``Ready`` (or ``StartFailed``), and sends one ``StepOutputs`` per step and front end: token ids
+only, never text (the front end detokenizes and applies stop strings), plus the engine's stats
+every ``STATS_INTERVAL_S`` and whenever it goes idle.
+
+Request ids on this wire are the core's: a front end maps them to its streams, so front ends
+never collide on a user's ``request_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from deltaserve.engine.client import ModelInfo
+from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.sampling_params import SamplingParams
+
+#: how often the core sends its stats while it works (and once each time it goes idle)
+STATS_INTERVAL_S = 0.25
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """A front end connects: its pid (the core watches it) and whether it owns the core."""
+
+    pid: int
+    owner: bool = False
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """One engine request, validated and tokenized by the front end (``n == 1``: a front end
+    sends each of an ``n > 1`` request's completions as a request of its own)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    cache_salt: bytes = b""
+    arrival_time: float = 0.0  # time.monotonic() in the front end (one clock per machine)
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """Abort these requests (a stop string ended them, the client left, ``abort()``)."""
+
+    request_ids: list[str]
+
+
+class GetStats(msgspec.Struct, tag="get_stats", array_like=True):
+    """Send this front end the engine's stats now (a ``StepOutputs`` without deltas)."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """The owning front end is done: abort what is left, close the engine, exit 0."""
+
+
+FrontMessage = Hello | AddRequest | AbortRequests | GetStats | Shutdown
+
+
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's new token ids of one step (``RequestOutput`` without text); ``finish_reason``
+    set on its last."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """The deltas of one step for one front end; ``stats`` when due (else None)."""
+
+    deltas: list[TokenDelta]
+    stats: dict[str, Any] | None = None
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """The core is serving: what a front end needs to build its ``InputProcessor``."""
+
+    model_info: ModelInfo
+    salt_parts: list[str]
+    max_token_chars: int
+    pid: int
+    stats: dict[str, Any]
+
+
+class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
+    """Building the engine raised: the error's type name and message."""
+
+    kind: str
+    message: str
+
+
+CoreMessage = StepOutputs | Ready | StartFailed
