@@ -15,14 +15,13 @@ Items are byte payloads of two kinds (``ItemKind``: a KV block, a GDN checkpoint
   stays until its dependents go.
 * One process at a time: ``flock`` on ``<path>/lock``; a second opener gets ``DiskStoreLocked``.
 * A store is reused only if its manifest's ``StoreIdentity`` equals the caller's; otherwise
-  its contents are moved to ``<path>/set-aside-<utc stamp>/`` and a warning names the fields
-  that differ.
+  its contents go to ``<path>/set-aside-<utc stamp>/`` (the newest only: older ones are
+  removed) and a warning names the fields that differ.
 
 Layout (``cache/disk_format.py``: the header, the names, ``index.bin``): ``manifest.json``;
 ``items/<first byte of key>/<name>``, one file per item, its name all the index needs (an
-open lists the directories and opens no item); ``tmp/`` (writes in progress, emptied at
-open); ``index.bin`` (frequencies and GDSF's L saved at close; without it, after a crash,
-items restart at frequency 1).
+open lists directories, opens no item); ``tmp/`` (writes in progress, emptied at open);
+``index.bin`` (frequencies and GDSF's L saved at close; lost in a crash: frequency 1).
 
 Why files and not segments (measured with ``tools/bench_disk_store.py``; docs/cache.md, "The
 disk tier"): a full cache evicts by value, not by age, so segments must compact to reclaim
@@ -259,6 +258,7 @@ class DiskStore:
         for p in contents:
             p.rename(dest / p.name)
         self._set_aside = dest
+        self._remove_older_set_asides(dest)
         differs: dict[str, object] = {}
         if old is not None:
             mine = msgspec.structs.asdict(self._identity)
@@ -271,6 +271,14 @@ class DiskStore:
             reason=reason,
             differs=differs,
         )
+
+    def _remove_older_set_asides(self, keep: Path) -> None:
+        """Only the newest set-aside store stays: switching models back and forth must not
+        fill the disk past ``capacity_bytes`` with stores nobody reads."""
+        for old in self._path.glob("set-aside-*"):
+            if old != keep and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+                log.warning("disk_store.set_aside_removed", path=str(old))
 
     def _prepare_dirs(self) -> None:
         tmp = self._path / "tmp"

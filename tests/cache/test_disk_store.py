@@ -199,6 +199,15 @@ def test_other_identity_is_set_aside(tmp_path: Path, caplog: pytest.LogCaptureFi
     # the set-aside store is never read back, even by the identity that wrote it
     with DiskStore(path, 1 << 20, IDENT) as s:
         assert s.items() == []
+        newest = s.describe()["set_aside"]
+    # one generation is kept: the first store set aside is gone, the second (other's) stays
+    (kept,) = path.glob("set-aside-*")
+    assert (
+        str(kept) == newest
+        and msgspec.json.decode((kept / "manifest.json").read_bytes())["identity"]["weights"]
+        == "other-weights"
+    )
+    assert [r.fields["path"] for r in _capture(caplog, "disk_store.set_aside_removed")] == [aside]
 
 
 def test_format_mismatch_is_set_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
