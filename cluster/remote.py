@@ -27,11 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
 from typing import Any
 
 from deltaserve.cluster.affinity import RouteHint, route_keys
-from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput, not_started
+from deltaserve.engine.client import AbortingStream, EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import DeltaServeError, EngineDeadError
 from deltaserve.engine.input_processor import InputProcessor
@@ -87,7 +86,7 @@ def is_replica_failure(exc: BaseException) -> bool:
     return cause is not exc and isinstance(cause, tuple(kinds))
 
 
-class RemoteStream:
+class RemoteStream(AbortingStream):
     """One request's deltas from a replica (``AsyncEngine``'s ``RequestStream`` contract:
     async-iterate it; the last delta of each of the ``n`` completions has ``finished=True``;
     leaving early or ``aclose()`` aborts the request)."""
@@ -108,31 +107,6 @@ class RemoteStream:
         self._aborted = False  # RemoteEngine.abort: the abort outputs are queued, the call is cancelled
 
     # ------------------------------------------------------------------ iteration
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                yield await self._next()
-        finally:
-            if not self.finished:
-                self._cancel()
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            return await self._next()
-        except asyncio.CancelledError:
-            self._cancel()
-            raise
-
-    async def aclose(self) -> None:
-        """Abort the request unless it has finished (idempotent)."""
-        if not self.finished:
-            self._cancel()
-
     async def _next(self) -> RequestOutput:
         while not self._pending:
             await self._fill()
@@ -157,7 +131,7 @@ class RemoteStream:
             route=self._hint,
         )
 
-    def _cancel(self) -> None:
+    def _abandon(self) -> None:
         self.finished = True
         gen, self._gen = self._gen, None
         if gen is not None:

@@ -30,13 +30,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
-from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput, not_started
+from deltaserve.engine.client import AbortingStream, EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
@@ -68,7 +67,7 @@ def install_uvloop() -> bool:
     return True
 
 
-class RequestStream:
+class RequestStream(AbortingStream):
     """The handle ``generate`` returns: async-iterate it for one request's ``RequestOutput`` deltas.
 
     ``async for out in stream`` iterates through a fresh inner generator: when the loop is
@@ -83,36 +82,14 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                yield await self._next()
-        finally:
-            if not self.finished:
-                self._engine._abandon(self)
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            return await self._next()
-        except asyncio.CancelledError:
-            self._engine._abandon(self)
-            raise
-
     async def _next(self) -> RequestOutput:
         out = await self._queue.get()
         if out.finished:
             self.finished = True
         return out
 
-    async def aclose(self) -> None:
-        """Abort the request unless it has finished (idempotent)."""
-        if not self.finished:
-            self._engine._abandon(self)
+    def _abandon(self) -> None:
+        self._engine._abandon(self)
 
     def _put(self, out: RequestOutput) -> None:
         self._queue.put_nowait(out)

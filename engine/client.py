@@ -16,6 +16,7 @@ behind a router) both implement ``EngineClient``; the server is typed against it
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
@@ -68,6 +69,47 @@ class OutputStream(Protocol):
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 
     async def aclose(self) -> None: ...
+
+
+class AbortingStream:
+    """The iteration every ``OutputStream`` shares: ``async for`` runs a fresh inner generator
+    (leaving the loop early drops and finalises it, which abandons the request even while the
+    caller still holds the stream), ``__anext__`` reads one delta (cancelled: abandoned),
+    ``aclose`` abandons an unfinished request. A stream says how to read (``_next``, which sets
+    ``finished`` with the last delta) and how to abandon (``_abandon``)."""
+
+    finished: bool
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                yield await self._next()
+        finally:
+            if not self.finished:
+                self._abandon()
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            return await self._next()
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+
+    async def aclose(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        if not self.finished:
+            self._abandon()
+
+    async def _next(self) -> RequestOutput:
+        raise NotImplementedError
+
+    def _abandon(self) -> None:
+        raise NotImplementedError
 
 
 @runtime_checkable

@@ -12,10 +12,10 @@ consumer or ``aclose()`` aborts. With ``n > 1`` completion 0 runs alone until it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from deltaserve.engine.client import AbortingStream
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.messages import AddRequest, TokenDelta
 from deltaserve.engine.outputs import RequestOutput
@@ -37,7 +37,7 @@ class Completion:
     done: bool = False
 
 
-class ProcStream:
+class ProcStream(AbortingStream):
     """The stream ``EngineProcClient.generate`` returns (module docstring)."""
 
     def __init__(
@@ -56,26 +56,6 @@ class ProcStream:
         self._ended = 0  # completions whose last output was read
 
     # ------------------------------------------------------------------ iteration
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                yield await self._next()
-        finally:
-            if not self.finished:
-                self._abandon()
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            return await self._next()
-        except asyncio.CancelledError:
-            self._abandon()
-            raise
-
     async def _next(self) -> RequestOutput:
         out = await self._queue.get()
         if out.finished:
@@ -83,11 +63,6 @@ class ProcStream:
             if self._ended == len(self.completions):
                 self.finished = True
         return out
-
-    async def aclose(self) -> None:
-        """Abort the request unless it has finished (idempotent)."""
-        if not self.finished:
-            self._abandon()
 
     # ------------------------------------------------------------------ from the client
     def open(self) -> list[Completion]:
