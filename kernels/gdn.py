@@ -23,8 +23,10 @@ chunks of ``chunk_size`` tokens counted from each segment's start:
 * capture ``c``: the state after ``capture_pos[c]`` tokens of segment ``capture_seq[c]`` is written
   to ``ssm_state[capture_slots[c]]``. ``capture_seq`` indexes *this call's* batch (0..B-1 of its
   ``cu_seqlens``; a model that passes only the prefill part of a batch subtracts ``num_decodes``).
-  ``capture_pos`` must be a multiple of ``chunk_size`` or the segment length: those are the
-  points where the chunked scan materialises the state anyway, so a capture is only a copy.
+  Any ``0 <= capture_pos <= length`` works. A multiple of ``chunk_size`` or the segment length
+  is a point where the chunked scan materialises the state anyway (the capture is a copy);
+  another point costs one extra partial chunk (``kernels/capture_align.py`` pads the segment
+  there with no-op tokens, for every backend).
 * no other slot of ``ssm_state`` is touched.
 
 ``recurrent_gated_delta_rule`` is the decode step: one token per sequence (``T == N``), state read
@@ -36,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from deltaserve.kernels.capture_align import captures_anywhere
 
 __all__ = ["chunk_gated_delta_rule", "l2norm", "recurrent_gated_delta_rule"]
 
@@ -133,7 +137,7 @@ def _plan_captures(
     return plan
 
 
-def chunk_gated_delta_rule(
+def _chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -211,6 +215,10 @@ def chunk_gated_delta_rule(
     if num_seqs > 0:
         _write_states(ssm_state, [int(s) for s in state_slots.tolist()], states)
     return out.to(v.dtype)
+
+
+#: The reference op: captures anywhere (the scan above takes them on its chunk grid only).
+chunk_gated_delta_rule = captures_anywhere(_chunk_gated_delta_rule)
 
 
 def _chunk_tokens(

@@ -28,6 +28,8 @@ All math is fp32 (``tl.dot`` on fp32 operands as 3xTF32, ~fp32 accurate; see
 Preconditions beyond the reference's: the state slots of one call are distinct from each other and
 from its capture slots (the scheduler guarantees it; the reference happens to tolerate aliasing).
 Several captures of one boundary are supported (the extra ones are copied after the scan).
+Captures off the chunk grid are padded onto it by ``kernels/capture_align.py`` (as for the
+reference), so the kernels only ever see grid captures.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.capture_align import captures_anywhere
 from deltaserve.kernels.gdn import GDN_CHUNK_SIZE, _plan_captures
 from deltaserve.kernels.triton._common import (
     Segments,
@@ -263,7 +266,7 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int
     return num_k_heads, head_k_dim, num_v_heads, head_v_dim, num_v_heads // num_k_heads
 
 
-def chunk_gated_delta_rule(
+def _chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -471,6 +474,10 @@ class _ChunkCall:
             USE_L2NORM=self.use_l2, BT=self.bt, BK=self.bk, BV=bv, PRECISION=self.precision,
             num_warps=4,
         )  # fmt: skip
+
+
+#: The Triton op: captures anywhere (the kernels above take them on their chunk grid only).
+chunk_gated_delta_rule = captures_anywhere(_chunk_gated_delta_rule)
 
 
 @triton.jit

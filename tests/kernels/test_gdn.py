@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaserve.kernels.capture_align import padded_layout
 from deltaserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 DK, DV = 16, 32
@@ -243,7 +244,7 @@ def test_recurrent_matches_oracle_one_step(rng: torch.Generator) -> None:
 
 @pytest.mark.parametrize(
     ("seq", "pos"),
-    [(0, 10), (0, 101), (0, -1), (1, 64), (2, 0)],
+    [(0, 101), (0, -1), (1, 64), (2, 0)],
 )
 def test_invalid_capture_rejected(seq: int, pos: int, rng: torch.Generator) -> None:
     q, k, v, g, beta, cu = make_inputs([100], 1, 1, rng)
@@ -260,6 +261,58 @@ def test_invalid_capture_rejected(seq: int, pos: int, rng: torch.Generator) -> N
             q, k, v, g, beta, cu, ssm, torch.tensor([0]), torch.tensor([False]),
             capture_seq=torch.tensor([seq]), capture_pos=torch.tensor([pos]), capture_slots=torch.tensor([1]),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_captures_off_the_chunk_grid(chunk_size: int, rng: torch.Generator) -> None:
+    """Captures at any token (block boundaries, odd points, on-grid points after an off-grid one
+    in the same segment, the end) match the recurrence, and so do outputs and final states."""
+    lengths = [7, 100, 200, 64, 33]
+    q, k, v, g, beta, cu = make_inputs(lengths, 1, 2, rng)
+    captures = [(0, 3), (0, 7), (1, 1), (1, 17), (1, 64), (1, 80), (1, 99), (2, 0), (2, 16), (2, 48),
+                (2, 64), (2, 150), (2, 199), (2, 200), (3, 32), (1, 17)]  # fmt: skip
+    num_seqs = len(lengths)
+    ssm = torch.randn(num_seqs + len(captures), 2, DK, DV, generator=rng) * 0.2
+    before = ssm.clone()
+    slots = torch.arange(num_seqs)
+    has_initial = torch.tensor([True, False, True, False, True])
+    capture_slots = torch.arange(num_seqs, num_seqs + len(captures))
+    out = chunk_gated_delta_rule(
+        q, k, v, g, beta, cu, ssm, slots, has_initial,
+        capture_seq=torch.tensor([b for b, _ in captures]), capture_pos=torch.tensor([p for _, p in captures]),
+        capture_slots=capture_slots, chunk_size=chunk_size,
+    )  # fmt: skip
+    assert out.shape == v.shape
+    for b in range(num_seqs):
+        s, e = int(cu[b]), int(cu[b + 1])
+        init = before[slots[b]] if has_initial[b] else torch.zeros(2, DK, DV)
+        ref_out, ref_states = oracle_recurrence(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
+        torch.testing.assert_close(out[s:e].double(), ref_out, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(ssm[slots[b]].double(), ref_states[-1], atol=2e-4, rtol=1e-4)
+        for (cb, pos), slot in zip(captures, capture_slots.tolist()):
+            if cb == b:
+                torch.testing.assert_close(ssm[slot].double(), ref_states[pos], atol=2e-4, rtol=1e-4)
+
+
+def test_padded_layout_moves_only_segments_with_off_grid_captures() -> None:
+    cu = torch.tensor([0, 10, 40, 50])
+    assert padded_layout(cu, torch.tensor([1, 2]), torch.tensor([16, 10]), 16) is None
+    layout = padded_layout(cu, torch.tensor([1, 1, 2]), torch.tensor([8, 16, 10]), 16)
+    assert layout is not None
+    # segment 1 (30 tokens): 8 real, 8 no-ops, 8 real (its old 16 is now 24: padded to 32), 8 no-ops, 14 real
+    assert layout.cu_seqlens.tolist() == [0, 10, 56, 66]
+    assert layout.capture_pos.tolist() == [16, 32, 10]
+    no_op = 50
+    assert layout.src[10:56].tolist() == [
+        *range(10, 18),
+        *[no_op] * 8,
+        *range(18, 26),
+        *[no_op] * 8,
+        *range(26, 40),
+    ]
+    assert layout.keep.tolist() == [*range(10), *range(10, 18), *range(26, 34), *range(42, 66)]
+    with pytest.raises(ValueError, match="capture_pos 31 of segment 1 outside 0..30"):
+        padded_layout(cu, torch.tensor([1]), torch.tensor([31]), 16)
 
 
 def test_batch_of_short_segments(rng: torch.Generator) -> None:

@@ -320,3 +320,20 @@ def test_random_ragged_batches(tops: Ops, seed: int) -> None:
     )
     torch.testing.assert_close(out_tri, out_ref, **FP32)
     assert_states_equal(ssm_ref, ssm_tri)
+
+
+def test_captures_off_the_chunk_grid(tops: Ops, rng: torch.Generator) -> None:
+    # Block-boundary captures between chunk boundaries (padded onto the grid for both backends),
+    # an on-grid capture after an off-grid one in the same segment, and duplicates.
+    lengths = [40, 70, 9]
+    inputs = make_inputs(lengths, 1, 2, rng)
+    captures = [(0, 16), (0, 32), (1, 16), (1, 64), (1, 69), (1, 16), (2, 4)]
+    num_slots = len(lengths) + len(captures)
+    ssm = (torch.randn(num_slots, 2, DK, DV, generator=rng) * 0.2).to(DEVICE)
+    slots = torch.arange(len(lengths), device=DEVICE)
+    has_initial = torch.tensor([True, False, True], device=DEVICE)
+    out_ref, out_tri, ssm_ref, ssm_tri = run_both(
+        tops, inputs, ssm, slots, has_initial, captures, list(range(len(lengths), num_slots))
+    )
+    torch.testing.assert_close(out_tri, out_ref, **FP32)
+    assert_states_equal(ssm_ref, ssm_tri)
