@@ -10,7 +10,7 @@ from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.eviction import CheckpointEviction, CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import EVICTION_POLICIES, make_eviction, register_eviction_policy
 from deltaserve.cache.hashing import block_hashes, hash_block, make_salt
-from deltaserve.cache.manager import CacheManager, CacheManagerConfig
+from deltaserve.cache.manager import CacheManager, CacheManagerConfig, checkpoint_unit
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.reuse import ReuseLearner
 from deltaserve.cache.state_pool import SlotState, StatePool
@@ -18,6 +18,7 @@ from deltaserve.cache.types import (
     Capture,
     CaptureKind,
     CheckpointClass,
+    CheckpointGranularity,
     PrefixMatch,
     SeqCache,
     StepItem,
@@ -38,6 +39,7 @@ __all__ = [
     "CaptureKind",
     "CheckpointClass",
     "CheckpointEviction",
+    "CheckpointGranularity",
     "CostModel",
     "EvictionParams",
     "Node",
@@ -52,6 +54,7 @@ __all__ = [
     "V1Eviction",
     "ValueEviction",
     "block_hashes",
+    "checkpoint_unit",
     "get_admission_policy",
     "hash_block",
     "make_eviction",

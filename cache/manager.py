@@ -55,6 +55,7 @@ from deltaserve.cache.shared_budget import SharedBudget
 from deltaserve.cache.types import (
     Capture,
     CaptureKind,
+    CheckpointGranularity,
     PrefixMatch,
     SeqCache,
     StepItem,
@@ -66,10 +67,25 @@ from deltaserve.cache.types import (
 
 GDN_CHUNK_SIZE = 64
 
+
+def checkpoint_unit(
+    block_size: int,
+    has_gdn: bool = True,
+    granularity: CheckpointGranularity = CheckpointGranularity.BLOCK,
+    chunk_size: int = GDN_CHUNK_SIZE,
+) -> int:
+    """Tokens between two boundaries a hit (and a tail / branch / output capture) may sit on:
+    the block, or lcm(block, GDN chunk) with ``chunk`` granularity on a model with GDN layers."""
+    if has_gdn and granularity is CheckpointGranularity.CHUNK:
+        return math.lcm(block_size, chunk_size)
+    return block_size
+
+
 __all__ = [
     "GDN_CHUNK_SIZE",
     "CacheManager",
     "CacheManagerConfig",
+    "checkpoint_unit",
     "Capture",
     "SeqCache",
     "StepItem",
@@ -86,10 +102,11 @@ class CacheManagerConfig:
     checkpoint_bytes: int = 0  # size of one checkpoint (all GDN layers)
     staging_bytes: int | None = None  # per-step capture budget; None = unbounded
     has_gdn: bool = True
-    checkpoint_interval: int = 0  # tokens; rounded up to the unit; 0 = off
+    checkpoint_interval: int = 0  # tokens; rounded up to lcm(block_size, gdn_chunk_size); 0 = off
     checkpoint_policy: str = "default"
     enable_prefix_caching: bool = True
     gdn_chunk_size: int = GDN_CHUNK_SIZE
+    checkpoint_granularity: CheckpointGranularity = CheckpointGranularity.BLOCK
     # value model (cache/value_eviction.py): prefill cost of d tokens = a*d + b*d^2/2, any unit
     prefill_cost_per_token: float = 1.0  # a: GDN, MLP and projections (linear in tokens)
     prefill_cost_per_token_pair: float = 1.0 / 65536  # b: full attention (per token pair)
@@ -130,9 +147,11 @@ class CacheManager:
         self.config = config
         bs = self.block_size = config.block_size
         self.has_gdn = config.has_gdn
-        self.unit = math.lcm(bs, config.gdn_chunk_size) if config.has_gdn else bs
+        self.unit = checkpoint_unit(bs, config.has_gdn, config.checkpoint_granularity, config.gdn_chunk_size)
+        # interval captures keep to the kernel's chunk grid, where a capture is only a copy
+        grid = checkpoint_unit(bs, config.has_gdn, CheckpointGranularity.CHUNK, config.gdn_chunk_size)
         interval = config.checkpoint_interval
-        self.interval = -(-interval // self.unit) * self.unit if interval > 0 else 0
+        self.interval = -(-interval // grid) * grid if interval > 0 else 0
         self.enabled = config.enable_prefix_caching
         self.policy = get_admission_policy(config.checkpoint_policy)
         num_ckpt = config.num_checkpoint_slots if (self.has_gdn and self.enabled) else 0

@@ -50,6 +50,19 @@ class CheckpointClass(enum.IntEnum):
     PROVEN = 2  # restored from, or taken where two trajectories diverge
 
 
+class CheckpointGranularity(str, enum.Enum):
+    """Where hits and tail / branch / output captures may sit (``cache.checkpoint_granularity``).
+
+    ``block``: any block boundary; a capture off the GDN kernel's 64-token chunk grid costs one
+    partial chunk (``kernels/capture_align.py``), and a hit loses less than one block of a turn.
+    ``chunk``: multiples of lcm(block_size, GDN chunk), where captures are free but a hit loses
+    up to a chunk. Interval captures stay on the chunk grid either way.
+    """
+
+    BLOCK = "block"
+    CHUNK = "chunk"
+
+
 class CaptureKind(enum.Enum):
     """Where a checkpoint is taken (``cache/admission.py``).
 

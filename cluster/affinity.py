@@ -7,7 +7,8 @@ Keys
     A request's route keys are the engine's own radix-tree keys (``deltaserve.cache.hashing``:
     chained xxh3-128 block hashes, salt = model path + dtype + ``cache.namespace`` + the
     request's ``cache_salt``) taken at every checkpoint-unit boundary ``u, 2u, ... <= len - 1``
-    (``u = lcm(block_size, 64)`` on a hybrid model): the only places a hybrid hit can end. A key
+    (the engine's ``ModelInfo.checkpoint_unit``: the block, or lcm(block_size, 64) with
+    ``cache.checkpoint_granularity = chunk``): the only places a hybrid hit can end. A key
     names its whole prefix, so "replica R holds key k" means R can resume the request at k's
     boundary. Keys travel as their top 64 bits (``short_key``): plenty to tell prefixes apart
     for routing, and half the bytes in the replicas' reports. Tenants with different
@@ -39,7 +40,6 @@ Decision (``AffinityPolicy.choose``), in the spirit of SGLang's cache-aware rout
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
@@ -50,15 +50,7 @@ from typing import Any
 
 from deltaserve.cache.hashing import block_hashes
 
-#: the GDN chunk size of the chunked kernel: checkpoint boundaries are multiples of lcm(block, 64)
-GDN_CHUNK = 64
 _MASK64 = (1 << 64) - 1
-
-
-def checkpoint_unit(block_size: int, has_gdn: bool = True, chunk: int = GDN_CHUNK) -> int:
-    """Tokens between two possible hit boundaries: lcm(block_size, chunk) with GDN layers, else
-    block_size (the engine's ``CacheManager.unit``)."""
-    return math.lcm(block_size, chunk) if has_gdn else block_size
 
 
 def short_key(h: int) -> int:

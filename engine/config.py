@@ -28,6 +28,7 @@ import tomllib
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
 from deltaserve.cache.manager import GDN_CHUNK_SIZE
+from deltaserve.cache.types import CheckpointGranularity
 from deltaserve.engine.errors import ConfigError
 from deltaserve.scheduler.policy import make_policy, resolve_policy_class
 
@@ -221,8 +222,16 @@ class CacheConfig(_Section):
     ] = None
     checkpoint_interval: Annotated[
         NonNegInt,
-        _doc("Also checkpoint every this many tokens (rounded up to the checkpoint unit); 0 = off."),
+        _doc("Also checkpoint every this many tokens (rounded up to lcm(block_size, 64)); 0 = off."),
     ] = 2048
+    checkpoint_granularity: Annotated[
+        CheckpointGranularity,
+        _doc(
+            "Where hits and tail/branch/output checkpoints may sit: block (any block boundary; a capture off "
+            "the GDN kernel's 64-token chunks costs one partial chunk) | chunk (multiples of "
+            "lcm(block_size, 64): free captures, a hit loses up to 63 more tokens of a turn)."
+        ),
+    ] = CheckpointGranularity.BLOCK
     checkpoint_policy: Annotated[
         str,
         _doc(

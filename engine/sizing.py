@@ -387,6 +387,7 @@ def build_cache_manager(
             checkpoint_policy=checkpoint_policy or cc.checkpoint_policy,
             enable_prefix_caching=cc.enable_prefix_caching,
             gdn_chunk_size=capacity.gdn_chunk_size,
+            checkpoint_granularity=cc.checkpoint_granularity,
             prefill_cost_per_token=capacity.prefill_flops_per_token,
             prefill_cost_per_token_pair=capacity.prefill_flops_per_token_pair,
             num_host_kv_blocks=capacity.num_host_kv_blocks,
@@ -408,7 +409,8 @@ def build_scheduler(
     if sc.max_num_batched_tokens < cache.unit:
         raise ConfigError(
             f"scheduler.max_num_batched_tokens = {sc.max_num_batched_tokens}: must be >= the checkpoint "
-            f"unit lcm(cache.block_size, {capacity.gdn_chunk_size}) = {cache.unit}"
+            f"unit ({cache.unit} tokens: cache.block_size, or lcm(cache.block_size, "
+            f"{capacity.gdn_chunk_size}) with cache.checkpoint_granularity = chunk)"
         )
     return Scheduler(
         cache,

@@ -152,18 +152,28 @@ def _prefill_cases(s: Shapes, inp: _Inputs) -> list[Case]:
     num_blocks = -(-t // bs)
     cases: list[Case] = []
 
-    def capture_args() -> dict[str, torch.Tensor]:
-        return {"capture_seq": idx([0] * len(captures)), "capture_pos": idx(captures),
-                "capture_slots": idx(range(1, 1 + len(captures)))}  # fmt: skip
+    def capture_args(positions: list[int] = captures) -> dict[str, torch.Tensor]:
+        return {"capture_seq": idx([0] * len(positions)), "capture_pos": idx(positions),
+                "capture_slots": idx(range(1, 1 + len(positions)))}  # fmt: skip
 
-    def gdn_prefill(ops: object) -> Thunk:
+    def gdn_prefill(ops: object, positions: list[int] = captures) -> Thunk:
         q, k, v = randn(t, hk, dk), randn(t, hk, dk), randn(t, hv, dv)
         g, beta = -torch.rand(t, hv, device=device) * 0.3, torch.rand(t, hv, device=device).to(dtype)
-        ssm = torch.zeros(1 + len(captures), hv, dk, dv, device=device)
-        cap = capture_args()
+        ssm = torch.zeros(1 + len(positions), hv, dk, dv, device=device)
+        cap = capture_args(positions)
         return lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, cu, ssm, idx([0]), idx([0]).bool(), **cap)
 
     cases.append(Case("chunk_gated_delta_rule", f"prefill T={t}", gdn_prefill, None))
+    # the same captures one block earlier: off the 64-token chunk grid, each pads one partial chunk
+    off_grid = [max(p - bs, 1) for p in captures]
+    cases.append(
+        Case(
+            "chunk_gated_delta_rule",
+            f"prefill T={t}, captures off-grid",
+            lambda o: gdn_prefill(o, off_grid),
+            None,
+        )
+    )
 
     def conv_prefill(ops: object) -> Thunk:
         x, w, state = randn(t, cdim), randn(cdim, kw), randn(1 + len(captures), cdim, kw - 1)

@@ -57,11 +57,13 @@ listed as the strings the file takes.
 # Facts that follow from several keys (kept here, next to the tables they explain).
 NOTES = {
     "cache": """\
-The **checkpoint unit** is lcm(`block_size`, 64) tokens (64 = the GDN chunk size): GDN
-checkpoints are taken only at multiples of it, so a prefix hit on a hybrid model covers
-whole units (block 16: a shared prefix of 100 tokens reuses 64). Models without GDN
-layers (`builtin:tiny-qwen3`) hit at whole blocks. `engine.ready` logs the unit and the
-sizes the budget gave (`kv_tokens`, `live_slots`, `checkpoint_slots`, `max_model_len`).
+The **checkpoint unit** is where a hit can end: one block by default
+(`checkpoint_granularity = "block"`: a shared prefix of 100 tokens reuses 96 with block 16; a
+tail, branch or output capture off the GDN kernel's 64-token chunks costs one partial chunk),
+or lcm(`block_size`, 64) tokens with `"chunk"` (captures free, a hit covers whole units: 64 of
+those 100). Interval checkpoints stay on multiples of lcm(`block_size`, 64). `engine.ready`
+logs the unit and the sizes the budget gave (`kv_tokens`, `live_slots`, `checkpoint_slots`,
+`max_model_len`).
 """,
 }
 

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltaserve.cache.manager import GDN_CHUNK_SIZE
 from deltaserve.tools.cache_bounds import checkpoint_belady, kv_only_belady, kv_only_lru
 from deltaserve.tools.simulation import GiB, MiB, SimConfig, SimResult
 from deltaserve.tools.workloads import Workload, expand
@@ -35,7 +33,7 @@ class Bounds:
 
 def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
     bs = cfg.block_size
-    unit = math.lcm(bs, GDN_CHUNK_SIZE)
+    unit = cfg.unit
     return Bounds(
         kv_lru=kv_only_lru(oracle.served, cfg.kv_blocks, bs),
         kv_belady=kv_only_belady(oracle.served, cfg.kv_blocks, bs),
@@ -203,7 +201,7 @@ def _grid(rows: list[list[str]]) -> str:
 def header_line(workload: Workload, cfg: SimConfig, arrival_mode: str) -> str:
     reqs = expand(workload)
     prompt = sum(len(s.prompt_ids) for s, _ in reqs)
-    unit = math.lcm(cfg.block_size, GDN_CHUNK_SIZE)
+    unit = cfg.unit
     return (
         f"workload {workload.name}: {len(reqs)} requests, {prompt} prompt tokens, {arrival_mode}; "
         f"KV {cfg.kv_blocks} blocks x {cfg.block_size} tok = {cfg.kv_bytes / MiB:.0f} MiB; "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from typing import Any
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
 from deltaserve.cache.arena import PageUse, blocks_per_page
-from deltaserve.cache.manager import GDN_CHUNK_SIZE
+from deltaserve.cache.manager import checkpoint_unit
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.sizing import Capacity, build_scheduler
 from deltaserve.scheduler import Request
@@ -90,6 +89,11 @@ class SimConfig:
     @property
     def block_size(self) -> int:
         return self.engine.cache.block_size
+
+    @property
+    def unit(self) -> int:
+        """Tokens between two boundaries a hit or a tail / branch / output capture may sit on."""
+        return checkpoint_unit(self.block_size, granularity=self.engine.cache.checkpoint_granularity)
 
     @property
     def checkpoint_interval(self) -> int:
@@ -221,7 +225,7 @@ def oracle_sizes(workload: Workload, cfg: SimConfig) -> tuple[int, int]:
     for spec, _ in expand(workload):
         total += len(spec.prompt_ids) + spec.max_tokens
         n += 1
-    unit = math.lcm(cfg.block_size, GDN_CHUNK_SIZE)
+    unit = cfg.unit
     blocks = total // cfg.block_size + 2 * n + 16
     slots = total // unit + 2 * n + cfg.max_num_seqs + 16
     return blocks, slots

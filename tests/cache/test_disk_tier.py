@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from deltaserve.cache import CacheManager, CacheManagerConfig, SeqCache, StepItem
+from deltaserve.cache import CacheManager, CacheManagerConfig, CheckpointGranularity, SeqCache, StepItem
 from deltaserve.cache.disk_tier import DiskTier
 from deltaserve.cache.types import DiskItemKind, StepPlan, TransferKind
 
@@ -67,7 +67,10 @@ def manager(store: DictStore, **kw: Any) -> CacheManager:
     cfg: dict[str, Any] = dict(
         block_size=BS, num_kv_blocks=40, num_live_slots=2, num_checkpoint_slots=4,
         checkpoint_bytes=CKPT_BYTES, kv_block_bytes=KV_BYTES,
+        checkpoint_granularity=CheckpointGranularity.CHUNK,
     )  # fmt: skip
+    # chunk granularity: the boundaries below are multiples of 64 (what is tested does not depend on it;
+    # test_manager.py covers block granularity)
     cfg.update(kw)
     cm = CacheManager(CacheManagerConfig(**cfg))
     cm.attach_disk(

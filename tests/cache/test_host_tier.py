@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from deltaserve.cache import CacheManager, CacheManagerConfig, SeqCache, StepItem
+from deltaserve.cache import CacheManager, CacheManagerConfig, CheckpointGranularity, SeqCache, StepItem
 from deltaserve.cache.types import TransferKind
 
 from .helpers import lookup
@@ -276,7 +276,10 @@ def _manager(**kw: Any) -> CacheManager:
     cfg = dict(
         block_size=BS, num_kv_blocks=8, num_live_slots=2, num_checkpoint_slots=1, checkpoint_bytes=300,
         kv_block_bytes=100, num_host_kv_blocks=32, num_host_checkpoint_slots=4,
+        checkpoint_granularity=CheckpointGranularity.CHUNK,
     )  # fmt: skip
+    # chunk granularity: the boundaries below are multiples of 64 (what is tested does not depend on it;
+    # test_manager.py covers block granularity)
     cfg.update(kw)
     return CacheManager(CacheManagerConfig(**cfg))
 

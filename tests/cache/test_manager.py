@@ -19,7 +19,7 @@ def make(**kw: object) -> CacheManager:
 
 
 def run_prefill(cm: CacheManager, rid: str, toks: list[int], chunk: int = 10_000) -> None:
-    """Admit and compute all of ``toks`` in unit-aligned chunks, then free."""
+    """Admit and compute all of ``toks`` in block-aligned chunks, then free."""
     seq = cm.admit(rid, toks, b"s")
     assert seq is not None
     start = seq.num_cached_tokens
@@ -36,19 +36,20 @@ def run_prefill(cm: CacheManager, rid: str, toks: list[int], chunk: int = 10_000
     cm.check_integrity()
 
 
-def test_unit_is_lcm_of_block_and_chunk() -> None:
-    assert make(block_size=16).unit == 64
-    assert make(block_size=48).unit == 192
-    assert make(block_size=16, has_gdn=False).unit == 16
+def test_unit_is_the_block_and_intervals_stay_on_the_chunk_grid() -> None:
+    assert make(block_size=16).unit == 16 and make(block_size=48).unit == 48
+    assert make(checkpoint_interval=100).interval == 128  # lcm(16, 64) = 64
+    assert make(block_size=48, checkpoint_interval=100).interval == 192  # lcm(48, 64) = 192
+    assert make(has_gdn=False, checkpoint_interval=100).interval == 112
 
 
 def test_tail_checkpoint_gives_next_turn_a_hit() -> None:
     cm = make()
     turn1 = list(range(300))
     run_prefill(cm, "t1", turn1)
-    # tail = deepest unit boundary <= 299 -> 256
+    # tail = deepest block boundary <= 299 -> 288
     turn2 = turn1 + list(range(1000, 1100))
-    assert lookup(cm, turn2, b"s") == 256
+    assert lookup(cm, turn2, b"s") == 288
     assert cm.stats()["checkpoints.stored"] == 1
 
 
@@ -56,8 +57,8 @@ def test_hit_never_covers_the_last_prompt_token() -> None:
     cm = make()
     toks = list(range(256))
     run_prefill(cm, "a", toks)
-    # 256 tokens: tail = 192 (boundary <= 255); the hit for the same prompt is at most 255
-    assert lookup(cm, toks, b"s") == 192
+    # 256 tokens: tail = 240 (boundary <= 255); the hit for the same prompt is at most 255
+    assert lookup(cm, toks, b"s") == 240
 
 
 def test_kv_without_checkpoint_is_no_hybrid_hit_but_is_a_plain_hit() -> None:
@@ -79,20 +80,20 @@ def test_salt_separates_caches() -> None:
 def test_branch_capture_at_divergence() -> None:
     cm = make(checkpoint_interval=0)
     shared = list(range(150))
-    run_prefill(cm, "a", shared + list(range(500, 700)))  # tail at 320, nothing at 128
+    run_prefill(cm, "a", shared + list(range(500, 700)))  # tail at 336, nothing at 144
     b = cm.admit("b", shared + list(range(900, 1100)), b"s")
-    assert b is not None and b.num_cached_tokens == 0 and b.branch_boundary == 128
+    assert b is not None and b.num_cached_tokens == 0 and b.branch_boundary == 144
     toks = shared + list(range(900, 1100))
     assert cm.allocate(b, len(toks))
     plan = cm.plan_step([StepItem(b, toks, 0, len(toks), False)])
     assert sorted((c.boundary, c.kind, c.tracking) for c in plan.captures) == [
-        (128, CaptureKind.BRANCH, False),
-        (320, CaptureKind.TAIL, False),
+        (144, CaptureKind.BRANCH, False),
+        (336, CaptureKind.TAIL, False),
     ]
     cm.commit_step(plan)
     cm.free(b)
     cm.check_integrity()
-    assert lookup(cm, shared + [4242] * 50, b"s") == 128
+    assert lookup(cm, shared + [4242] * 50, b"s") == 144
 
 
 def test_staging_budget_and_pool_skips_are_counted() -> None:
@@ -136,15 +137,15 @@ def test_pinned_restore_source_survives_pool_pressure() -> None:
 
 
 def test_kv_eviction_prefers_leaves_without_checkpoints() -> None:
-    cm = make(num_kv_blocks=40, checkpoint_interval=0)
-    run_prefill(cm, "a", list(range(300)))  # 18 blocks, checkpoint at 256 (block 16)
-    run_prefill(cm, "b", list(range(1000, 1100)), chunk=64)  # 6 blocks, checkpoint at 64
+    cm = make(num_kv_blocks=43, checkpoint_interval=0)
+    run_prefill(cm, "a", list(range(304)))  # 19 blocks, tail checkpoint at 288 (block 18)
+    run_prefill(cm, "b", list(range(1000, 1112)), chunk=64)  # 7 blocks, tail checkpoint at 96
     seq = cm.admit("c", list(range(5000, 5300)), b"s")
     assert seq is not None
-    assert cm.allocate(seq, 300)  # needs 19, 16 free -> evicts 3 checkpoint-less leaves
-    assert lookup(cm, list(range(300)) + [1], b"s") == 256
-    assert lookup(cm, list(range(1000, 1100)) + [1], b"s") == 64
-    assert cm.stats()["kv.evicted_blocks"] == 3
+    assert cm.allocate(seq, 300)  # needs 19, 17 free -> evicts the 2 checkpoint-less leaves
+    assert lookup(cm, list(range(304)) + [1], b"s") == 288
+    assert lookup(cm, list(range(1000, 1112)) + [1], b"s") == 96
+    assert cm.stats()["kv.evicted_blocks"] == 2
     cm.check_integrity()
 
 
@@ -164,12 +165,12 @@ def test_output_tracking_checkpoint_published_on_finish() -> None:
     seq = cm.admit("a", toks, b"s")
     assert seq is not None and cm.allocate(seq, 100)
     cm.commit_step(cm.plan_step([StepItem(seq, toks, 0, 100, False)]))
-    # decode until 130 tokens: crosses the unit boundary 128
+    # decode until 130 tokens: crosses the block boundaries 112 and 128
     for n in range(100, 130):
         toks.append(n + 10_000)
         assert cm.allocate(seq, n + 1)
         plan = cm.plan_step([StepItem(seq, toks, n, n + 1, True)])
-        if n + 1 == 128:
+        if n + 1 in (112, 128):
             assert plan.decode_copies == [(seq.state_slot, seq.tracking_slot)]
             assert cm.slots.ckpt_state[seq.tracking_slot] is SlotState.TRACKING
         else:
@@ -225,14 +226,14 @@ def test_unknown_policy_names_known_ones() -> None:
 
 def test_v1_tail_never_evicts_a_live_checkpoint_but_output_may() -> None:
     cm = make(num_checkpoint_slots=1, num_kv_blocks=200, checkpoint_interval=0, checkpoint_policy="v1")
-    run_prefill(cm, "a", list(range(300)))  # the one slot: tail checkpoint at 256 (live)
+    run_prefill(cm, "a", list(range(300)))  # the one slot: tail checkpoint at 288 (live)
     toks = list(range(1000, 1300))
     seq = cm.admit("b", toks, b"s")
     assert seq is not None and cm.allocate(seq, 300)
     plan = cm.plan_step([StepItem(seq, toks, 0, 300, False)])
     assert plan.captures == [] and cm.stats()["checkpoints.skipped_pool"] == 1
     cm.commit_step(plan)
-    assert lookup(cm, list(range(300)) + [1], b"s") == 256  # still there
+    assert lookup(cm, list(range(300)) + [1], b"s") == 288  # still there
     cm.free(seq)
     cm.check_integrity()
 
@@ -250,9 +251,9 @@ def test_v1_deeper_checkpoint_demotes_the_chain_above() -> None:
 def test_extending_a_leaf_is_not_a_branch_but_diverging_from_a_live_path_is() -> None:
     cm = make(checkpoint_interval=0)
     turn1 = list(range(300))
-    run_prefill(cm, "t1", turn1)  # tail checkpoint at 256; the path ends (leaf) at 288
+    run_prefill(cm, "t1", turn1)  # tail checkpoint at 288, where the path ends (leaf)
     nxt = cm.admit("t2", turn1 + list(range(500, 600)), b"s")
-    assert nxt is not None and nxt.num_cached_tokens == 256 and nxt.branch_boundary == 0
+    assert nxt is not None and nxt.num_cached_tokens == 288 and nxt.branch_boundary == 0
     cm.free(nxt, publish_output=False)
     # a prompt leaving turn1's path at 200 while the path goes on: proven shared at 192
     side = cm.admit("t3", turn1[:200] + list(range(700, 800)), b"s")
@@ -268,7 +269,7 @@ def test_concurrent_prompts_sharing_an_unpublished_prefix_branch() -> None:
     b = cm.admit("b", shared + list(range(900, 1000)), b"s")
     assert a is not None and b is not None
     assert a.branch_boundary == 0  # nothing known when it arrived
-    assert b.branch_boundary == 128  # shares 9 full blocks with a's prompt in flight
+    assert b.branch_boundary == 144  # shares 9 full blocks with a's prompt in flight
     cm.free(a, publish_output=False)
     cm.free(b, publish_output=False)
     cm.check_integrity()
@@ -277,15 +278,15 @@ def test_concurrent_prompts_sharing_an_unpublished_prefix_branch() -> None:
 def test_v1_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
     cm = make(num_checkpoint_slots=1, num_kv_blocks=300, checkpoint_interval=0, checkpoint_policy="v1")
     shared = list(range(150))
-    run_prefill(cm, "a", shared + list(range(500, 600)))  # tail at 192: the one slot
+    run_prefill(cm, "a", shared + list(range(500, 600)))  # tail at 240: the one slot
     b_toks = shared + list(range(900, 1000))
     b = cm.admit("b", b_toks, b"s")
-    assert b is not None and b.branch_boundary == 128
+    assert b is not None and b.branch_boundary == 144
     assert cm.allocate(b, len(b_toks))
     cm.commit_step(cm.plan_step([StepItem(b, b_toks, 0, len(b_toks), False)]))
     cm.free(b)
     branch_node = next(n for n in cm.tree.nodes() if n.checkpoint_slot is not None)
-    assert branch_node.depth * 16 == 128 and branch_node.policy_state.protected  # the branch evicted a's tail
+    assert branch_node.depth * 16 == 144 and branch_node.policy_state.protected  # the branch evicted a's tail
     # an unrelated request's output tracking (speculative) may not displace it
     c_toks = list(range(3000, 3100))
     c = cm.admit("c", c_toks, b"s")
@@ -297,5 +298,5 @@ def test_v1_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
         cm.commit_step(cm.plan_step([StepItem(c, c_toks, n, n + 1, True)]))
     assert c.tracking_slot == -1 and cm.stats()["checkpoints.skipped_pool"] >= 1
     cm.free(c)
-    assert lookup(cm, shared + [1] * 30, b"s") == 128
+    assert lookup(cm, shared + [1] * 30, b"s") == 144
     cm.check_integrity()

@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from deltaserve.cache import CacheManager, CacheManagerConfig, CaptureKind, PrefixMatch, StepItem
+from deltaserve.cache import (
+    CacheManager,
+    CacheManagerConfig,
+    CaptureKind,
+    CheckpointGranularity,
+    PrefixMatch,
+    StepItem,
+)
 from deltaserve.cache.eviction import CostModel
 from deltaserve.cache.reuse import ReuseLearner, _bounds, _bucket
 from deltaserve.cache.value_eviction import ValueEviction
@@ -23,7 +30,10 @@ def make(**kw: object) -> CacheManager:
         num_checkpoint_slots=4,
         checkpoint_bytes=100,
         checkpoint_interval=0,
+        checkpoint_granularity=CheckpointGranularity.CHUNK,
     )
+    # chunk granularity: the boundaries below are multiples of 64 (what is tested does not depend on it;
+    # test_manager.py covers block granularity)
     cfg.update(kw)
     return CacheManager(CacheManagerConfig(**cfg))  # type: ignore[arg-type]
 

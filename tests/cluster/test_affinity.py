@@ -6,12 +6,12 @@ import random
 
 import pytest
 
+from deltaserve.cache import CheckpointGranularity, checkpoint_unit
 from deltaserve.cache.hashing import block_hashes, make_salt
 from deltaserve.cluster.affinity import (
     AffinityIndex,
     AffinityPolicy,
     RouteHint,
-    checkpoint_unit,
     pack_keys,
     route_keys,
     short_key,
@@ -50,9 +50,10 @@ def index(**policy: object) -> tuple[AffinityIndex, Clock]:
 
 # ---------------------------------------------------------------------------- keys
 def test_unit_and_keys_are_the_engine_block_hashes_at_unit_boundaries() -> None:
-    assert (
-        checkpoint_unit(16) == 64 and checkpoint_unit(48) == 192 and checkpoint_unit(16, has_gdn=False) == 16
-    )
+    chunk = CheckpointGranularity.CHUNK
+    assert checkpoint_unit(16) == 16 and checkpoint_unit(48) == 48  # the default: any block boundary
+    assert checkpoint_unit(16, granularity=chunk) == 64 and checkpoint_unit(48, granularity=chunk) == 192
+    assert checkpoint_unit(16, has_gdn=False, granularity=chunk) == 16
     ids = conv(1, 200)
     keys = route_keys(ids, block_size=BS, unit=UNIT, salt=SALT)
     full = block_hashes(ids, BS, SALT)

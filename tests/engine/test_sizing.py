@@ -87,13 +87,19 @@ def test_no_room_for_a_single_kv_block_is_a_config_error() -> None:
 
 
 def test_build_scheduler_checks_the_unit_against_the_token_budget() -> None:
-    config = cfg(**{"cache.block_size": 48, "scheduler.max_num_batched_tokens": 128})
+    config = cfg(**{
+        "cache.block_size": 48, "cache.checkpoint_granularity": "chunk", "scheduler.max_num_batched_tokens": 128,
+    })  # fmt: skip
     with pytest.raises(
-        ConfigError, match=r"must be >= the checkpoint unit lcm\(cache.block_size, 64\) = 192"
+        ConfigError,
+        match=r"must be >= the checkpoint unit \(192 tokens: cache.block_size, or lcm\(cache.block_size, 64\) "
+        r"with cache.checkpoint_granularity = chunk\)",
     ):
         build_scheduler(config, plan_capacity(config, QWEN35_08B))
     sched = build_scheduler(cfg(), plan_capacity(cfg(), QWEN35_08B))
-    assert sched.cache.unit == 64 and sched.max_num_seqs == 26
+    assert sched.cache.unit == 16 and sched.max_num_seqs == 26
+    chunked = cfg(**{"cache.checkpoint_granularity": "chunk"})
+    assert build_scheduler(chunked, plan_capacity(chunked, QWEN35_08B)).cache.unit == 64
 
 
 def test_the_engine_gives_the_cache_its_models_prefill_cost(core_factory: object) -> None:

@@ -203,11 +203,11 @@ def test_steps_with_decodes_take_a_bounded_prefill(policy: str) -> None:
     s.add(request("long", 6000, 1, t=9))
     s.add(request("short", 50, 1, t=10))
     # decodes take 100 ms alone, target 200 ms: 100 prefill tokens a step: the long prompt's
-    # chunks end on the 64-token unit, the short prompt (50) fits whole but not beside a chunk;
-    # which comes first is the policy's (sjf: the short one)
+    # chunks end on block boundaries (96), the short prompt (50) fits whole but not beside a
+    # chunk of 96; which comes first is the policy's (sjf: the short one, with 48 of the long)
     shape = run(s, 6)
-    first = (4, 50) if policy == "sjf" else (4, 64)
-    assert shape == [first] + [(4, 64)] * 5
+    first = (4, 98) if policy == "sjf" else (4, 96)
+    assert shape == [first] + [(4, 96)] * 5
     assert s.step_budget is not None and s.step_budget.last_budget in (99, 100)
     assert s.stats()["scheduler.decode_step_prefill_budget"] in (99.0, 100.0)
 
@@ -221,6 +221,6 @@ def test_without_decodes_or_bound_the_step_takes_the_full_budget() -> None:
         off.add(request(f"d{i}", 100, 400, t=i))
     run(off, 3)
     off.add(request("long", 6000, 1, t=9))
-    # decodes + the rest of the token budget (2044), floored to the unit
-    assert run(off, 2) == [(4, 1984), (4, 1984)]
+    # decodes + the rest of the token budget (2044), floored to the unit (a block)
+    assert run(off, 2) == [(4, 2032), (4, 2032)]
     assert "scheduler.decode_step_prefill_budget" not in off.stats()

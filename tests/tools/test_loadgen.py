@@ -84,7 +84,9 @@ def test_compare_configs_on_identical_requests(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert [r.label for r in runs] == ["base", "cache.enable_prefix_caching=false", "base#3"]
     on, off, again = (r.summary for r in runs)
-    assert on["prefix_hit_rate"] > 0.4 and off["prefix_hit_rate"] == 0.0
+    # the first prompt's tail (144) is past the shared 140; the second leaves a branch checkpoint
+    # at the shared 128, which the third hits
+    assert 0.25 < on["prefix_hit_rate"] < 0.35 and off["prefix_hit_rate"] == 0.0
     assert again["prefix_hit_rate"] == on["prefix_hit_rate"]
     assert [r.prompt_hash for r in runs[0].records] == [r.prompt_hash for r in runs[1].records]
     assert [r.output_token_ids for r in runs[0].records] == [r.output_token_ids for r in runs[1].records]
