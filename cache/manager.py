@@ -369,6 +369,36 @@ class CacheManager:
         seq.num_cached_tokens = end * self.block_size
         seq.disk_hit_tokens = (end - hit) * self.block_size
 
+    def wait_for_shared_prefix(self, match: PrefixMatch, token_ids: Sequence[int], min_tokens: int) -> bool:
+        """Whether admitting the prompt now would recompute at least ``min_tokens`` past its hit
+        that another admitted request is computing right now (its prompt's blocks, not yet
+        published). If so, that request is asked for a branch checkpoint where the two prompts
+        part (unless it has passed it), so this one resumes there a step or two later instead
+        of computing the shared prefix beside it. Ends when those blocks are published or
+        their request leaves: a wait is bounded by another request's progress."""
+        if not self.enabled or min_tokens <= 0:
+            return False
+        depth = self.kv.inflight_depth(match, token_ids)
+        if depth <= len(match.path):
+            return False
+        boundary = depth * self.block_size // self.unit * self.unit
+        if min(boundary, len(token_ids) - 1) - match.hit_tokens < min_tokens:
+            return False
+        if self.has_gdn:
+            self._ask_branch(match.hashes[depth - 1], depth, boundary)
+        return True
+
+    def _ask_branch(self, key: int, depth: int, boundary: int) -> None:
+        """The active request computing block ``depth`` (hash ``key``) captures a branch
+        checkpoint at ``boundary`` if it has not published that far (keeping a deeper branch
+        of its own it has not reached)."""
+        for seq in self.active.values():
+            if seq.num_inflight >= depth and seq.hashes[depth - 1] == key and len(seq.nodes) < depth:
+                published = len(seq.nodes) * self.block_size
+                if seq.branch_boundary <= published or seq.branch_boundary < boundary:
+                    seq.branch_boundary = boundary
+                return
+
     def disk_fetch(self, request_id: str, token_ids: Sequence[int], match: PrefixMatch) -> DiskFetch | None:
         """The request's disk hit beyond ``match`` (``DiskTier.fetch``): None when the disk
         adds nothing; else being read (``done`` false: the request waits) or read."""

@@ -77,6 +77,15 @@ class PrefixIndex:
         branch = (shared * self.block_size // unit) * unit
         return branch if diverges and branch > match.hit_tokens else 0
 
+    def inflight_depth(self, match: PrefixMatch, token_ids: Sequence[int]) -> int:
+        """Full blocks of the prompt that the tree holds or another admitted request is
+        computing (its prompt's blocks not yet published), from the root."""
+        shared, hashes = len(match.path), match.hashes
+        full = len(token_ids) // self.block_size
+        while shared < full and hashes[shared] in self.inflight:
+            shared += 1
+        return shared
+
     def hold_inflight(self, seq: SeqCache, num_blocks: int) -> None:
         """Register the request's first ``num_blocks`` prompt blocks as being computed."""
         seq.num_inflight = num_blocks

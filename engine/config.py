@@ -352,6 +352,15 @@ class SchedulerConfig(_Section):
         NonNegInt,
         _doc(">0: at most this many prompt tokens per request per step, so prompts prefill side by side."),
     ] = 0
+    shared_prefix_wait_tokens: Annotated[
+        NonNegInt,
+        _doc(
+            "A waiting prompt that shares at least this many tokens past its cache hit with a prompt being "
+            "computed now is admitted once that one has published them (and a checkpoint where the two part), "
+            "instead of computing them beside it: a burst of requests on one new system prompt computes it "
+            "once. 0 = off."
+        ),
+    ] = 128
     max_waiting: Annotated[
         int, _doc("Most waiting requests; beyond, generate raises EngineOverloadedError.", ge=1)
     ] = 4096

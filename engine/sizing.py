@@ -420,6 +420,7 @@ def build_scheduler(
         max_num_partial_prefills=sc.max_num_partial_prefills,
         enable_chunked_prefill=sc.enable_chunked_prefill,
         long_prefill_token_threshold=sc.long_prefill_token_threshold,
+        shared_prefix_wait_tokens=sc.shared_prefix_wait_tokens if config.cache.enable_prefix_caching else 0,
         step_budget=_step_budget(config, cache.unit),
     )
 

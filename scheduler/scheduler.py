@@ -126,6 +126,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         step_budget: StepBudget | None = None,
+        shared_prefix_wait_tokens: int = 0,
     ) -> None:
         self.cache = cache
         self.policy = policy
@@ -134,6 +135,9 @@ class Scheduler:
         self.max_num_partial_prefills = max_num_partial_prefills
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # a waiting prompt that shares at least this many tokens past its hit with a prompt
+        # being computed waits for that one's checkpoint (0: never waits)
+        self.shared_prefix_wait_tokens = shared_prefix_wait_tokens
         # None: a step with decodes takes the full token budget of prefill
         self.step_budget = step_budget
         self.unit = cache.unit
@@ -419,6 +423,10 @@ class Scheduler:
         )
         if disk is not None and not disk.done:
             return 0  # its disk hit is being read: the others go on meanwhile
+        if not req.compute_whole_prompt and self.cache.wait_for_shared_prefix(
+            match, req.token_ids, self.shared_prefix_wait_tokens
+        ):
+            return 0  # another request is computing its prefix now: resume from its checkpoint
         end = self._chunk_end(hit, req.num_tokens, self._piece_budget(req, step.budget))
         if end == hit:
             return None  # not even one chunk fits this step: keep the order, wait

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from deltaserve.cache import CacheManager, CacheManagerConfig
+from deltaserve.cache import CacheManager, CacheManagerConfig, CaptureKind
 from deltaserve.engine import ConfigError, EngineConfig
 from deltaserve.engine.cli import add_config_args, config_from_args
 from deltaserve.scheduler import PolicyContext, Request, Scheduler, SchedulingPolicy, make_policy
@@ -151,6 +151,7 @@ def make_scheduler(
     blocks: int = 400,
     seqs: int = 16,
     budget: int = 512,
+    wait: int = 0,
     **opts: Any,
 ) -> Scheduler:
     """Real Scheduler + CacheManager (torch-free) with a policy given by name or instance."""
@@ -164,7 +165,9 @@ def make_scheduler(
         )
     )
     chosen = make_policy(policy, opts) if isinstance(policy, str) else policy
-    return Scheduler(cm, chosen, max_num_seqs=seqs, max_num_batched_tokens=budget)
+    return Scheduler(
+        cm, chosen, max_num_seqs=seqs, max_num_batched_tokens=budget, shared_prefix_wait_tokens=wait
+    )
 
 
 def sim_step(s: Scheduler, finished: list[Request]) -> Any:
@@ -252,3 +255,46 @@ def test_hit_rate_stats_count_each_request_once_under_kv_pressure() -> None:
     stats = s.cache.stats()
     assert stats["prefix_cache.queries"] == 3
     assert stats["prefix_cache.query_tokens"] == 450
+
+
+@pytest.mark.parametrize("wait", [0, 64])
+def test_a_burst_on_one_new_prefix_computes_it_once(wait: int) -> None:
+    """Three prompts on one new 300-token prefix arrive together. With the wait on, the first
+    computes it (and a branch checkpoint at 288, where they part) while the others wait; they
+    resume there. Off, all three compute it side by side."""
+    s = make_scheduler(budget=2048, wait=wait)
+    shared = list(range(5000, 5300))
+    for i, rid in enumerate(("a", "b", "c")):
+        r = Request(rid, shared + list(range(10_000 * (i + 1), 10_000 * (i + 1) + 40)), Params(1))
+        r.arrival_time = float(i)
+        s.add(r)
+    done: list[Request] = []
+    first = sim_step(s, done)
+    assert [(x.request.request_id, x.start) for x in first.seqs] == (
+        [("a", 0)] if wait else [("a", 0), ("b", 0), ("c", 0)]
+    )
+    if wait:
+        assert sorted((c.boundary, c.kind) for c in first.plan.captures) == [
+            (288, CaptureKind.BRANCH),
+            (336, CaptureKind.TAIL),
+        ]
+        second = sim_step(s, done)
+        assert [(x.request.request_id, x.start) for x in second.seqs] == [("b", 288), ("c", 288)]
+    while s.has_work():
+        sim_step(s, done)
+    assert sorted(r.request_id for r in done) == ["a", "b", "c"]
+    assert s.cache.stats()["prefix_cache.hit_tokens"] == (2 * 288 if wait else 0)
+
+
+def test_the_wait_ends_when_the_prompt_it_waits_for_leaves() -> None:
+    s = make_scheduler(budget=2048, wait=64)
+    shared = list(range(5000, 5300))
+    s.add(Request("a", shared + [1] * 40, Params(1)))
+    s.add(Request("b", shared + [2] * 40, Params(1)))
+    out = s.schedule()  # a admitted (its step in flight); b waits for it
+    assert out is not None and [r.request_id for r in s.running] == ["a"]
+    assert [r.request_id for r in s.waiting] == ["b"]
+    assert [r.request_id for r in s.fail_step(out)] == ["a"]  # a's step fails: a ends
+    s.check_integrity()
+    again = s.schedule()
+    assert again is not None and [(x.request.request_id, x.start) for x in again.seqs] == [("b", 0)]
