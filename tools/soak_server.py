@@ -1,6 +1,8 @@
 """A bounded soak of ``deltaserve serve``: mixed good and bad traffic for ``--duration``
-seconds against a server process on 127.0.0.1, with the process's RSS, open file descriptors,
-running requests and 5xx count sampled every ``--every`` seconds.
+seconds against a server on 127.0.0.1, with the RSS and open file descriptors of every process
+it runs (the server, its front ends and its engine core process: ``--engine-process``,
+``--api-server-count N``; extra ``serve`` flags after ``--``), running requests and 5xx count
+sampled every ``--every`` seconds.
 
 Traffic (``--workers`` loops, each picking at random): streaming chats read to the end, streams
 left after two chunks (a disconnect), ``n = 2`` completions with stop strings, and bad bodies
@@ -8,7 +10,7 @@ left after two chunks (a disconnect), ``n = 2`` completions with stop strings, a
 the server must have answered no 5xx, its running requests must be back to 0, and RSS and file
 descriptors must be flat (last sample against the first after warm-up).
 
-    python tools/soak_server.py [--duration 600] [--workers 8] [--json soak.json]
+    python tools/soak_server.py [--duration 600] [--workers 8] [--json soak.json] [-- --engine-process]
 """
 
 from __future__ import annotations
@@ -55,17 +57,48 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str]:
     return proc, first.split(" at ")[1].split()[0].removesuffix("/v1")
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the server's front ends and engine core process)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue  # gone meanwhile
+    return out
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            found = re.search(r"VmRSS:\s+(\d+)", f.read())
+        return int(found.group(1)) if found else 0
+    except OSError:
+        return 0
+
+
+def _fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
 def sample(pid: int, metrics: str) -> dict[str, float]:
-    with open(f"/proc/{pid}/status") as f:
-        rss_kb = int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))  # type: ignore[union-attr]
+    """The server's numbers now; RSS and descriptors summed over its process tree."""
+    procs = process_tree(pid)
 
     def value(pattern: str) -> float:
         # any labels after the pattern (every series has model_name)
         return sum(float(v) for v in re.findall(rf"^{pattern}(?:\{{[^}}]*\}})? (\S+)$", metrics, re.M))
 
     return {
-        "rss_mb": rss_kb / 1024,
-        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "processes": len(procs),
+        "rss_mb": sum(_rss_kb(p) for p in procs) / 1024,
+        "fds": sum(_fds(p) for p in procs),
         "running": value(r"deltaserve:num_requests_running"),
         "waiting": value(r"deltaserve:num_requests_waiting"),
         "errors_5xx": value(r'deltaserve:http_errors_total\{[^}]*status="5\d\d"\}'),
@@ -141,6 +174,8 @@ def verdict(result: dict[str, Any]) -> list[str]:
         problems.append(f"requests left: running {end['running']:.0f}, waiting {end['waiting']:.0f}")
     if end["rss_mb"] > base["rss_mb"] * 1.15 + 20:
         problems.append(f"RSS grew {base['rss_mb']:.0f} -> {end['rss_mb']:.0f} MB")
+    if end["processes"] != base["processes"]:
+        problems.append(f"the server ran {base['processes']:.0f} processes, then {end['processes']:.0f}")
     if end["fds"] > base["fds"] + 16:
         problems.append(f"open file descriptors grew {base['fds']:.0f} -> {end['fds']:.0f}")
     return problems
@@ -154,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("serve_args", nargs="*", help="extra deltaserve serve flags (after --)")
     args = parser.parse_args(argv)
     configure_logging("info")
-    proc, url = start_server([])
+    proc, url = start_server(args.serve_args)
     try:
         result = asyncio.run(soak(url, proc.pid, args.duration, args.workers, args.every))
     finally:

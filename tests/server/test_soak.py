@@ -19,3 +19,15 @@ def test_ten_minutes_of_mixed_traffic_leave_the_server_as_it_was(tmp_path: Path)
     result = json.loads(out.read_text())
     assert code == 0 and result["problems"] == [], result["problems"]
     assert len(result["samples"]) >= 55 and sum(result["counts"].values()) > 1000
+
+
+@pytest.mark.slow
+def test_two_minutes_with_the_engine_core_in_its_own_process(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    code = main(
+        ["--duration", "120", "--workers", "4", "--every", "10", "--json", str(out), "--", "--engine-process"]
+    )
+    result = json.loads(out.read_text())
+    assert code == 0 and result["problems"] == [], result["problems"]
+    # the server and its engine core process, watched as one
+    assert {s["processes"] for s in result["samples"]} == {2} and sum(result["counts"].values()) > 100
