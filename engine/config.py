@@ -429,10 +429,10 @@ class EngineLoopConfig(_Section):
             "Where `deltaserve serve` runs the engine core: in_process (AsyncEngine, the step thread beside "
             "the HTTP front end) | separate (its own process: scheduler, cache, model and sampling there; "
             "tokenizing, detokenizing, stop strings and HTTP in the server's; docs/server.md). "
-            "`--engine-process` sets separate. An application picks by constructing AsyncEngine or "
+            "`--in-process` sets in_process. An application picks by constructing AsyncEngine or "
             "EngineProcClient."
         ),
-    ] = CoreProcess.IN_PROCESS
+    ] = CoreProcess.SEPARATE
 
 
 class LoggingConfig(_Section):

@@ -17,11 +17,12 @@ stdout, then serves. SIGINT / SIGTERM drain: no new connections, in-flight reque
 ``--drain-timeout`` seconds to finish, what is left is aborted, and the process exits 0. A
 second signal exits at once (still 0: leftovers are aborted).
 
-``--engine-process`` (``engine.core_process = "separate"``) runs the engine core in a process
-of its own (``EngineProcClient``, docs/server.md): if that process dies, open streams end with
-an error, ``/health`` answers 503, and the server drains and exits 1 (a supervisor restarts
-it). ``--api-server-count N`` (N > 1, implies ``--engine-process``) runs N front-end processes
-on one listening socket around one core (``server/front_ends.py``).
+By default (``engine.core_process = "separate"``) the engine core runs in a process of its own
+(``EngineProcClient``, docs/server.md): if that process dies, open streams end with an error,
+``/health`` answers 503, and the server drains and exits 1 (a supervisor restarts it).
+``--in-process`` runs it on a thread of the server's process (``AsyncEngine``).
+``--api-server-count N`` (N > 1) runs N front-end processes on one listening socket around one
+core (``server/front_ends.py``).
 """
 
 from __future__ import annotations
@@ -73,9 +74,14 @@ def _add_model_args(s: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization", type=float, default=None, metavar="F",
         help="cache.gpu_memory_utilization: share of the GPU's memory the engine may use (CUDA)",
     )  # fmt: skip
-    s.add_argument(
+    core = s.add_mutually_exclusive_group()
+    core.add_argument(
         "--engine-process", action="store_true",
-        help="engine.core_process=separate: the engine core in its own process (docs/server.md)",
+        help="engine.core_process=separate (the default): the engine core in its own process (docs/server.md)",
+    )  # fmt: skip
+    core.add_argument(
+        "--in-process", action="store_true",
+        help="engine.core_process=in_process: the engine core on a thread of the server's process",
     )  # fmt: skip
     s.add_argument(
         "--api-server-count", type=int, default=1, metavar="N",
@@ -210,7 +216,11 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
         value = getattr(args, dest)
         if value is not None:
             out[key] = value
-    if getattr(args, "engine_process", False) or getattr(args, "api_server_count", 1) > 1:
+    if getattr(args, "in_process", False):
+        if getattr(args, "api_server_count", 1) > 1:
+            raise ConfigError("--api-server-count > 1 shares one engine core process: not with --in-process")
+        out["engine.core_process"] = "in_process"
+    elif getattr(args, "engine_process", False) or getattr(args, "api_server_count", 1) > 1:
         out["engine.core_process"] = "separate"
     return out
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.engine.cli import config_from_args
-from deltaserve.engine.config import DType, EngineConfig
+from deltaserve.engine.config import CoreProcess, DType, EngineConfig
 from deltaserve.engine.errors import ConfigError
 from deltaserve.models import ensure_builtin_model
 from deltaserve.server import auth
@@ -153,3 +153,14 @@ def test_a_key_with_replicas_is_refused_not_dropped(capsys: pytest.CaptureFixtur
     assert package_main(["serve", "--replicas", "2", "--api-key", "k"]) == 2
     assert "--api-key and the CORS options are not applied with --replicas" in capsys.readouterr().err
     assert package_main(["serve", "--replicas", "2", "--allowed-origins", "*"]) == 2
+
+
+def test_the_engine_core_runs_in_its_own_process_unless_asked_otherwise() -> None:
+    assert EngineConfig().engine.core_process is CoreProcess.SEPARATE
+    assert "engine.core_process" not in engine_overrides(parse())
+    assert engine_overrides(parse("--in-process"))["engine.core_process"] == "in_process"
+    assert engine_overrides(parse("--engine-process"))["engine.core_process"] == "separate"
+    with pytest.raises(ConfigError, match=r"--api-server-count > 1 shares one engine core process"):
+        engine_overrides(parse("--in-process", "--api-server-count", "2"))
+    with pytest.raises(SystemExit):
+        parse("--in-process", "--engine-process")
