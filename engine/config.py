@@ -415,6 +415,15 @@ class EngineLoopConfig(_Section):
             "EngineProcClient."
         ),
     ] = CoreProcess.IN_PROCESS
+    release_memory: Annotated[
+        bool,
+        _doc(
+            "Give freed host memory back to the OS: fixed glibc malloc thresholds (buffers of 1 MiB or more "
+            "are unmapped when freed) and `malloc_trim` each time the engine goes idle, so resident memory "
+            "stays at weights + cache budget + overhead (the `expected_rss_mib` of the capacity line) "
+            "across runs. No effect off glibc. See docs/architecture.md (Memory)."
+        ),
+    ] = True
 
 
 class LoggingConfig(_Section):
