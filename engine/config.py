@@ -418,10 +418,9 @@ class EngineLoopConfig(_Section):
     release_memory: Annotated[
         bool,
         _doc(
-            "Give freed host memory back to the OS: fixed glibc malloc thresholds (buffers of 1 MiB or more "
-            "are unmapped when freed) and `malloc_trim` each time the engine goes idle, so resident memory "
-            "stays at weights + cache budget + overhead (the `expected_rss_mib` of the capacity line) "
-            "across runs. No effect off glibc. See docs/architecture.md (Memory)."
+            "Give freed host memory back to the OS (glibc `malloc_trim`) each time the engine goes idle, so "
+            "resident memory returns to weights + cache pools + overhead between bursts instead of keeping "
+            "the largest step's activation temporaries. No effect off glibc. See docs/architecture.md (Host memory)."
         ),
     ] = True
 

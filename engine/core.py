@@ -41,7 +41,7 @@ from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
-from deltaserve.engine.memory import Releaser, configure_allocator, resident
+from deltaserve.engine.memory import Releaser, resident
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.engine.overlap import Overlap
 from deltaserve.engine.request_state import RequestState
@@ -87,8 +87,6 @@ class EngineCore:
         # front end's to apply (engine/core_proc.py)
         self.detokenize = detokenize
         set_level(config.logging.level.value)
-        if config.engine.release_memory:  # before the weights and pools are allocated
-            configure_allocator()
         self.releaser = Releaser(config.engine.release_memory)
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config.model.dtype, self.device)

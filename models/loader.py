@@ -134,6 +134,7 @@ def load_model(
     state = model.convert_checkpoint(state)
     _check_weights(folder, model, state)
     model.load_state_dict(state, strict=False, assign=True)
+    state.clear()  # the model holds the tensors now: fusion below frees each original it replaces
     model.tie_weights()
     fuse_model(model)  # one matmul per group of projections sharing an input
     model.to(device)  # non-checkpoint buffers (rope frequencies) follow the weights
