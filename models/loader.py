@@ -203,9 +203,10 @@ def _read_checkpoint(
     for file in files:
         if not file.is_file():
             raise ModelNotFoundError(f"weight file listed in the index is missing: {file}")
-        # pread: each tensor is read into memory of its own, so the weights are resident once (a
-        # memory map would stay mapped, and counted, beside the fused copies made of its tensors)
-        with safe_open(str(file), framework="pt", device=str(torch.device(device)), backend="pread") as f:
+        # CPU: each tensor is read (pread) into memory of its own, so the weights are resident
+        # once (a memory map stays mapped, and resident, beside the fused copies of its tensors)
+        backend = "pread" if torch.device(device).type == "cpu" else "mmap"
+        with safe_open(str(file), framework="pt", device=str(torch.device(device)), backend=backend) as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 name = rename(key)
                 if name is not None:

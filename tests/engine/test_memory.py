@@ -23,6 +23,7 @@ from deltaserve.engine.sizing import (
     plan_capacity,
     workspace_bytes,
 )
+from deltaserve.models import LoadedModel
 from tests.engine.conftest import greedy, run_to_completion
 
 MiB = 1024**2
@@ -130,6 +131,16 @@ def test_releaser_releases_once_per_idle_after_work() -> None:
     off = Releaser(enabled=False)
     off.worked()
     assert off.idle() is False and off.releases == 0
+
+
+@pytest.mark.skipif(not LINUX, reason="/proc/self/maps is Linux's")
+def test_loaded_weights_do_not_map_the_checkpoint(tiny_loaded: LoadedModel) -> None:
+    """The weights are read into memory of their own: no safetensors file stays mapped (a map
+    would stay resident beside the fused copies made of its tensors)."""
+    files = sorted(Path(tiny_loaded.path).glob("*.safetensors"))
+    assert files
+    maps = Path("/proc/self/maps").read_text()
+    assert not [f for f in files if str(f.resolve()) in maps]
 
 
 SHAPE = ModelShape(
