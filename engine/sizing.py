@@ -60,7 +60,8 @@ BOOKKEEPING_BLOCKS = 1 << 20
 DEFAULT_CHECKPOINT_FRACTION = 0.2
 #: resident memory besides weights, pools and activations: Python, torch, transformers, the
 #: tokenizer (twice: the step thread detokenizes with its own copy), the server. Measured
-#: 0.42 GiB for the engine on the built-in model; the rest is headroom.
+#: 0.43 GiB for the engine and for ``deltaserve serve`` on the built-in model; the rest is
+#: headroom for a full-size tokenizer.
 FIXED_OVERHEAD_BYTES = 768 * MiB
 #: live float32 values per token, in units of the widest projection's output, at the peak of a
 #: prefill step: the projection output, its activation, the residual stream and the GDN/attention
