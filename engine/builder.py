@@ -53,10 +53,16 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def model_shape(loaded: LoadedModel, spec: CacheSpec) -> ModelShape:
-    """The torch-free numbers capacity planning and the cache's value model need."""
+def model_shape(loaded: LoadedModel, spec: CacheSpec, *, host_resident: bool = False) -> ModelShape:
+    """The torch-free numbers capacity planning and the cache's value model need;
+    ``host_resident`` (a CPU engine): also the weights' bytes and the widths that size one
+    step's activations, for the capacity line's ``expected_rss_mib``."""
     per_token, per_pair = prefill_flops(loaded, spec)
+    weights, widest = weight_footprint(loaded.model) if host_resident else (0, 0)
     return ModelShape(
+        weight_bytes=weights,
+        widest_features=widest,
+        vocab_size=int(loaded.hf_config.vocab_size) if host_resident else 0,
         kv_bytes_per_token=spec.kv_block_bytes(1) if spec.num_attn_layers else 0,
         state_bytes=spec.state_slot_bytes() if spec.num_gdn_layers else 0,
         padded_state_bytes=spec.padded_state_bytes() if spec.num_gdn_layers else 0,
@@ -65,6 +71,27 @@ def model_shape(loaded: LoadedModel, spec: CacheSpec) -> ModelShape:
         prefill_flops_per_token=per_token,
         prefill_flops_per_token_pair=per_pair,
     )
+
+
+def weight_footprint(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of the model's parameters and buffers (a tied tensor counted once), and the widest
+    output of a linear projection other than the lm_head (whose logits are taken for sampled
+    rows only)."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    widest = max(
+        (
+            m.out_features
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n != "lm_head"
+        ),
+        default=0,
+    )
+    return total, widest
 
 
 def prefill_flops(loaded: LoadedModel, spec: CacheSpec) -> tuple[float, float]:
@@ -122,7 +149,8 @@ def plan_engine_capacity(
         budget = cuda_cache_budget(
             config, lambda: ModelRunner.profile(loaded, ops, tokens, bs, device), device
         )
-    return plan_capacity(config, model_shape(loaded, spec), budget_bytes=budget)
+    shape = model_shape(loaded, spec, host_resident=device.type == "cpu")
+    return plan_capacity(config, shape, budget_bytes=budget)
 
 
 def build_runner(

@@ -433,6 +433,14 @@ class EngineLoopConfig(_Section):
             "EngineProcClient."
         ),
     ] = CoreProcess.SEPARATE
+    release_memory: Annotated[
+        bool,
+        _doc(
+            "Give freed host memory back to the OS (glibc `malloc_trim`) each time the engine goes idle, so "
+            "resident memory returns to weights + cache pools + overhead between bursts instead of keeping "
+            "the largest step's activation temporaries. No effect off glibc. See docs/architecture.md (Host memory)."
+        ),
+    ] = True
 
 
 class LoggingConfig(_Section):

@@ -41,6 +41,7 @@ from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
+from deltaserve.engine.memory import Releaser, resident
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.engine.overlap import Overlap
 from deltaserve.engine.request_state import RequestState
@@ -86,6 +87,7 @@ class EngineCore:
         # front end's to apply (engine/core_proc.py)
         self.detokenize = detokenize
         set_level(config.logging.level.value)
+        self.releaser = Releaser(config.engine.release_memory)
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.ops = resolve_ops(config, self.device)
@@ -133,8 +135,10 @@ class EngineCore:
         self.overlap = Overlap(self) if self.async_scheduling else None
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
+        now = resident()  # measured, beside the capacity line's expected_rss_mib
         log.info(
             "engine.ready",
+            **({"rss_mib": now.mib()["rss_mib"]} if now is not None else {}),
             model=str(self.loaded.path),
             model_type=self.loaded.model_type,
             dtype=str(self.dtype),
@@ -243,8 +247,16 @@ class EngineCore:
 
         With ``engine.async_scheduling`` the outputs are those of the step before
         (``engine/overlap.py``): the first call returns none, and ``has_work`` stays true until
-        the last step in flight has been processed.
+        the last step in flight has been processed. The step that leaves no work gives the
+        memory freed since the last idle back to the OS (``engine.release_memory``).
         """
+        self.releaser.worked()
+        outputs = self._step()
+        if not self.has_work():
+            self.releaser.idle()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.overlap is not None:
             return self.overlap.step()
         out = self.scheduler.schedule()

@@ -25,6 +25,12 @@ half the budget (beyond that fewer live slots are made and ``warnings`` says so)
 ``max_model_len`` defaults to min(model maximum, tokens the KV pool holds); an explicit
 value the pool cannot hold is a ``ConfigError`` naming both numbers.
 
+Host memory (a CPU engine, ``ModelShape.weight_bytes`` > 0): the capacity line states the
+resident memory the engine plans for, ``expected_rss_mib`` = weights + the pools (device and
+host tier) + the activation workspace of one step (``max_num_batched_tokens`` tokens through
+the widest projection, and the logits of ``max_num_seqs`` rows) + ``FIXED_OVERHEAD_BYTES``
+(interpreter, torch, tokenizer). ``engine.release_memory`` keeps the process there across runs.
+
 Both ``EngineCore`` and ``tools/simulate_cache.py`` build their scheduler with
 ``build_scheduler`` from a ``Capacity``, so the simulator replays exactly the engine's
 configuration. Torch-free by design: ``ModelShape`` is plain numbers (the engine derives
@@ -52,6 +58,17 @@ LIVE_SLOT_SHARE = 0.5
 BOOKKEEPING_BLOCKS = 1 << 20
 #: fixed split: the checkpoints' share when only the KV pool's size is explicit
 DEFAULT_CHECKPOINT_FRACTION = 0.2
+#: resident memory besides weights, pools and activations: Python, torch, transformers, the
+#: tokenizer (twice: the step thread detokenizes with its own copy), the server. Measured
+#: 0.43 GiB for the engine and for ``deltaserve serve`` on the built-in model; the rest is
+#: headroom for a full-size tokenizer.
+FIXED_OVERHEAD_BYTES = 768 * MiB
+#: live float32 values per token, in units of the widest projection's output, at the peak of a
+#: prefill step: the projection output, its activation, the residual stream and the GDN/attention
+#: temporaries. Measured 4.8 on the Qwen3.5-0.8B shape (315 MiB for 2,048 tokens); 6 is the bound.
+ACTIVATION_WIDTHS = 6
+#: the logits of a sampled row and the sampler's temporaries (probabilities, sorted copy)
+LOGITS_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,11 @@ class ModelShape:
     prefill_flops_per_token_pair: float = 1.0 / 65536
     # one state as a shared-arena page lays it out (per-layer ranges aligned); 0: state_bytes
     padded_state_bytes: int = 0
+    # host memory planning (a CPU engine; 0: not stated): the weights as loaded, the widest
+    # projection's output features and the vocabulary (activation workspace, ``workspace_bytes``)
+    weight_bytes: int = 0
+    widest_features: int = 0
+    vocab_size: int = 0
 
     @property
     def has_gdn(self) -> bool:
@@ -108,11 +130,46 @@ class Capacity:
     # the host tier as one budget: pages of ``host_page_blocks`` host blocks or one checkpoint
     num_host_pages: int = 0
     host_page_blocks: int = 0
+    # host memory (a CPU engine; 0 = not stated): weights, one step's activations, the rest
+    weight_bytes: int = 0
+    workspace_bytes: int = 0
+    overhead_bytes: int = 0
     warnings: tuple[str, ...] = field(default=())
 
     @property
     def shared(self) -> bool:
         return self.num_pages > 0
+
+    @property
+    def pool_bytes(self) -> int:
+        """The device cache tensors: the shared arena, or the fixed pools."""
+        if self.shared:
+            return self.arena_bytes
+        return self.kv_bytes + self.live_bytes + self.checkpoint_bytes
+
+    @property
+    def host_tier_bytes(self) -> int:
+        """The host tier's tensors (``cache.host_*``)."""
+        pages = self.num_host_pages * self.host_page_blocks * self.kv_block_bytes
+        return (
+            pages
+            + self.num_host_kv_blocks * self.kv_block_bytes
+            + self.num_host_checkpoint_slots * self.state_bytes
+        )
+
+    @property
+    def expected_resident_bytes(self) -> int:
+        """What the process should hold resident (a CPU engine): weights + pools + host tier +
+        one step's activations + the fixed overhead; 0 when the weights are not known."""
+        if not self.weight_bytes:
+            return 0
+        return (
+            self.weight_bytes
+            + self.pool_bytes
+            + self.host_tier_bytes
+            + self.workspace_bytes
+            + self.overhead_bytes
+        )
 
     @property
     def page_bytes(self) -> int:
@@ -189,6 +246,7 @@ class Capacity:
                 if self.num_host_kv_blocks or self.num_host_checkpoint_slots
                 else {}
             ),
+            **self._resident(),
             **(
                 {
                     "host_pages": self.num_host_pages,
@@ -200,6 +258,27 @@ class Capacity:
                 else {}
             ),
         }
+
+    def _resident(self) -> dict[str, Any]:
+        """The host-memory part of the capacity line (empty when the weights are not known)."""
+        if not self.weight_bytes:
+            return {}
+        return {
+            "expected_rss_mib": round(self.expected_resident_bytes / MiB, 1),
+            "weights_mib": round(self.weight_bytes / MiB, 1),
+            "workspace_mib": round(self.workspace_bytes / MiB, 1),
+            "overhead_mib": round(self.overhead_bytes / MiB, 1),
+        }
+
+
+def workspace_bytes(config: EngineConfig, shape: ModelShape) -> int:
+    """One step's activation temporaries, bounded: ``max_num_batched_tokens`` tokens of
+    ``ACTIVATION_WIDTHS`` x the widest projection, and the logits of ``max_num_seqs`` rows, in
+    float32 (0 when the model's widths are not known)."""
+    sc = config.scheduler
+    prefill = sc.max_num_batched_tokens * ACTIVATION_WIDTHS * shape.widest_features * 4
+    logits = sc.max_num_seqs * LOGITS_COPIES * shape.vocab_size * 4
+    return prefill + logits
 
 
 def shared_mode(config: EngineConfig, shape: ModelShape) -> bool:
@@ -287,6 +366,9 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
         prefill_flops_per_token_pair=shape.prefill_flops_per_token_pair,
         num_pages=num_pages,
         page_blocks=per_page,
+        weight_bytes=shape.weight_bytes,
+        workspace_bytes=workspace_bytes(config, shape) if shape.weight_bytes else 0,
+        overhead_bytes=FIXED_OVERHEAD_BYTES if shape.weight_bytes else 0,
         warnings=tuple(warnings),
     )
 

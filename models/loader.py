@@ -134,6 +134,7 @@ def load_model(
     state = model.convert_checkpoint(state)
     _check_weights(folder, model, state)
     model.load_state_dict(state, strict=False, assign=True)
+    state.clear()  # the model holds the tensors now: fusion below frees each original it replaces
     model.tie_weights()
     fuse_model(model)  # one matmul per group of projections sharing an input
     model.to(device)  # non-checkpoint buffers (rope frequencies) follow the weights
@@ -202,7 +203,10 @@ def _read_checkpoint(
     for file in files:
         if not file.is_file():
             raise ModelNotFoundError(f"weight file listed in the index is missing: {file}")
-        with safe_open(str(file), framework="pt", device=str(torch.device(device))) as f:
+        # CPU: each tensor is read (pread) into memory of its own, so the weights are resident
+        # once (a memory map stays mapped, and resident, beside the fused copies of its tensors)
+        backend = "pread" if torch.device(device).type == "cpu" else "mmap"
+        with safe_open(str(file), framework="pt", device=str(torch.device(device)), backend=backend) as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 name = rename(key)
                 if name is not None:
