@@ -5,7 +5,8 @@ Prints, for one model on this machine:
 
 * the roofline: STREAM-like copy and triad bandwidth (torch, arrays far larger than the last
   cache level) and the decode bound it implies, ``weight bytes / bandwidth``: a decode step
-  reads every weight once (the tied embedding once, as the head), whatever the batch;
+  reads every weight once (the tied embedding once, as the head), whatever the batch; and the
+  fp32 GEMM rate, which bounds a prefill: ``2 * tokens * projection weights / rate``;
 * measured engine step times (real ``EngineCore.step()`` calls: scheduler, cache planning,
   batch building, forward, sampler, outputs): decode at batch 1 and 4, and a prefill of
   ``--prefill-len`` tokens; medians, the forward's share, and each time over the bound;
@@ -36,6 +37,7 @@ from torch import nn
 
 from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
 from deltaserve.logs import configure_logging
+from deltaserve.models.linear import linear
 
 BANDWIDTH_BYTES = 256 * 1024**2  # per array: far beyond any last-level cache
 
@@ -68,6 +70,20 @@ def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, reps: int = 5) -> Bandwi
     copy = _best_time(lambda: a.copy_(b), reps)
     triad = _best_time(lambda: torch.add(b, c, alpha=2.0, out=a), reps)
     return Bandwidth(copy_gbs=2 * num_bytes / copy / 1e9, triad_gbs=3 * num_bytes / triad / 1e9)
+
+
+def measure_gemm_gflops(size: int = 1536, reps: int = 3) -> float:
+    """GFLOP/s of a square fp32 product through ``models.linear`` (the path the model's
+    projections take): the compute roof of a prefill."""
+    x, w = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / _best_time(lambda: linear(x, w), reps) / 1e9
+
+
+def projection_params(model: nn.Module) -> int:
+    """Weights of the per-token projections (every ``nn.Linear`` but the head): a prefill of
+    ``n`` tokens does ``2 * n`` FLOPs per weight in them (attention and the GDN scan excluded)."""
+    head = getattr(model, "lm_head", None)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -223,13 +239,15 @@ def run_profiles(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def report(bw: dict[int, Bandwidth], nbytes: int, times: list[StepTimes], threads: int) -> None:
+def report(
+    bw: dict[int, Bandwidth], gflops: dict[int, float], nbytes: int, times: list[StepTimes], threads: int
+) -> None:
     print(f"\nroofline  (weights {nbytes / 1e9:.3f} GB)")
     for t, b in bw.items():
         bound = nbytes / (b.best * 1e9) * 1e3
         print(
             f"  {t} thread(s): copy {b.copy_gbs:6.1f} GB/s  triad {b.triad_gbs:6.1f} GB/s"
-            f"  -> decode bound {bound:7.1f} ms/step"
+            f"  -> decode bound {bound:7.1f} ms/step;  fp32 GEMM {gflops[t]:6.1f} GFLOP/s"
         )
     print(f"\nengine steps  (torch threads {threads}; medians)")
     print(
@@ -240,10 +258,11 @@ def report(bw: dict[int, Bandwidth], nbytes: int, times: list[StepTimes], thread
             f"  {s.case:<14}{s.steps:>6}{s.step_ms:>10.1f}{s.forward_ms:>12.1f}"
             f"{s.step_ms - s.forward_ms:>9.1f}{s.cpu_ms:>9.1f}{s.ratio:>9.2f}"
         )
-    print("  (host: step minus forward; cpu: process CPU time, which other processes' load does not inflate)")
+    print("  (host: step minus forward; cpu: process CPU time, which other processes' load does not inflate;")
+    print("   bound: decode = weight bytes / bandwidth, prefill = projection FLOPs / GEMM rate)")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:tiny-qwen3.5", help="model folder or builtin:<name>")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
@@ -256,16 +275,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     p.add_argument("--cache-bytes", type=int, default=1024**3)
     p.add_argument("--json", type=Path, help="also write the numbers here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     configure_logging("warning")
-    bw = {}
+    bw, gflops = {}, {}
     for t in sorted({1, args.threads}):
         torch.set_num_threads(t)
         bw[t] = measure_bandwidth()
+        gflops[t] = measure_gemm_gflops()
     torch.set_num_threads(args.threads)
     core = build_engine(args)
     nbytes = weight_bytes(core.runner.model)
@@ -277,7 +297,10 @@ def main() -> None:
         times.append(h.prefill(args.prefill_len, args.prefill_reps))
     for s in times:
         s.bound_ms = bound_ms
-    report(bw, nbytes, times, args.threads)
+    if args.prefill_reps:
+        flops = 2 * projection_params(core.runner.model) * args.prefill_len
+        times[-1].bound_ms = max(bound_ms, flops / (gflops[args.threads] * 1e9) * 1e3)
+    report(bw, gflops, nbytes, times, args.threads)
     profiles = {} if args.no_profile else run_profiles(h, args)
     for case, prof in profiles.items():
         outside = prof["wall_s"] - prof["in_ops_s"]
@@ -288,6 +311,7 @@ def main() -> None:
             "threads": args.threads,
             "weight_bytes": nbytes,
             "bandwidth": {t: asdict(b) for t, b in bw.items()},
+            "gemm_gflops": gflops,
             "bound_ms": bound_ms,
             "steps": [{**asdict(s), "ratio": s.ratio} for s in times],
         }
