@@ -232,6 +232,8 @@ def run_profiles(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
     table, wall, in_ops = profile_table(decodes, args.top)
     h.drain()
     out["decode b=4"] = {"table": table, "wall_s": wall, "in_ops_s": in_ops}
+    if not args.prefill_reps:
+        return out
     h.add(1, args.prefill_len, 1)
     table, wall, in_ops = profile_table(h.core.step, args.top)
     h.drain()
