@@ -12,8 +12,10 @@ Contract (docs/contracts.md, "Cache tensors" and "Kernel ops"); the Triton path 
   keys first). Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Decode is ``qlen_b == 1``.
   Softmax in float32; output ``[T, Hq, Dv]`` in ``q.dtype``.
 
-This is the oracle, so it is written for clarity: one sequence at a time, gather its K/V through
-its block table into a dense ``[seq_len, Hkv, D]`` tensor, masked softmax.
+This is the oracle, so prefill segments are written for clarity: one sequence at a time, gather
+its K/V through its block table into a dense ``[seq_len, Hkv, D]`` tensor, masked softmax. The
+decodes (one query each) are the CPU serving path's hot loop: all of them in one batch, each KV
+head's slice of the gathered context read in place (``_batched_decode``).
 """
 
 from __future__ import annotations
