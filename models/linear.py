@@ -5,9 +5,9 @@ leading axes). On the CPU, for float32 / bfloat16 without autograd, the product 
 oneDNN (``mkldnn._linear_pointwise``) on the weight as it is stored (no packed copy, no
 extra memory) instead of aten's BLAS path. Why: the BLAS torch ships (MKL) does not use the
 AVX-512 kernels on non-Intel CPUs and streams a weight poorly for a handful of rows; on a
-2-core AMD EPYC host oneDNN ran a 512-row prefill GEMM about 2x faster and a 1- or 4-row
-decode GEMM 1.2x (1 row) to 1.5x (4 rows) faster (``tools/profile_cpu.py`` measures the whole step). Results agree
-with the BLAS path to float rounding (summation order differs).
+2-core AMD EPYC host oneDNN ran a 512-row prefill GEMM about 2x faster and a decode GEMM
+1.2x (1 row) to 1.5x (4 rows) faster (``tools/profile_cpu.py`` measures the whole step).
+Results agree with the BLAS path to float rounding (summation order differs).
 
 One exception, measured on the same host: a float32 product of 2 to 4 rows with a weight at
 least twice as tall as wide (the fused input projections, gate/up, the vocabulary head: most
