@@ -333,7 +333,8 @@ def recurrent_gated_delta_rule(
     """
     num_v_heads = v.shape[-2]
     qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
-    if ssm_state.dtype != torch.float32 or ssm_state.device != v.device:
+    if ssm_state.dtype != torch.float32 or ssm_state.device != v.device or v.device.type != "cpu":
+        # (on an accelerator the slot list would cost a host sync per layer; it runs the Triton op)
         return _recurrent_gathered(qf, kf, v, g, beta, ssm_state, state_slots)
     decay = g.float().exp()  # [N, H]
     # q^T S and k^T S of every sequence, each from its slot (a view: nothing is copied)
@@ -360,7 +361,7 @@ def _recurrent_gathered(
     state_slots: torch.Tensor,
 ) -> torch.Tensor:
     """The decode step on an fp32 copy of the states (a state tensor in another dtype or on
-    another device than the inputs), written back converted."""
+    another device than the inputs, or not on the CPU), written back converted."""
     slots = state_slots.to(device=ssm_state.device, dtype=torch.long)
     s = ssm_state.index_select(0, slots).float().to(v.device)  # [N, H, Dk, Dv]
     s = s * g.float().exp()[..., None, None]
