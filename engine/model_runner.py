@@ -51,6 +51,7 @@ from deltaserve.cache.types import Transfer
 from deltaserve.engine.batch_buffer import BatchBuffer
 from deltaserve.engine.disk_io import DiskIO
 from deltaserve.engine.grammar import Grammars
+from deltaserve.engine.host_malloc import keep_freed_memory
 from deltaserve.engine.host_pool import Failure, HostPool
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
@@ -166,6 +167,8 @@ class ModelRunner:
         self.ops = ops
         self.sizes = sizes
         self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()  # the forward's large intermediates reuse heap pages (no page faults)
         self.spec: CacheSpec = self.model.cache_spec()
         if sizes.num_pages:
             self.caches: ModelCaches = self.spec.allocate_arena(

@@ -12,8 +12,10 @@ Contract (docs/contracts.md, "Cache tensors" and "Kernel ops"); the Triton path 
   keys first). Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Decode is ``qlen_b == 1``.
   Softmax in float32; output ``[T, Hq, Dv]`` in ``q.dtype``.
 
-This is the oracle, so it is written for clarity: one sequence at a time, gather its K/V through
-its block table into a dense ``[seq_len, Hkv, D]`` tensor, masked softmax.
+This is the oracle, so prefill segments are written for clarity: one sequence at a time, gather
+its K/V through its block table into a dense ``[seq_len, Hkv, D]`` tensor, masked softmax. The
+decodes (one query each) are the CPU serving path's hot loop: all of them in one batch, each KV
+head's slice of the gathered context read in place (``_batched_decode``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def paged_attention(
     # Decode segments (one query token) are batched: one gather and two batched matmuls for all
     # of them instead of a Python iteration each — this is the CPU serving path, not only the oracle.
     decodes = [b for b in range(len(context_lens)) if bounds[b + 1] - bounds[b] == 1]
-    if len(decodes) > 1:
+    if decodes:
         _batched_decode(q, k_cache, v_cache, block_tables, bounds, context_lens, decodes, scale, group, out)
         done = set(decodes)
     else:
@@ -115,7 +117,12 @@ def _batched_decode(
     group: int,
     out: torch.Tensor,
 ) -> None:
-    """Attention of one query token per listed segment, all segments in one batched computation."""
+    """Attention of one query token per listed segment, all segments in one batched computation.
+
+    The context is read once: the blocks are gathered into ``[Bd, K, Hkv, D]`` and each KV
+    head's slice of it (row stride ``Hkv * D``) goes to the batched products as it is, without
+    the head-major copy an einsum over all heads makes, nor a head-repeated copy per query head.
+    """
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     contexts = [context_lens[b] for b in decodes]
     if min(contexts) < 1:
@@ -123,18 +130,25 @@ def _batched_decode(
     num_blocks = -(-max(contexts) // block_size)
     rows = torch.tensor(decodes, device=block_tables.device)
     tables = block_tables[rows, :num_blocks].to(device=k_cache.device, dtype=torch.long)  # [Bd, nb]
-    batch = len(decodes)
-    keys = k_cache[tables].reshape(batch, num_blocks * block_size, num_kv_heads, -1).to(q.device).float()
-    values = v_cache[tables].reshape(batch, num_blocks * block_size, num_kv_heads, -1).to(q.device).float()
-    token_rows = torch.tensor([bounds[b] for b in decodes], device=q.device)
-    queries = q[token_rows].float().view(batch, num_kv_heads, group, -1)  # head h -> kv head h // group
-    scores = torch.einsum("bhgd,bkhd->bhgk", queries, keys) * scale
-    ctx = torch.tensor(contexts, device=q.device)
-    hidden = torch.arange(num_blocks * block_size, device=q.device)[None, :] >= ctx[:, None]  # [Bd, K]
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    batch, width = len(decodes), num_blocks * block_size
+    flat = tables.reshape(-1)
+    keys = k_cache.index_select(0, flat).view(batch, width, num_kv_heads, -1).to(q.device).float()
+    values = v_cache.index_select(0, flat).view(batch, width, num_kv_heads, -1).to(q.device).float()
     # Positions past a sequence's end (block tails, other requests' stale data) may hold any
-    # value, even inf/NaN: a zero probability times NaN is NaN, so zero them explicitly.
-    values = values.masked_fill(hidden[:, :, None, None], 0.0)
-    res = torch.einsum("bhgk,bkhd->bhgd", probs, values).reshape(batch, num_kv_heads * group, -1)
-    out[token_rows] = res.to(q.dtype)
+    # value, even inf/NaN: a zero probability times NaN is NaN, so zero them (in the gathered
+    # copy: only each sequence's tail).
+    for i, context in enumerate(contexts):
+        if context < width:
+            values[i, context:].zero_()
+    token_rows = torch.tensor([bounds[b] for b in decodes], device=q.device)
+    queries = (
+        q[token_rows].float().view(batch, num_kv_heads, group, -1) * scale
+    )  # head h -> kv head h // group
+    ctx = torch.tensor(contexts, device=q.device)
+    hidden = torch.arange(width, device=q.device)[None, None, :] >= ctx[:, None, None]  # [Bd, 1, K]
+    res = torch.empty(batch, num_kv_heads, group, values.shape[-1], dtype=torch.float32, device=q.device)
+    for h in range(num_kv_heads):
+        scores = torch.bmm(queries[:, h], keys[:, :, h].transpose(1, 2))  # [Bd, group, K]
+        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        res[:, h] = torch.bmm(probs, values[:, :, h])
+    out[token_rows] = res.reshape(batch, num_kv_heads * group, -1).to(q.dtype)

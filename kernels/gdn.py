@@ -330,10 +330,46 @@ def recurrent_gated_delta_rule(
     """One decode token per sequence: ``q, k [N, Hk, Dk]``, ``v [N, Hv, Dv]``, ``g, beta [N, Hv]``.
 
     Reads ``ssm_state[state_slots]``, applies one step of the recurrence, writes the new state back
-    to the same slots (in place) and returns ``o [N, Hv, Dv]`` in ``v.dtype``.
+    to the same slots (in place) and returns ``o [N, Hv, Dv]`` in ``v.dtype``. ``state_slots``
+    are distinct (each sequence has its own live slot).
+
+    The state is the large operand (``Hv * Dk * Dv`` floats per sequence, streamed from memory
+    every step), so it is read once and updated in place, with no gathered copy: with
+    ``d = exp(g)`` and ``S`` the old state, ``k^T (d S) = d (k^T S)`` and
+    ``q^T S' = d (q^T S) + (q . k) delta``, so one batched product ``[q; k]^T S`` gives both the
+    prediction and the output, then ``S' = d S + k delta^T`` is two in-place passes.
     """
     num_v_heads = v.shape[-2]
     qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
+    if ssm_state.dtype != torch.float32 or ssm_state.device != v.device or v.device.type != "cpu":
+        # (on an accelerator the slot list would cost a host sync per layer; it runs the Triton op)
+        return _recurrent_gathered(qf, kf, v, g, beta, ssm_state, state_slots)
+    decay = g.float().exp()  # [N, H]
+    # q^T S and k^T S of every sequence, each from its slot (a view: nothing is copied)
+    qk = torch.stack((qf, kf), dim=-2)  # [N, H, 2, Dk]
+    slots = [int(x) for x in state_slots.tolist()]
+    read = torch.stack([torch.bmm(qk[n], ssm_state[slot]) for n, slot in enumerate(slots)])  # [N, H, 2, Dv]
+    decay_col = decay[..., None]
+    delta = (v.float() - decay_col * read[:, :, 1]) * beta.float()[..., None]  # [N, H, Dv]
+    out = decay_col * read[:, :, 0] + (qf * kf).sum(-1, keepdim=True) * delta
+    for n, slot in enumerate(slots):
+        state = ssm_state[slot]  # [H, Dk, Dv], updated in place
+        state.mul_(decay[n].view(-1, 1, 1))
+        state.baddbmm_(kf[n].unsqueeze(-1), delta[n].unsqueeze(-2))
+    return out.to(v.dtype)
+
+
+def _recurrent_gathered(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """The decode step on an fp32 copy of the states (a state tensor in another dtype or on
+    another device than the inputs, or not on the CPU), written back converted."""
     slots = state_slots.to(device=ssm_state.device, dtype=torch.long)
     s = ssm_state.index_select(0, slots).float().to(v.device)  # [N, H, Dk, Dv]
     s = s * g.float().exp()[..., None, None]

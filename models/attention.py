@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from deltaserve.models.fusion import concat_linears
+from deltaserve.models.linear import Linear
 from deltaserve.models.rope import apply_rotary
 
 if TYPE_CHECKING:
@@ -50,10 +51,10 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.ops = ops
         q_out = num_heads * head_dim * (2 if gated else 1)
-        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, q_out, bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = norm_cls(head_dim, eps=rms_norm_eps)
         self.k_norm = norm_cls(head_dim, eps=rms_norm_eps)
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from deltaserve.models.attention import PagedAttention
 from deltaserve.models.batch import BatchMetadata, CacheSpec, ModelCaches
 from deltaserve.models.gdn import GatedDeltaNet, GdnSegments
+from deltaserve.models.linear import Linear
 from deltaserve.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class CausalLM(nn.Module):
             norm_cls(config.hidden_size, eps=config.rms_norm_eps),
             RotaryEmbedding.from_config(config, self.head_dim),
         )
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         tie = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         self.tie_word_embeddings = bool(tie)
         self.num_gdn_layers = 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.models.linear import Linear
+
 
 def concat_linears(*linears: nn.Linear) -> nn.Linear:
     """One ``nn.Linear`` computing every member's output, concatenated on the last axis."""
@@ -22,7 +24,7 @@ def concat_linears(*linears: nn.Linear) -> nn.Linear:
     if any((lin.bias is not None) != has_bias or lin.in_features != first.in_features for lin in linears):
         raise ValueError("can only fuse linears with the same input size and bias setting")
     out = sum(lin.out_features for lin in linears)
-    fused = nn.Linear(first.in_features, out, bias=has_bias, device="meta", dtype=first.weight.dtype)
+    fused = Linear(first.in_features, out, bias=has_bias, device="meta", dtype=first.weight.dtype)
     with torch.no_grad():
         fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
         if has_bias:

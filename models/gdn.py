@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaserve.models.fusion import concat_linears
+from deltaserve.models.linear import Linear
 from deltaserve.models.norms import GatedRMSNorm
 
 if TYPE_CHECKING:
@@ -100,14 +101,14 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
         self.in_proj: nn.Linear | None = None  # set by fuse_projections()
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
         self._init_projections(hidden_size)
 
     def _init_projections(self, hidden_size: int) -> None:
-        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden_size, self.num_v_heads, bias=False)
 
     def fuse_projections(self) -> None:
         self.in_proj = concat_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
@@ -207,8 +208,8 @@ class FusedGatedDeltaNet(GatedDeltaNet):
     """
 
     def _init_projections(self, hidden_size: int) -> None:
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden_size, 2 * self.num_v_heads, bias=False)
 
     def fuse_projections(self) -> None:
         self.in_proj = concat_linears(self.in_proj_qkvz, self.in_proj_ba)

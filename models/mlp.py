@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deltaserve.models.fusion import concat_linears
+from deltaserve.models.linear import Linear
 
 # The activations Qwen-family configs name (``hidden_act``). Ours, not transformers'
 # ACT2FN: importing that module pulls in the hub-kernels machinery and adds seconds to start-up.
@@ -36,9 +37,9 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = activation(hidden_act)
         self.intermediate_size = intermediate_size
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections()

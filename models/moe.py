@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deltaserve.models.linear import Linear, linear
 from deltaserve.models.mlp import GatedMLP, activation
 
 
@@ -31,7 +31,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """-> (weights ``[T, k]`` in ``x.dtype``, expert ids ``[T, k]``)."""
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -62,8 +62,8 @@ class Experts(nn.Module):
             tokens = token_of[start : start + count]
             weights = weight_of[start : start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[expert]) * weights[:, None]
+            gate, up = linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = linear(self.act_fn(gate) * up, self.down_proj[expert]) * weights[:, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
 
@@ -86,7 +86,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if shared_expert_intermediate_size > 0:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         top_w, top_i = self.gate(x)

@@ -141,3 +141,29 @@ def test_long_prefill_spans_several_query_tiles(rng: torch.Generator) -> None:
     scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double().expand(-1, 2, -1))
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_decodes", [1, 3])
+def test_decodes_ignore_stale_nan_past_their_end(num_decodes: int, rng: torch.Generator) -> None:
+    """Cache rows past a decode's context (its last block's tail, here NaN and inf) must not
+    reach its output, whether it decodes alone or batched with longer sequences."""
+    block_size, num_kv_heads, num_q_heads = 4, 2, 4
+    k_cache = torch.full((8, block_size, num_kv_heads, HEAD_DIM), float("nan"))
+    v_cache = torch.full((8, block_size, num_kv_heads, HEAD_DIM), float("inf"))
+    lengths = [5, 9, 2][:num_decodes]
+    tables, dense = [], []
+    next_block = 0
+    for length in lengths:
+        table = list(range(next_block, next_block + math.ceil(length / block_size)))
+        next_block += len(table)
+        keys = torch.randn(length, num_kv_heads, HEAD_DIM, generator=rng)
+        values = torch.randn(length, num_kv_heads, HEAD_DIM, generator=rng)
+        store_kv(keys, values, k_cache, v_cache, torch.tensor(flat_slots(table, range(length), block_size)))
+        tables.append(table + [0] * (3 - len(table)))
+        dense.append((keys, values))
+    q = torch.randn(num_decodes, num_q_heads, HEAD_DIM, generator=rng)
+    cu = torch.arange(num_decodes + 1)
+    out = paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu, torch.tensor(lengths), 0.125)
+    for b, (keys, values) in enumerate(dense):
+        ref = oracle_attention(q[b : b + 1], keys, values, 0.125)
+        torch.testing.assert_close(out[b : b + 1].double(), ref, atol=1e-5, rtol=1e-5)
