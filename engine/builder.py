@@ -6,6 +6,7 @@ planning is ``engine/sizing.py``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,18 @@ def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
     if dtype is DType.AUTO:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return TORCH_DTYPES[dtype]
+
+
+def cpu_threads(config: EngineConfig, device: torch.device) -> int | None:
+    """Set torch's intra-op threads for a CPU engine (``engine.cpu_threads``; 0: the CPUs this
+    process may use, less one, at least 1); the count set, or None on another device."""
+    if device.type != "cpu":
+        return None
+    n = config.engine.cpu_threads
+    if n == 0:
+        n = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
+    torch.set_num_threads(n)
+    return n
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

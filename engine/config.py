@@ -415,6 +415,16 @@ class KernelsConfig(_Section):
 class EngineLoopConfig(_Section):
     """``[engine]``: how the engine loop runs its steps."""
 
+    cpu_threads: Annotated[
+        NonNegInt,
+        _doc(
+            "On the CPU: torch's intra-op threads for the model (process-wide). 0 = the CPUs this process may "
+            "run on, less one for the HTTP front end and the tokenizer (at least 1): a forward that waits for a "
+            "descheduled thread costs more than one thread fewer (3-5x on a 2-core box with other work). "
+            "Ignored on CUDA."
+        ),
+    ] = 0
+
     async_scheduling: Annotated[
         bool,
         _doc(

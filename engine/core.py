@@ -27,6 +27,7 @@ import torch
 from deltaserve.engine.builder import (
     build_runner,
     close_disk_tier,
+    cpu_threads,
     model_info,
     open_disk_tier,
     plan_engine_capacity,
@@ -89,6 +90,7 @@ class EngineCore:
         set_level(config.logging.level.value)
         self.releaser = Releaser(config.engine.release_memory)
         self.device = resolve_device(config)
+        self.cpu_threads = cpu_threads(config, self.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.ops = resolve_ops(config, self.device)
         torch.manual_seed(config.model.seed)
@@ -144,6 +146,7 @@ class EngineCore:
             dtype=str(self.dtype),
             device=str(self.device),
             kernels=self.ops.name,
+            **({"cpu_threads": self.cpu_threads} if self.cpu_threads is not None else {}),
             block_size=config.cache.block_size,
             checkpoint_unit=self.cache.unit,
             **self.model_info.capacity,

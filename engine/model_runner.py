@@ -51,8 +51,8 @@ from deltaserve.cache.types import Transfer
 from deltaserve.engine.batch_buffer import BatchBuffer
 from deltaserve.engine.disk_io import DiskIO
 from deltaserve.engine.grammar import Grammars
-from deltaserve.engine.host_malloc import keep_freed_memory
 from deltaserve.engine.host_pool import Failure, HostPool
+from deltaserve.engine.memory import keep_freed_memory
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
 from deltaserve.engine.request_state import RequestState

@@ -12,8 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from deltaserve.engine import EngineConfig, EngineCore
+from deltaserve.engine.builder import cpu_threads
 from deltaserve.engine.memory import Releaser, parse_status, resident
 from deltaserve.engine.sizing import (
     ACTIVATION_WIDTHS,
@@ -227,3 +229,15 @@ def test_release_memory_off_keeps_the_allocator_as_it_is(core_factory: Callable[
     core.add_request(core.make_request(list(range(3, 40)), greedy(4)))
     run_to_completion(core)
     assert core.releaser.releases == 0
+
+
+def test_cpu_threads_leave_one_cpu_for_the_front_end() -> None:
+    before = torch.get_num_threads()
+    try:
+        assert cpu_threads(EngineConfig.load(None, {"engine.cpu_threads": 3}), torch.device("cpu")) == 3
+        assert torch.get_num_threads() == 3
+        auto = cpu_threads(EngineConfig(), torch.device("cpu"))
+        assert auto == max(1, len(os.sched_getaffinity(0)) - 1) == torch.get_num_threads()
+        assert cpu_threads(EngineConfig(), torch.device("cuda")) is None  # not ours to set there
+    finally:
+        torch.set_num_threads(before)

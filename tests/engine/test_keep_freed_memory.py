@@ -1,4 +1,4 @@
-"""``engine.host_malloc``: after ``keep_freed_memory`` a freed large tensor's pages are reused by
+"""``engine.memory``: after ``keep_freed_memory`` a freed large tensor's pages are reused by
 the next one of that size (no page fault per page), which is what the CPU step relies on."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from deltaserve.engine.host_malloc import keep_freed_memory
+from deltaserve.engine.memory import keep_freed_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 
