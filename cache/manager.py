@@ -371,33 +371,33 @@ class CacheManager:
 
     def wait_for_shared_prefix(self, match: PrefixMatch, token_ids: Sequence[int], min_tokens: int) -> bool:
         """Whether admitting the prompt now would recompute at least ``min_tokens`` past its hit
-        that another admitted request is computing right now (its prompt's blocks, not yet
-        published). If so, that request is asked for a branch checkpoint where the two prompts
-        part (unless it has passed it), so this one resumes there a step or two later instead
-        of computing the shared prefix beside it. Ends when those blocks are published or
-        their request leaves: a wait is bounded by another request's progress."""
+        that another admitted request is computing right now (its prompt's blocks, cached as KV
+        only or not at all, that it has not published yet). If so, that request is asked for a
+        branch checkpoint where the two prompts part (unless it has passed it), so this one
+        resumes there a step or two later instead of computing the shared prefix beside it.
+        Ends when those blocks are published or their request leaves: a wait is bounded by
+        another request's progress."""
         if not self.enabled or min_tokens <= 0:
             return False
         depth = self.kv.inflight_depth(match, token_ids)
-        if depth <= len(match.path):
-            return False
         boundary = depth * self.block_size // self.unit * self.unit
-        if min(boundary, len(token_ids) - 1) - match.hit_tokens < min_tokens:
+        if depth == 0 or min(boundary, len(token_ids) - 1) - match.hit_tokens < min_tokens:
             return False
-        if self.has_gdn:
-            self._ask_branch(match.hashes[depth - 1], depth, boundary)
+        owner = self._computing(match.hashes[depth - 1], depth)
+        if owner is None:
+            return False
+        published = len(owner.nodes) * self.block_size
+        if self.has_gdn and (owner.branch_boundary <= published or owner.branch_boundary < boundary):
+            owner.branch_boundary = boundary  # (a deeper branch of its own, not yet reached, stays)
         return True
 
-    def _ask_branch(self, key: int, depth: int, boundary: int) -> None:
-        """The active request computing block ``depth`` (hash ``key``) captures a branch
-        checkpoint at ``boundary`` if it has not published that far (keeping a deeper branch
-        of its own it has not reached)."""
+    def _computing(self, key: int, depth: int) -> SeqCache | None:
+        """The active request whose prompt holds block ``depth`` (chained hash ``key``: the
+        same prefix) and has not published it yet."""
         for seq in self.active.values():
-            if seq.num_inflight >= depth and seq.hashes[depth - 1] == key and len(seq.nodes) < depth:
-                published = len(seq.nodes) * self.block_size
-                if seq.branch_boundary <= published or seq.branch_boundary < boundary:
-                    seq.branch_boundary = boundary
-                return
+            if seq.num_inflight >= depth and len(seq.nodes) < depth and seq.hashes[depth - 1] == key:
+                return seq
+        return None
 
     def disk_fetch(self, request_id: str, token_ids: Sequence[int], match: PrefixMatch) -> DiskFetch | None:
         """The request's disk hit beyond ``match`` (``DiskTier.fetch``): None when the disk

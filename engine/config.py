@@ -370,12 +370,11 @@ class SchedulerConfig(_Section):
             "A step that carries decodes takes at most this many times the measured decode-only step "
             "time: its prefill gets what fits in the rest (at least one checkpoint unit). Bounds the "
             "inter-token latency while long prompts prefill; 0 = off (the full token budget). "
-            'Off by default until measured on a quiet machine (docs/architecture.md, "Inter-token '
-            'latency under prefill"); 4 is the suggested value.',
+            'Measured in docs/architecture.md ("Inter-token latency under prefill").',
             ge=0.0,
             le=1000.0,
         ),
-    ] = 0.0
+    ] = 4.0
     max_decode_step_ms: Annotated[
         float,
         _doc(

@@ -298,3 +298,25 @@ def test_the_wait_ends_when_the_prompt_it_waits_for_leaves() -> None:
     s.check_integrity()
     again = s.schedule()
     assert again is not None and [(x.request.request_id, x.start) for x in again.seqs] == [("b", 0)]
+
+
+def test_a_prefix_cached_as_kv_only_is_waited_for_while_another_computes_its_checkpoint() -> None:
+    """A first request left the shared 300 tokens as KV with its checkpoint past them (at 336).
+    Two more arrive together: the first computes the prefix again and leaves a branch checkpoint
+    at 288; the second waits a step and resumes there."""
+    s = make_scheduler(budget=2048, wait=64)
+    shared = list(range(5000, 5300))
+    done: list[Request] = []
+    s.add(Request("warm", shared + list(range(9000, 9040)), Params(1)))
+    while s.has_work():
+        sim_step(s, done)
+    for i, rid in enumerate(("a", "b")):
+        s.add(Request(rid, shared + list(range(10_000 * (i + 1), 10_000 * (i + 1) + 40)), Params(1)))
+    first = sim_step(s, done)
+    assert [(x.request.request_id, x.start) for x in first.seqs] == [("a", 0)]
+    assert (288, CaptureKind.BRANCH) in [(c.boundary, c.kind) for c in first.plan.captures]
+    second = sim_step(s, done)
+    assert [(x.request.request_id, x.start) for x in second.seqs] == [("b", 288)]
+    while s.has_work():
+        sim_step(s, done)
+    assert sorted(r.request_id for r in done) == ["a", "b", "warm"]
