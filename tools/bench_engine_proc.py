@@ -4,8 +4,8 @@
     python tools/bench_engine_proc.py [--modes in_process separate api2] [--concurrency 1 16 64]
                                       [--seeds 0] [--json out.json]
 
-For each mode a ``deltaserve serve`` is started (``in_process``: the default server;
-``separate``: ``--engine-process``; ``api2``: ``--api-server-count 2``) and, per concurrency and
+For each mode a ``deltaserve serve`` is started (``separate``: the default server;
+``in_process``: ``--in-process``; ``api2``: ``--api-server-count 2``) and, per concurrency and
 seed, one ``loadgen --backend engine openai`` run (random workload, 128-token prompts, 64 output
 tokens, the built-in model; requests: 8 at concurrency 1, else 3 x concurrency) gives the
 server's output tokens/s divided by the in-process engine's of the same run, and the TTFT p50
@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 ENGINE = ["--set", "scheduler.max_num_seqs=128", "--set", "logging.stats_interval_s=0"]
-MODE_FLAGS = {"in_process": [], "separate": ["--engine-process"], "api2": ["--api-server-count", "2"]}
+MODE_FLAGS = {"in_process": ["--in-process"], "separate": [], "api2": ["--api-server-count", "2"]}
 
 
 def cpu_s(pid: int) -> float:
