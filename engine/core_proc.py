@@ -18,6 +18,7 @@ dies (its pid gone) has its requests aborted; the core and the other front ends 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -136,6 +137,10 @@ class CoreLoop:
             self._answer_start_failure(e)
             return 1
         log.info("core_proc.ready", pid=os.getpid(), address=self.address)
+        # Everything built so far (model, tokenizer, cache bookkeeping) lives as long as the
+        # process: out of the collector's sight, a full collection walks only what steps make.
+        gc.collect()
+        gc.freeze()
         try:
             self._loop()
         finally:
