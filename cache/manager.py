@@ -372,11 +372,13 @@ class CacheManager:
     def wait_for_shared_prefix(self, match: PrefixMatch, token_ids: Sequence[int], min_tokens: int) -> bool:
         """Whether admitting the prompt now would recompute at least ``min_tokens`` past its hit
         that another admitted request is computing right now (its prompt's blocks, cached as KV
-        only or not at all, that it has not published yet). If so, that request is asked for a
-        branch checkpoint where the two prompts part (unless it has passed it), so this one
-        resumes there a step or two later instead of computing the shared prefix beside it.
-        Ends when those blocks are published or their request leaves: a wait is bounded by
-        another request's progress."""
+        only or not at all, that it has not published yet). If so, and a checkpoint fits without
+        displacing one (a free slot or page), that request is asked for a branch checkpoint where
+        the two prompts part (unless it has passed it), so this one resumes there a step or two
+        later instead of computing the shared prefix beside it; with the cache full it only
+        waits for the blocks (forced captures there displaced more valuable checkpoints: the
+        simulator's long-reuse trace lost 4 points to them). Ends when those blocks are
+        published or their request leaves: a wait is bounded by another request's progress."""
         if not self.enabled or min_tokens <= 0:
             return False
         depth = self.kv.inflight_depth(match, token_ids)
@@ -387,7 +389,10 @@ class CacheManager:
         if owner is None:
             return False
         published = len(owner.nodes) * self.block_size
-        if self.has_gdn and (owner.branch_boundary <= published or owner.branch_boundary < boundary):
+        room = self.slots.num_free_checkpoint > 0 or (
+            self.budget is not None and self.budget.arena.num_free > 0
+        )
+        if self.has_gdn and room and (owner.branch_boundary <= published or owner.branch_boundary < boundary):
             owner.branch_boundary = boundary  # (a deeper branch of its own, not yet reached, stays)
         return True
 

@@ -300,3 +300,24 @@ def test_v1_speculative_capture_never_evicts_a_proven_checkpoint() -> None:
     cm.free(c)
     assert lookup(cm, shared + [1] * 30, b"s") == 144
     cm.check_integrity()
+
+
+@pytest.mark.parametrize("free_slot", [True, False])
+def test_a_prompt_waits_for_one_computing_its_prefix_and_asks_a_branch_only_with_room(
+    free_slot: bool,
+) -> None:
+    cm = make(num_checkpoint_slots=1, checkpoint_interval=0)
+    if not free_slot:
+        run_prefill(cm, "old", list(range(7000, 7100)))  # the one slot: its tail checkpoint
+    shared = list(range(150))
+    a = cm.admit("a", shared + list(range(500, 600)), b"s")
+    assert a is not None and a.branch_boundary == 0
+    b_toks = shared + list(range(900, 1000))
+    m = cm.match(b_toks, b"s")
+    assert not cm.wait_for_shared_prefix(m, b_toks, 145)  # 144 shared tokens: less than asked for
+    assert cm.wait_for_shared_prefix(m, b_toks, 64)
+    # with a free slot, a captures where the prompts part; with none, nothing is displaced for it
+    assert a.branch_boundary == (144 if free_slot else 0)
+    cm.free(a, publish_output=False)
+    assert not cm.wait_for_shared_prefix(cm.match(b_toks, b"s"), b_toks, 64)  # nobody computes it now
+    cm.check_integrity()
