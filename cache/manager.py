@@ -385,7 +385,8 @@ class CacheManager:
         boundary = depth * self.block_size // self.unit * self.unit
         if depth == 0 or min(boundary, len(token_ids) - 1) - match.hit_tokens < min_tokens:
             return False
-        owner = self._computing(match.hashes[depth - 1], depth)
+        key = match.hashes[depth - 1]
+        owner = self._computing(key, depth) if key in self.kv.inflight else None  # O(1) first
         if owner is None:
             return False
         published = len(owner.nodes) * self.block_size

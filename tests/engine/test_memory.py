@@ -4,6 +4,7 @@ resident-set reader, the allocator settings and their effect, idle release, expe
 from __future__ import annotations
 
 import ctypes.util
+import mmap
 import os
 import subprocess
 import sys
@@ -67,10 +68,13 @@ def test_parse_status_without_the_split_fields_and_without_vmrss() -> None:
 def test_resident_grows_with_touched_memory() -> None:
     before = resident()
     assert before is not None and before.anon + before.file <= before.total + MiB
-    block = bytearray(64 * MiB)  # zero-filled: every page touched
+    # fresh pages from the kernel (a heap allocation may reuse pages already resident: the
+    # engine's allocator settings keep freed blocks), each one touched
+    block = mmap.mmap(-1, 64 * MiB)
+    block.write(b"\x01" * (64 * MiB))
     after = resident()
     assert after is not None and after.total - before.total >= 48 * MiB
-    del block
+    block.close()
 
 
 # The allocator scenario: a freed 16 MiB buffer (glibc then raises its mmap threshold to 16 MiB),

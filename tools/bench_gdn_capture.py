@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""The cost of a GDN checkpoint capture off the chunked kernel's 64-token grid.
+
+    python tools/bench_gdn_capture.py [--tokens 512 2048] [--threads 1] [--reps 7]
+
+Runs the reference ``chunk_gated_delta_rule`` (the CPU path) on one segment of the
+Qwen3.5-0.8B GDN shape (16 key / 16 value heads of dim 128) with no capture, a capture on the
+grid (the last chunk boundary before the end) and one off it (the last block boundary off the
+grid: padded to the next chunk boundary by ``kernels/capture_align.py``), interleaved, and prints the median
+time per layer of each and its ratio to no capture. glibc keeps freed blocks as the engine
+does on the CPU (``engine.memory.keep_freed_memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from deltaserve.engine.memory import keep_freed_memory
+from deltaserve.kernels.gdn import chunk_gated_delta_rule
+
+HEADS, DIM = 16, 128
+
+
+def time_cases(tokens: int, reps: int) -> dict[str, float]:
+    """Median seconds per call of each capture case on a ``tokens``-token segment."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, HEADS, DIM, generator=gen) for _ in range(3))
+    g = -torch.rand(tokens, HEADS, generator=gen) * 0.3
+    beta = torch.rand(tokens, HEADS, generator=gen)
+    cu, ssm = torch.tensor([0, tokens]), torch.zeros(2, HEADS, DIM, DIM)
+    slot, no = torch.tensor([0]), torch.tensor([False])
+    on_grid = (tokens - 1) // 64 * 64  # the last chunk boundary before the end
+    off_grid = next(b for b in range(tokens - 16, 0, -16) if b % 64)  # the last block boundary off it
+    cases = {"none": None, f"on-grid {on_grid}": on_grid, f"off-grid {off_grid}": off_grid}
+
+    def run(pos: int | None) -> None:
+        cap = {}
+        if pos is not None:
+            cap = {
+                "capture_seq": slot,
+                "capture_pos": torch.tensor([pos]),
+                "capture_slots": torch.tensor([1]),
+            }
+        chunk_gated_delta_rule(q, k, v, g, beta, cu, ssm, slot, no, **cap)
+
+    for pos in cases.values():  # warm-up: first-touch pages, kernel caches
+        run(pos)
+    times: dict[str, list[float]] = {c: [] for c in cases}
+    for _ in range(reps):
+        for case, pos in cases.items():
+            start = time.perf_counter()
+            run(pos)
+            times[case].append(time.perf_counter() - start)
+    return {case: statistics.median(t) for case, t in times.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    for tokens in args.tokens:
+        medians = time_cases(tokens, args.reps)
+        base = medians["none"]
+        for case, t in medians.items():
+            print(f"T={tokens:5d}  capture {case:>15}: {t * 1000:8.1f} ms per layer  ({t / base:.3f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
