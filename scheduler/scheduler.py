@@ -13,8 +13,10 @@ A step that carries decodes takes only the prefill that fits in its target time
 ``observe_step``), at least one checkpoint unit: streams keep moving while a long prompt
 prefills. A step without decodes keeps the full budget.
 
-Every prefill chunk except a prompt's last ends on a checkpoint-unit boundary, so chunks
-line up with GDN chunks and checkpoint captures cost no extra compute. When KV blocks run
+Every prefill chunk except a prompt's last ends on a checkpoint-unit boundary (a block by
+default), where its blocks can be published and a checkpoint taken. A waiting prompt that
+shares at least ``shared_prefix_wait_tokens`` past its hit with a prompt being computed now
+waits for that one (``CacheManager.wait_for_shared_prefix``) instead of computing it beside it. When KV blocks run
 out for a running request, the policy picks a victim among running requests not yet
 scheduled this step (possibly the request itself); the victim is freed and requeued, its
 published prefix stays cached, which makes the recompute cheap.
