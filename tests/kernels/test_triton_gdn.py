@@ -222,7 +222,7 @@ def test_strided_views_and_bf16(tops: Ops, rng: torch.Generator) -> None:
     assert_states_equal(ssm_ref, ssm_tri, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("seq", "pos"), [(0, 10), (0, 101), (0, -1), (1, 64), (2, 0)])
+@pytest.mark.parametrize(("seq", "pos"), [(0, 101), (0, -1), (1, 64), (2, 0)])  # (any 0..100 is valid)
 def test_invalid_capture_rejected(tops: Ops, seq: int, pos: int, rng: torch.Generator) -> None:
     q, k, v, g, beta, cu = make_inputs([100], 1, 1, rng)
     ssm = torch.zeros(3, 1, DK, DV, device=DEVICE)
