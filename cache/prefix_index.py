@@ -67,13 +67,9 @@ class PrefixIndex:
         not yet published). A path that simply ends (a leaf: the previous turn of this very
         conversation) is extended, not branched: only a path that goes on past the
         divergence, or another request computing the same prefix, proves a shared boundary."""
-        path, hashes = match.path, match.hashes
-        shared = len(path)
-        diverges = shared > 0 and bool(path[-1].children)
-        full = len(token_ids) // self.block_size
-        while shared < full and hashes[shared] in self.inflight:
-            shared += 1
-            diverges = True
+        path = match.path
+        shared = self.inflight_depth(match, token_ids)
+        diverges = shared > len(path) or (len(path) > 0 and bool(path[-1].children))
         branch = (shared * self.block_size // unit) * unit
         return branch if diverges and branch > match.hit_tokens else 0
 

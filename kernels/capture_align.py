@@ -106,6 +106,10 @@ def captures_anywhere(op: ChunkOp) -> ChunkOp:
     captures at any position of a segment."""
 
     default_chunk_size = _default_chunk_size(op)
+    # Every GDN layer of a forward passes the same batch tensors: the layout of the last call is
+    # kept (with the tensors it was made from, compared by identity) so it is built once per
+    # forward, not once per layer. One tuple, replaced whole: safe across threads.
+    last: tuple[tuple[object, ...], PaddedLayout | None] = ((), None)
 
     @functools.wraps(op)
     def chunk_gated_delta_rule(
@@ -123,10 +127,16 @@ def captures_anywhere(op: ChunkOp) -> ChunkOp:
         capture_slots: torch.Tensor | None = None,
         **kwargs: object,
     ) -> torch.Tensor:
+        nonlocal last
         layout = None
         if capture_seq is not None and capture_pos is not None and capture_slots is not None:
             chunk_size = int(kwargs.get("chunk_size", default_chunk_size))  # type: ignore[call-overload]
-            layout = padded_layout(cu_seqlens, capture_seq, capture_pos, chunk_size)
+            key, (seen, cached) = (cu_seqlens, capture_seq, capture_pos, chunk_size), last
+            if len(seen) == 4 and all(a is b for a, b in zip(seen[:3], key[:3])) and seen[3] == chunk_size:
+                layout = cached
+            else:
+                layout = padded_layout(cu_seqlens, capture_seq, capture_pos, chunk_size)
+                last = (key, layout)
         if layout is None:
             return op(
                 q, k, v, g, beta, cu_seqlens, ssm_state, state_slots, has_initial_state,
