@@ -417,9 +417,10 @@ class EngineLoopConfig(_Section):
     cpu_threads: Annotated[
         NonNegInt,
         _doc(
-            "On the CPU: torch's intra-op threads for the model (process-wide). 0 = the CPUs this process may "
-            "run on, less one for the HTTP front end and the tokenizer (at least 1): a forward that waits for a "
-            "descheduled thread costs more than one thread fewer (3-5x on a 2-core box with other work). "
+            "On the CPU: torch's intra-op threads for the model (process-wide). 0 = OMP_NUM_THREADS when set, "
+            "else every CPU this process may run on (decode and prefill both scale with threads on a dedicated "
+            "machine). On a machine shared with other busy processes use fewer: a forward that waits for a "
+            "descheduled thread costs more than one thread fewer (2x on a 2-core box with one busy process). "
             "Ignored on CUDA."
         ),
     ] = 0

@@ -211,6 +211,8 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
         {
             "model": {"path": args.model},
             "cache": {"memory_bytes": args.cache_bytes},
+            # The engine sets torch's threads itself (engine.cpu_threads); pass ours through.
+            "engine": {"cpu_threads": args.threads},
             "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": max(2048, args.prefill_len)},
             "logging": {"level": "warning", "stats_interval_s": 0},
         }

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deltaserve.engine import EngineConfig, EngineCore
-from deltaserve.engine.builder import cpu_threads
+from deltaserve.engine.builder import cpu_threads, default_cpu_threads
 from deltaserve.engine.memory import Releaser, parse_status, resident
 from deltaserve.engine.sizing import (
     ACTIVATION_WIDTHS,
@@ -235,13 +235,19 @@ def test_release_memory_off_keeps_the_allocator_as_it_is(core_factory: Callable[
     assert core.releaser.releases == 0
 
 
-def test_cpu_threads_leave_one_cpu_for_the_front_end() -> None:
+def test_cpu_threads_default_to_the_environment_then_every_cpu() -> None:
     before = torch.get_num_threads()
     try:
         assert cpu_threads(EngineConfig.load(None, {"engine.cpu_threads": 3}), torch.device("cpu")) == 3
         assert torch.get_num_threads() == 3
         auto = cpu_threads(EngineConfig(), torch.device("cpu"))
-        assert auto == max(1, len(os.sched_getaffinity(0)) - 1) == torch.get_num_threads()
+        assert auto == default_cpu_threads(os.environ) == torch.get_num_threads()
         assert cpu_threads(EngineConfig(), torch.device("cuda")) is None  # not ours to set there
     finally:
         torch.set_num_threads(before)
+    every_cpu = len(os.sched_getaffinity(0))
+    assert default_cpu_threads({}) == every_cpu
+    assert default_cpu_threads({"OMP_NUM_THREADS": "1"}) == 1
+    assert default_cpu_threads({"OMP_NUM_THREADS": " 7 "}) == 7
+    for junk in ("", "0", "-2", "two", "2,1"):
+        assert default_cpu_threads({"OMP_NUM_THREADS": junk}) == every_cpu
