@@ -451,15 +451,25 @@ class AsyncEngine(EngineClient[RequestStream]):
     async def _run(self) -> None:
         assert self.core is not None and self._wakeup is not None
         core = self.core
+        idle = True
         try:
             while not self._closed:
                 self._apply_pending()
                 if not core.has_work():
                     self._wakeup.clear()
+                    idle = True
                     if self._pending_add or self._pending_abort or self._pending_checks:
                         continue
                     await self._idle(self.config.logging.stats_interval_s or None)
                     continue
+                if idle:  # the first step after idle: let a burst of arrivals come in first
+                    idle = False
+                    window = core.burst_window()
+                    if window > 0:
+                        await asyncio.sleep(window)
+                        self._apply_pending()
+                        if not core.has_work():
+                            continue
                 steps_before = core.scheduler.step_count
                 self._in_step = True
                 try:

@@ -361,6 +361,18 @@ class SchedulerConfig(_Section):
             "once. 0 = off."
         ),
     ] = 128
+    burst_window_ms: Annotated[
+        float,
+        _doc(
+            "When the engine is idle and a prompt arrives that computes at least shared_prefix_wait_tokens past "
+            "its cache hit, its first step waits up to this long (and at most 2% of the step's predicted time) "
+            "for more arrivals: a burst of clients on one new system prompt is then admitted together, and the "
+            "later ones resume from the first one's checkpoint where they part instead of computing the shared "
+            "prefix again after it. 0 = off.",
+            ge=0.0,
+            le=1000.0,
+        ),
+    ] = 20.0
     max_waiting: Annotated[
         int, _doc("Most waiting requests; beyond, generate raises EngineOverloadedError.", ge=1)
     ] = 4096

@@ -233,6 +233,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or (self.overlap is not None and self.overlap.flight is not None)
 
+    def burst_window(self) -> float:
+        """Seconds an engine loop that was idle waits for more arrivals before its first step
+        (``Scheduler.burst_window``; 0: step now). Arrivals meanwhile are added as usual."""
+        if self.overlap is not None and self.overlap.flight is not None:
+            return 0.0
+        return self.scheduler.burst_window()
+
     def close(self) -> None:
         """Stop the forward worker thread (async scheduling), after the step in flight has been
         processed (its outputs are dropped: call ``abort_all`` first to get them), and close the

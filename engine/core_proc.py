@@ -182,6 +182,8 @@ class CoreLoop:
                     self._send([], stats=True)
                     idle_sent = True
                 continue
+            if not busy:  # the first step after idle: let a burst of arrivals come in first
+                self._gather(core.burst_window())
             idle_sent = False
             steps_before = core.scheduler.step_count
             outputs = core.step()
@@ -189,6 +191,13 @@ class CoreLoop:
             if core.scheduler.step_count == steps_before and not outputs:
                 # requests wait but none could be scheduled: do not spin
                 self.sock.poll(int(IDLE_RETRY_S * 1000))
+
+    def _gather(self, seconds: float) -> None:
+        """Take the messages that arrive within ``seconds`` (none: return at once)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and not self.stop:
+            if self.sock.poll(max(1, int(left * 1000))):
+                self._receive()
 
     def _receive(self) -> None:
         import zmq

@@ -504,6 +504,7 @@ def build_scheduler(
         long_prefill_token_threshold=sc.long_prefill_token_threshold,
         shared_prefix_wait_tokens=sc.shared_prefix_wait_tokens if config.cache.enable_prefix_caching else 0,
         step_budget=_step_budget(config, cache.unit),
+        burst_window_s=sc.burst_window_ms / 1000.0,
     )
 
 

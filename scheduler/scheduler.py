@@ -72,6 +72,9 @@ _FALLBACK = FCFSPolicy()  # answers a policy call that failed
 #: float32 logits row per token for it, 0.5 GB at 248k vocabulary for 512 tokens
 WHOLE_PROMPT_CHUNK = 512
 
+#: the first step after idle waits for more arrivals at most this share of its predicted time
+BURST_WINDOW_SHARE = 0.02
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -129,6 +132,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         step_budget: StepBudget | None = None,
         shared_prefix_wait_tokens: int = 0,
+        burst_window_s: float = 0.0,
     ) -> None:
         self.cache = cache
         self.policy = policy
@@ -140,6 +144,8 @@ class Scheduler:
         # a waiting prompt that shares at least this many tokens past its hit with a prompt
         # being computed waits for that one's checkpoint (0: never waits)
         self.shared_prefix_wait_tokens = shared_prefix_wait_tokens
+        # the most the first step after idle waits for more arrivals (burst_window)
+        self.burst_window_s = burst_window_s
         # None: a step with decodes takes the full token budget of prefill
         self.step_budget = step_budget
         self.unit = cache.unit
@@ -167,6 +173,34 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def burst_window(self) -> float:
+        """Seconds the first step after the engine was idle may wait for more arrivals (0: now).
+
+        Clients on one new system prompt arrive within milliseconds of each other. The first
+        arrival alone would compute the whole shared prefix in one step and publish it with no
+        checkpoint where the prompts part, so every later one computes it again. Admitted in
+        one scheduling pass, the later ones wait for it instead and resume from the branch
+        checkpoint it captures (``CacheManager.wait_for_shared_prefix``). So a step waits only
+        when nothing runs and a waiting prompt would compute at least
+        ``shared_prefix_wait_tokens`` past its hit (a prompt that could be such a prefix's
+        first), and at most ``BURST_WINDOW_SHARE`` of that step's predicted time.
+        """
+        if (
+            self.burst_window_s <= 0
+            or self.shared_prefix_wait_tokens <= 0
+            or self.running
+            or not self.waiting
+        ):
+            return 0.0
+        uncached = max(r.num_tokens - self._match(r).hit_tokens for r in self.waiting)
+        if uncached < self.shared_prefix_wait_tokens:
+            return 0.0
+        model = self.step_budget.model if self.step_budget is not None else None
+        if model is None or not model.ready:
+            return self.burst_window_s  # no step measured yet: the cap
+        predicted = model.predict(min(uncached, self.max_num_batched_tokens))
+        return min(self.burst_window_s, BURST_WINDOW_SHARE * max(predicted, 0.0))
 
     def _match(self, r: Request) -> PrefixMatch:
         """The request's prefix match: computed once per request while the index is unchanged

@@ -303,3 +303,53 @@ def test_partial_prefills_are_bounded(core_factory: Any) -> None:
         core.check_integrity()
         assert sum(1 for r in reqs if 0 < r.num_computed_tokens < r.num_prompt_tokens) <= 2
     run_to_completion(core)
+
+
+async def test_a_burst_on_an_idle_engine_is_admitted_together(core_factory: Any) -> None:
+    """Three prompts on one new 300-token prefix reach an idle engine 50 ms apart. The first
+    step waits (the burst window) for the others, so they wait for the first one's branch
+    checkpoint at 288 (where the prompts part) and resume there instead of computing the
+    prefix again after it; outputs equal those of an engine with the cache off."""
+    shared = prompt(300, seed=7)
+    prompts = [shared + prompt(40, seed=100 + i) for i in range(3)]
+    params = greedy(6)
+
+    async def burst(engine: AsyncEngine) -> list[list[RequestOutput]]:
+        async def later(i: int) -> list[RequestOutput]:
+            await asyncio.sleep(0.05 * i)
+            return await collect(engine, prompts[i], params)
+
+        return list(await asyncio.gather(*(later(i) for i in range(3))))
+
+    core = core_factory(**{"scheduler.burst_window_ms": 1000, "scheduler.max_num_batched_tokens": 512})
+    async with AsyncEngine(core=core) as engine:
+        outs = await burst(engine)
+        await engine.check_integrity()
+    async with AsyncEngine(core=core_factory(**{"cache.enable_prefix_caching": False})) as engine:
+        reference = await burst(engine)
+    assert [o[-1].num_cached_tokens for o in outs] == [0, 288, 288]
+    assert [tokens_of(o) for o in outs] == [tokens_of(o) for o in reference]
+
+
+def test_the_burst_window_is_a_share_of_the_step_and_only_for_an_idle_engine(core_factory: Any) -> None:
+    core = core_factory(**{"scheduler.burst_window_ms": 20})
+    sched = core.scheduler
+    assert core.burst_window() == 0.0  # nothing waits
+    core.add_request(core.make_request(prompt(300), greedy(2)))
+    assert core.burst_window() == 0.02  # no step measured yet: the cap
+    run_to_completion(core)
+    model = sched.step_budget.model
+    assert model.ready
+    short = core.make_request(prompt(300)[:100], greedy(2))  # < shared_prefix_wait_tokens to compute
+    core.add_request(short)
+    assert core.burst_window() == 0.0
+    long = core.make_request(prompt(400, seed=3), greedy(2))
+    core.add_request(long)
+    step_tokens = min(400, sched.max_num_batched_tokens)  # the first step's prefill
+    assert core.burst_window() == pytest.approx(min(0.02, 0.02 * model.predict(step_tokens)))
+    core.step()  # both admitted: something runs now
+    assert sched.running and core.burst_window() == 0.0
+    run_to_completion(core)
+    off = core_factory(**{"scheduler.burst_window_ms": 0})
+    off.add_request(off.make_request(prompt(300), greedy(2)))
+    assert off.burst_window() == 0.0

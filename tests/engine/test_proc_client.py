@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -221,3 +222,24 @@ async def test_a_dead_front_end_does_not_stop_the_core_or_the_other_front_end() 
         other.kill()
         handle.kill()
         handle.join(10)
+
+
+async def test_a_burst_on_the_idle_core_is_admitted_together(local: AsyncEngine) -> None:
+    """The core process's loop waits the burst window before its first step after idle: three
+    prompts on one new 300-token prefix sent 50 ms apart resume from the first one's branch
+    checkpoint at 288 (and decode what the in-process engine decodes)."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 1000) for _ in range(300)]
+    prompts = [shared + [rng.randrange(3, 1000) for _ in range(40)] for _ in range(3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    settings = {**SETTINGS, "scheduler.burst_window_ms": 1000, "scheduler.max_num_batched_tokens": 512}
+    async with EngineProcClient(EngineConfig.load(None, settings)) as client:
+
+        async def later(i: int) -> list[RequestOutput]:
+            await asyncio.sleep(0.05 * i)
+            return await collect(client.generate(prompts[i], params))
+
+        outs = await asyncio.gather(*(later(i) for i in range(3)))
+    assert [o[-1].num_cached_tokens for o in outs] == [0, 288, 288]
+    for p, o in zip(prompts, outs, strict=True):
+        assert joined(o)[0] == joined(await collect(local.generate(p, params)))[0]
