@@ -38,30 +38,38 @@ def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[dtype]
 
 
-def cpu_threads(config: EngineConfig, device: torch.device) -> int | None:
-    """Set torch's intra-op threads for a CPU engine (``engine.cpu_threads``; 0: ``OMP_NUM_THREADS``
-    when the environment sets it, else every CPU this process may run on); the count set, or
-    None on another device."""
+#: below this many bytes of weights a CPU engine runs torch on one thread by default: its ops are
+#: too small to split (the built-in tiny model's chat load test ran at 360 output tokens/s on one
+#: thread, 270 on two, on 2 cores), while a real model's GEMMs scale with threads
+SMALL_MODEL_BYTES = 256 * 1024**2
+
+
+def cpu_threads(config: EngineConfig, device: torch.device, weight_bytes: int) -> int | None:
+    """Set torch's intra-op threads for a CPU engine (``engine.cpu_threads``; 0:
+    ``default_cpu_threads``); the count set, or None on another device."""
     if device.type != "cpu":
         return None
-    n = config.engine.cpu_threads or default_cpu_threads(os.environ)
+    n = config.engine.cpu_threads or default_cpu_threads(os.environ, weight_bytes)
     torch.set_num_threads(n)
     return n
 
 
-def default_cpu_threads(environ: Mapping[str, str]) -> int:
-    """``OMP_NUM_THREADS`` when it is a positive integer, else the CPUs this process may use.
+def default_cpu_threads(environ: Mapping[str, str], weight_bytes: int) -> int:
+    """``OMP_NUM_THREADS`` when it is a positive integer; else 1 for a model of less than
+    ``SMALL_MODEL_BYTES`` of weights, every CPU this process may use for a larger one.
 
     Every CPU, not one fewer for the front end: a decode step is bound by memory bandwidth and
-    a prefill by GEMM rate, and both scale with threads on a dedicated machine (2 cores: decode
-    at 4 sequences 191 -> 128 ms, a 512-token prefill 3.7 -> 2.1 s), while the front end and the
-    tokenizer sleep through most of a step. A machine shared with other busy processes is the
-    exception (a forward waits for its descheduled thread); there ``engine.cpu_threads`` or
-    ``OMP_NUM_THREADS`` says how many to use.
+    a prefill by GEMM rate, and both scale with threads on a dedicated machine (2 cores, the
+    0.8B shape: decode at 4 sequences 191 -> 128 ms, a 512-token prefill 3.7 -> 2.1 s), while
+    the front end and the tokenizer sleep through most of a step. A machine shared with other
+    busy processes is the exception (a forward waits for its descheduled thread); there
+    ``engine.cpu_threads`` or ``OMP_NUM_THREADS`` says how many to use.
     """
     raw = environ.get("OMP_NUM_THREADS", "").strip()
     if raw.isdigit() and int(raw) > 0:
         return int(raw)
+    if weight_bytes < SMALL_MODEL_BYTES:
+        return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

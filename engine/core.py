@@ -90,7 +90,6 @@ class EngineCore:
         set_level(config.logging.level.value)
         self.releaser = Releaser(config.engine.release_memory)
         self.device = resolve_device(config)
-        self.cpu_threads = cpu_threads(config, self.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.ops = resolve_ops(config, self.device)
         torch.manual_seed(config.model.seed)
@@ -108,6 +107,7 @@ class EngineCore:
         self.detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.spec = self.loaded.model.cache_spec()
         self.capacity: Capacity = plan_engine_capacity(config, self.loaded, self.spec, self.ops, self.device)
+        self.cpu_threads = cpu_threads(config, self.device, self.capacity.weight_bytes)
         for warning in self.capacity.warnings:
             log.warning("engine.capacity", detail=warning)
         self.scheduler = build_scheduler(config, self.capacity)

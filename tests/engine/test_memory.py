@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deltaserve.engine import EngineConfig, EngineCore
-from deltaserve.engine.builder import cpu_threads, default_cpu_threads
+from deltaserve.engine.builder import SMALL_MODEL_BYTES, cpu_threads, default_cpu_threads
 from deltaserve.engine.memory import Releaser, parse_status, resident
 from deltaserve.engine.sizing import (
     ACTIVATION_WIDTHS,
@@ -235,19 +235,21 @@ def test_release_memory_off_keeps_the_allocator_as_it_is(core_factory: Callable[
     assert core.releaser.releases == 0
 
 
-def test_cpu_threads_default_to_the_environment_then_every_cpu() -> None:
+def test_cpu_threads_default_to_the_environment_then_the_model_size() -> None:
+    big = SMALL_MODEL_BYTES
     before = torch.get_num_threads()
     try:
-        assert cpu_threads(EngineConfig.load(None, {"engine.cpu_threads": 3}), torch.device("cpu")) == 3
-        assert torch.get_num_threads() == 3
-        auto = cpu_threads(EngineConfig(), torch.device("cpu"))
-        assert auto == default_cpu_threads(os.environ) == torch.get_num_threads()
-        assert cpu_threads(EngineConfig(), torch.device("cuda")) is None  # not ours to set there
+        config = EngineConfig.load(None, {"engine.cpu_threads": 3})
+        assert cpu_threads(config, torch.device("cpu"), 0) == 3 == torch.get_num_threads()
+        auto = cpu_threads(EngineConfig(), torch.device("cpu"), big)
+        assert auto == default_cpu_threads(os.environ, big) == torch.get_num_threads()
+        assert cpu_threads(EngineConfig(), torch.device("cuda"), big) is None  # not ours to set there
     finally:
         torch.set_num_threads(before)
     every_cpu = len(os.sched_getaffinity(0))
-    assert default_cpu_threads({}) == every_cpu
-    assert default_cpu_threads({"OMP_NUM_THREADS": "1"}) == 1
-    assert default_cpu_threads({"OMP_NUM_THREADS": " 7 "}) == 7
+    assert default_cpu_threads({}, big) == every_cpu
+    assert default_cpu_threads({}, big - 1) == 1  # a tiny model's ops are too small to split
+    assert default_cpu_threads({"OMP_NUM_THREADS": "1"}, big) == 1
+    assert default_cpu_threads({"OMP_NUM_THREADS": " 7 "}, 0) == 7
     for junk in ("", "0", "-2", "two", "2,1"):
-        assert default_cpu_threads({"OMP_NUM_THREADS": junk}) == every_cpu
+        assert default_cpu_threads({"OMP_NUM_THREADS": junk}, big) == every_cpu
