@@ -1,10 +1,10 @@
 """Suite-wide setup.
 
-Engines built by the tests (in this process and in the server processes they start) run
-torch on one thread: ``engine.cpu_threads = 0`` takes ``OMP_NUM_THREADS`` when it is set.
+Torch runs on one thread in the tests (this process, and the server and core processes they
+start, which inherit the environment; ``engine.cpu_threads = 0`` takes ``OMP_NUM_THREADS``).
 The tests drive tiny models while their own clients, servers and workers share the same
-CPUs, where a second OpenMP thread mostly waits for a descheduled peer (the default suite
-took 10 minutes instead of 4 on a 2-core box). A caller's own ``OMP_NUM_THREADS`` wins.
+CPUs, where a second OpenMP thread mostly waits for a descheduled peer; one thread also
+keeps float results the same from run to run. A caller's own ``OMP_NUM_THREADS`` wins.
 """
 
 from __future__ import annotations
