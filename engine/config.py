@@ -431,8 +431,9 @@ class EngineLoopConfig(_Section):
         _doc(
             "On the CPU: torch's intra-op threads for the model (process-wide). 0 = OMP_NUM_THREADS when set, "
             "else every CPU this process may run on (decode and prefill both scale with threads on a dedicated "
-            "machine), or 1 for a model under 256 MiB of weights (ops too small to split). On a machine shared with other busy processes use fewer: a forward that waits for a "
-            "descheduled thread costs more than one thread fewer (2x on a 2-core box with one busy process). "
+            "machine), or 1 for a model under 256 MiB of weights (ops too small to split). On a machine "
+            "shared with other busy processes use fewer: a forward that waits for a descheduled thread costs "
+            "more than one thread fewer (2x on a 2-core box with one busy process). "
             "Ignored on CUDA."
         ),
     ] = 0
