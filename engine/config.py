@@ -386,7 +386,7 @@ class SchedulerConfig(_Section):
             ge=0.0,
             le=1000.0,
         ),
-    ] = 4.0
+    ] = 3.0
     max_decode_step_ms: Annotated[
         float,
         _doc(

@@ -106,7 +106,7 @@ class StepBudget:
     """
 
     min_tokens: int
-    factor: float = 4.0
+    factor: float = 3.0
     target_ms: float = 0.0
     model: StepTimeModel = field(default_factory=StepTimeModel)
     last_budget: int = -1  # the last budget given to a step with decodes (-1: unbounded so far)

@@ -73,7 +73,7 @@ def test_bound_shrinks_decode_steps_and_keeps_outputs(core_factory: Any, async_s
 
 def test_default_is_on_and_config_is_checked() -> None:
     sc = EngineConfig().scheduler
-    assert sc.decode_step_factor == 4.0 and sc.max_decode_step_ms == 0.0  # on by default
+    assert sc.decode_step_factor == 3.0 and sc.max_decode_step_ms == 0.0  # on by default
     with pytest.raises(ConfigError, match=r"scheduler.decode_step_factor = 1.0: must be > 1"):
         EngineConfig.load(None, {"scheduler.decode_step_factor": 1.0})
     with pytest.raises(ConfigError, match="max_decode_step_ms"):
