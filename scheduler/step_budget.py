@@ -35,6 +35,10 @@ _MAX_TRACE = 1e6
 _MAX_RATIO = 4.0
 #: observations before measurements are clipped to the prediction (an early fit may be far off)
 _CLIP_AFTER = 16
+#: how far one bounded step moves the trim toward the share that would have met the target
+_TRIM_GAIN = 0.3
+#: the trim's floor: the budget aims at no less than this share of the target
+_TRIM_FLOOR = 0.25
 
 
 @dataclass
@@ -110,6 +114,13 @@ class StepBudget:
     target_ms: float = 0.0
     model: StepTimeModel = field(default_factory=StepTimeModel)
     last_budget: int = -1  # the last budget given to a step with decodes (-1: unbounded so far)
+    # The share of the target the budget aims at. The linear model is fitted over every step,
+    # and a short prefill chunk costs more a token than the fit says (per-segment work: the GDN
+    # chunk padding, the conv, the attention call), so bounded steps ran ~25 % over the target
+    # on a CPU. Each step whose prefill the bound cut moves the trim by _TRIM_GAIN toward
+    # target / measured: over the target it shrinks, under it grows back, at most to 1.
+    trim: float = 1.0
+    last_cut: bool = False  # whether the last budget was cut by the target (not the step's own)
 
     def __post_init__(self) -> None:
         if self.min_tokens < 1:
@@ -133,14 +144,19 @@ class StepBudget:
         per_token = model.coefficients[1]
         if not model.ready or per_token <= 0:
             return full
-        spare = self.target_s() - model.predict(0)
+        spare = self.trim * self.target_s() - model.predict(0)
         fits = int(spare / per_token) if spare > 0 else 0
         budget = min(full, max(self.min_tokens, fits))
-        self.last_budget = budget
+        self.last_budget, self.last_cut = budget, budget < full
         return budget
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        target = self.target_s() if self.model.ready else 0.0
         self.model.observe(prefill_tokens, decodes, seconds)
+        bounded = decodes > 0 and self.last_cut and self.last_budget <= prefill_tokens
+        if bounded and target > 0 and seconds > 0 and math.isfinite(seconds):
+            ratio = (1.0 - _TRIM_GAIN) + _TRIM_GAIN * target / seconds
+            self.trim = min(1.0, max(_TRIM_FLOOR, self.trim * ratio))
 
     def stats(self) -> dict[str, float]:
         a, b = self.model.coefficients
@@ -148,4 +164,5 @@ class StepBudget:
             "scheduler.step_model.base_ms": a * 1000.0,
             "scheduler.step_model.prefill_us_per_token": b * 1e6,
             "scheduler.decode_step_prefill_budget": float(self.last_budget),
+            "scheduler.decode_step_trim": self.trim,
         }

@@ -137,7 +137,7 @@ GAUGES = {
     "scheduler.running", "scheduler.waiting", "scheduler.oldest_waiting_s", "prefix_cache.hit_rate",
     "checkpoints.slots", "checkpoints.used_slots", "checkpoints.attached", "checkpoints.bytes_used",
     "scheduler.step_model.base_ms", "scheduler.step_model.prefill_us_per_token",
-    "scheduler.decode_step_prefill_budget",
+    "scheduler.decode_step_prefill_budget", "scheduler.decode_step_trim",
 }  # fmt: skip
 
 
