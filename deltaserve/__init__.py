@@ -10,7 +10,7 @@ The public API::
             print(out.text, end="")                         # out: a RequestOutput delta
 
 plus the error types (``DeltaServeError`` and its subclasses ``ConfigError``,
-``InvalidRequestError``, ``PromptTooLongError``, ``EngineOverloadedError``,
+``InvalidRequestError``, ``PromptTooLongError``, ``GrammarTimeoutError``, ``EngineOverloadedError``,
 ``EngineDeadError``) and ``install_uvloop``. A multi-turn chat that passes token ids back
 so each turn reuses the cache: ``examples/chat.py``.
 
@@ -46,6 +46,7 @@ from deltaserve.engine import (  # noqa: E402
     EngineConfig,
     EngineDeadError,
     EngineOverloadedError,
+    GrammarTimeoutError,
     InvalidRequestError,
     PromptTooLongError,
     RequestOutput,
@@ -74,6 +75,7 @@ __all__ = [
     "EngineCore",
     "EngineDeadError",
     "EngineOverloadedError",
+    "GrammarTimeoutError",
     "InvalidRequestError",
     "PromptTooLongError",
     "RequestOutput",

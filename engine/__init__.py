@@ -20,6 +20,7 @@ from deltaserve.engine.errors import (
     DeltaServeError,
     EngineDeadError,
     EngineOverloadedError,
+    GrammarTimeoutError,
     InvalidRequestError,
     PromptTooLongError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "EngineCore",
     "EngineDeadError",
     "EngineOverloadedError",
+    "GrammarTimeoutError",
     "EngineProcClient",
     "InputProcessor",
     "InvalidRequestError",

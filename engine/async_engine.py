@@ -37,8 +37,10 @@ import msgspec
 
 from deltaserve.engine.client import AbortingStream, EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
+from deltaserve.engine.grammar import wait_compiled
 from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
@@ -179,6 +181,8 @@ class AsyncEngine(EngineClient[RequestStream]):
         if self.core is None:
             self.core = await loop.run_in_executor(self._executor, EngineCore, self.config)
         self._wakeup = asyncio.Event()
+        # a parked request's grammar compiled (on a grammar worker): step again now
+        self.core.on_grammar_ready = lambda: loop.call_soon_threadsafe(self._wake)
         self._task = asyncio.create_task(self._run(), name="deltaserve-engine-loop")
         self._task.add_done_callback(self._on_loop_done)
         return self
@@ -238,6 +242,13 @@ class AsyncEngine(EngineClient[RequestStream]):
         return self._task is not None and not self._task.done() and self._dead is None and not self._closed
 
     # ------------------------------------------------------------------ API
+    async def compile_constraint(self, constraint: Constraint) -> None:
+        """``EngineClient.compile_constraint``: on the core's grammar workers, off the event loop."""
+        self._check_alive()
+        assert self.core is not None
+        grammars = self.core.grammars
+        await wait_compiled(grammars.compile_async(constraint), grammars.timeout_s)
+
     def submit(self, inp: RequestInput) -> RequestStream:
         """``generate``'s request (``EngineClient.generate`` documents the fields): validated here,
         queued for the loop. With ``SamplingParams.n > 1`` the stream is a ``ForkedStream``."""
@@ -264,7 +275,7 @@ class AsyncEngine(EngineClient[RequestStream]):
             if (
                 cid in self._streams
                 or cid in self._forks
-                or (cid != request_id and cid in self.core.scheduler.requests)
+                or (cid != request_id and self.core.has_request(cid))
             ):
                 raise InvalidRequestError(f"request_id {cid!r} is already in use")
 

@@ -27,6 +27,7 @@ from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from deltaserve.engine.constraint import Constraint
     from deltaserve.engine.input_processor import InputProcessor, Prompt
 
 _C = TypeVar("_C")
@@ -176,6 +177,14 @@ class EngineClient(Protocol[_S_co]):
     def submit(self, inp: RequestInput) -> _S_co:
         """Validate ``inp`` and start its request; the stream of its outputs (typed errors)."""
         raise NotImplementedError
+
+    async def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile ``constraint`` where the engine core runs, waiting at most
+        ``structured_outputs.compile_timeout_s``: a request submitted afterwards finds it compiled.
+        Raises ``GrammarTimeoutError`` when time runs out (the compile goes on and is cached),
+        ``InvalidRequestError`` when it does not compile. Optional: a request whose grammar is
+        not compiled waits in the core (parked, off every loop) under the same deadline, and a
+        client that does not implement this leaves it to that (an error then ends the stream)."""
 
     async def __aenter__(self: _C) -> _C:
         return await self.start()  # type: ignore[attr-defined,no-any-return]

@@ -17,6 +17,7 @@ This module never imports torch (the cache simulator loads it).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import re
@@ -96,14 +97,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def _section_name(cls: type) -> str:
-    return {
-        "ModelConfig": "model",
-        "CacheConfig": "cache",
-        "SchedulerConfig": "scheduler",
-        "KernelsConfig": "kernels",
-        "LoggingConfig": "logging",
-        "EngineLoopConfig": "engine",
-    }.get(cls.__name__, cls.__name__)
+    return next((name for name, c in _sections().items() if c is cls), cls.__name__)
 
 
 def _bad(key: str, value: Any, why: str) -> ConfigError:
@@ -466,6 +460,31 @@ class EngineLoopConfig(_Section):
     ] = True
 
 
+class StructuredOutputsConfig(_Section):
+    """``[structured_outputs]``: how output constraints (JSON schemas, regexes, grammars) compile."""
+
+    compile_timeout_s: Annotated[
+        float,
+        _doc(
+            "The longest a request waits for its output constraint to compile against the vocabulary; "
+            "past it the request is refused (GrammarTimeoutError, HTTP 400) while the compile finishes in "
+            "the background and is cached for the next request. Compiles never run on a loop that serves "
+            "other requests.",
+            gt=0.0,
+            le=3600.0,
+        ),
+    ] = 10.0
+    compile_threads: Annotated[
+        int,
+        _doc(
+            "Worker threads compiling constraints in the engine core: a slow compile holds one, the others "
+            "go on serving new schemas.",
+            ge=1,
+            le=16,
+        ),
+    ] = 2
+
+
 class LoggingConfig(_Section):
     """``[logging]``: what the engine logs. The application configures where logs go."""
 
@@ -486,7 +505,7 @@ class LoggingConfig(_Section):
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole engine configuration: ``[model]``, ``[cache]``, ``[scheduler]``, ``[kernels]``,
-    ``[engine]``, ``[logging]`` (every key: docs/config.md).
+    ``[engine]``, ``[structured_outputs]``, ``[logging]`` (every key: docs/config.md).
 
     Build it with ``EngineConfig.load(path, overrides)`` (TOML/JSON/YAML), ``from_dict``, or
     in code (``EngineConfig(cache=CacheConfig(block_size=32))``); all three validate and
@@ -499,17 +518,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     kernels: KernelsConfig = msgspec.field(default_factory=KernelsConfig)
     engine: EngineLoopConfig = msgspec.field(default_factory=EngineLoopConfig)
+    structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in (
-            ("model", ModelConfig),
-            ("cache", CacheConfig),
-            ("scheduler", SchedulerConfig),
-            ("kernels", KernelsConfig),
-            ("engine", EngineLoopConfig),
-            ("logging", LoggingConfig),
-        ):
+        for name, cls in _sections().items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(
                     f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
@@ -623,15 +636,14 @@ def _enum_hint(reason: str, typ: Any) -> str:
     return reason
 
 
+@functools.cache
+def _sections() -> dict[str, type]:
+    """Every section's name and struct, in ``EngineConfig``'s order."""
+    return {f.name: f.type for f in msgspec.structs.fields(EngineConfig)}
+
+
 def _field_type(section: str, key: str) -> Any:
-    cls = {
-        "model": ModelConfig,
-        "cache": CacheConfig,
-        "scheduler": SchedulerConfig,
-        "kernels": KernelsConfig,
-        "engine": EngineLoopConfig,
-        "logging": LoggingConfig,
-    }.get(section)
+    cls = _sections().get(section)
     if cls is None:
         return None
     for f in msgspec.structs.fields(cls):
@@ -651,9 +663,7 @@ def _explain(message: str, data: dict[str, Any]) -> str:
     if unknown:
         key = ".".join(p for p in (where, unknown.group(1)) if p)
         return f"{key}: unknown key"
-    if reason.startswith(
-        tuple(f"{s}." for s in ("model", "cache", "scheduler", "kernels", "engine", "logging"))
-    ):
+    if reason.startswith(tuple(f"{s}." for s in _sections())):
         return reason  # a ConfigError message from a section's check, wrapped by msgspec
     node: Any = data
     for part in where.split(".") if where else []:

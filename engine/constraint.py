@@ -3,7 +3,16 @@
 A constraint is a kind and its spec, checked on construction by parsing the spec into a
 tokenizer-independent grammar (xgrammar), so an invalid schema, regex or grammar fails when
 the request is built (``InvalidRequestError`` naming the field), never in a step. Compiling it
-against the model's vocabulary is ``engine/grammar.py``'s job.
+against the model's vocabulary is ``engine/grammar.py``'s job (off every loop, with a deadline).
+
+A spec's size is bounded before anything parses it (``SchemaLimits``): the compile of some
+shapes grows much faster than their text (xgrammar on this CPU: 600 optional properties of one
+object 0.5 s, 1,000 4.4 s, 3,000 about 100 s; a 1 MB enum 15 s; a 200-deep schema 1.7 s just to
+parse), so a schema past a limit is refused at once with a message naming the limit, and
+what passes compiles in seconds at most.
+
+Construction validates once, at the front door: a struct decoded under ``trusted_decode()``
+(the engine-core process receiving what its front end validated) is not checked again.
 
 JSON kinds bound whitespace (no free whitespace, ``", "`` and ``": "`` separators), and an
 integer without bounds gets I-JSON's interoperable range (``|n| <= 2**53 - 1``), so a model that
@@ -13,9 +22,12 @@ unless the schema bounds them: ``maxLength``.)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -30,6 +42,43 @@ SAFE_INTEGER = 2**53 - 1  # RFC 7493 (I-JSON): integers beyond this do not round
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _STRING_SHAPES = {"pattern", "format", "enum", "const"}
 _NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+#: set while a trusted peer's message is decoded (``trusted_decode``): validation is skipped
+_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("deltaserve_trusted_decode", default=False)
+
+
+@contextlib.contextmanager
+def trusted_decode() -> Iterator[None]:
+    """Structs built inside this block (a msgspec decode of what a front end already validated)
+    skip their ``__post_init__`` checks: a request is validated once, where it enters."""
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+
+
+def is_trusted() -> bool:
+    """Whether validation is skipped here (``trusted_decode``)."""
+    return _TRUSTED.get()
+
+
+class SchemaLimits:
+    """The most a JSON schema (and a choice list) may hold; what passes compiles in seconds.
+
+    ``depth``: nesting of the schema document's JSON containers (a schema nested 60 levels as
+    objects is about 120); ``properties``: one object's ``properties``; ``branches``: one
+    ``anyOf`` / ``oneOf`` / ``allOf`` / ``prefixItems`` list; ``enum_items``: one ``enum``;
+    ``literal_chars``: the characters of every ``enum`` / ``const`` string of the schema (or
+    of every choice) together.
+    """
+
+    depth = 128
+    properties = 1024
+    branches = 256
+    enum_items = 1024
+    literal_chars = 128 * 1024
 
 
 class ConstraintKind(enum.Enum):
@@ -55,6 +104,8 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     spec: str | list[str] | None = None
 
     def __post_init__(self) -> None:
+        if _TRUSTED.get():
+            return
         if not isinstance(self.kind, ConstraintKind):
             raise InvalidRequestError(
                 f"SamplingParams.constraint.kind={self.kind!r}: must be a ConstraintKind"
@@ -109,6 +160,46 @@ def _normalise(node: Any) -> Any:
     return out
 
 
+_BRANCH_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def check_schema_size(schema: Any) -> None:
+    """Raise ``InvalidRequestError`` naming the first ``SchemaLimits`` bound ``schema`` (parsed
+    JSON) passes. One walk without recursion: its own depth is what it checks."""
+    lim = SchemaLimits
+    chars = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > lim.depth:
+            raise _fail(f"the JSON schema nests deeper than {lim.depth} levels")
+        if isinstance(node, list):
+            stack.extend((x, depth + 1) for x in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        props = node.get("properties")
+        if isinstance(props, dict) and len(props) > lim.properties:
+            raise _fail(f"an object of the JSON schema has {len(props)} properties; at most {lim.properties}")
+        for key in _BRANCH_KEYS:
+            branches = node.get(key)
+            if isinstance(branches, list) and len(branches) > lim.branches:
+                raise _fail(f"a {key} of the JSON schema has {len(branches)} entries; at most {lim.branches}")
+        enum_ = node.get("enum")
+        if isinstance(enum_, list):
+            if len(enum_) > lim.enum_items:
+                raise _fail(f"an enum of the JSON schema has {len(enum_)} values; at most {lim.enum_items}")
+            chars += sum(len(v) for v in enum_ if isinstance(v, str))
+        const = node.get("const")
+        if isinstance(const, str):
+            chars += len(const)
+        if chars > lim.literal_chars:
+            raise _fail(
+                f"the enum and const strings of the JSON schema exceed {lim.literal_chars} characters"
+            )
+        stack.extend((v, depth + 1) for v in node.values())
+
+
 def bounded_schema(text: str) -> str:
     """The JSON schema the grammar is built from (``_normalise``)."""
     return json.dumps(_normalise(json.loads(text)))
@@ -133,6 +224,9 @@ def build_grammar(c: Constraint) -> Any:
                 raise _fail("a choice constraint needs a non-empty list of non-empty strings")
             if len(spec) > MAX_CHOICES:
                 raise _fail(f"has {len(spec)} choices; at most {MAX_CHOICES}")
+            chars = sum(map(len, spec))
+            if chars > SchemaLimits.literal_chars:
+                raise _fail(f"the choices hold {chars} characters; at most {SchemaLimits.literal_chars}")
             return xgr.Grammar.from_ebnf(choice_ebnf(spec))
         text = _text_spec(c)
         if kind is ConstraintKind.JSON_SCHEMA:
@@ -140,8 +234,11 @@ def build_grammar(c: Constraint) -> Any:
                 schema = json.loads(text)
             except ValueError as e:
                 raise _fail(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise _fail(f"the JSON schema nests deeper than {SchemaLimits.depth} levels") from None
             if not isinstance(schema, (dict, bool)):
                 raise _fail("the JSON schema must be a JSON object")
+            check_schema_size(schema)
             return xgr.Grammar.from_json_schema(
                 bounded_schema(text), any_whitespace=False, separators=JSON_SEPARATORS
             )

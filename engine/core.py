@@ -17,9 +17,10 @@ helpers here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.grammar import Grammars
+from deltaserve.engine.grammar_wait import GrammarWait
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
 from deltaserve.engine.memory import Releaser, resident
@@ -118,17 +120,27 @@ class EngineCore:
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
-        # constraints compiled against the vocabulary (cached); the server compiles through the
-        # input processor's reference before a request reaches the engine
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # constraints compiled against the vocabulary (cached) on the grammar workers; a request
+        # whose grammar is not compiled yet waits parked, not in the scheduler
+        so = config.structured_outputs
+        self.grammars = Grammars(
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            threads=so.compile_threads,
+            timeout_s=so.compile_timeout_s,
+        )
         self.runner.grammars = self.grammars
+        self.parked = GrammarWait(so.compile_timeout_s)
+        # called (on a grammar worker) when a parked request's compile finishes: the owner of the
+        # loop wakes it (AsyncEngine, the core process)
+        self.on_grammar_ready: Callable[[], None] | None = None
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             salt_parts=(str(self.loaded.path), config.model.dtype.value, config.cache.namespace),
         )
-        self.input_processor.grammars = self.grammars
         self.max_token_chars = self.input_processor.max_token_chars
         self.model_info = model_info(config, self.loaded, self.capacity, self.cache.unit)
         # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
@@ -172,11 +184,15 @@ class EngineCore:
         """Validate and build a request (raises InvalidRequestError / PromptTooLongError): the
         input processor's checks, and a ``request_id`` not held by a request of this engine."""
         req = self.input_processor.process(inp)
-        if req.request_id in self.scheduler.requests:
+        if self.has_request(req.request_id):
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
         return req
 
-    def _new_state(self, req: Request) -> RequestState:
+    def has_request(self, request_id: str) -> bool:
+        """A request of this id is queued, running, or parked while its grammar compiles."""
+        return request_id in self.scheduler.requests or request_id in self.parked
+
+    def _new_state(self, req: Request, compiled: Any) -> RequestState:
         params: SamplingParams = req.sampling_params
         generator = None
         if params.seed is not None:
@@ -195,12 +211,12 @@ class EngineCore:
             generator=generator,
             plain_greedy=plain_greedy(params),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * req.num_prompt_tokens,
-            matcher=self.grammars.matcher(params.constraint) if params.constraint is not None else None,
+            matcher=None if compiled is None else self.grammars.matcher_of(compiled),
         )
 
     def check_capacity(self, pending: int = 0) -> None:
         """Admission control: raise EngineOverloadedError when the waiting queue is full."""
-        waiting = self.scheduler.num_waiting + pending
+        waiting = self.scheduler.num_waiting + len(self.parked) + pending
         if waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloadedError(
                 f"waiting queue is full ({waiting} >= scheduler.max_waiting = "
@@ -208,9 +224,29 @@ class EngineCore:
             )
 
     def add_request(self, req: Request) -> None:
-        """Queue a request built by ``make_request``; its engine-side state is created here."""
+        """Queue a request built by ``make_request``; its engine-side state is created here. A
+        request whose constraint is not compiled yet is parked until it is (``GrammarWait``): a
+        later step admits it, or ends it with the compile's error or its timeout."""
         self.check_capacity()
-        state = self._new_state(req)
+        compiled = None
+        constraint = req.sampling_params.constraint
+        if constraint is not None:
+            fut = self.grammars.compile_async(constraint)
+            if not fut.done():
+                self.parked.park(req, fut)
+                fut.add_done_callback(self._grammar_ready)
+                return
+            compiled = fut.result()  # an InvalidRequestError when it did not compile
+        self._admit(req, compiled)
+
+    def _grammar_ready(self, _: Any) -> None:
+        hook = self.on_grammar_ready
+        if hook is not None:
+            with contextlib.suppress(RuntimeError):  # the owner's event loop is closed: nobody to wake
+                hook()
+
+    def _admit(self, req: Request, compiled: Any) -> None:
+        state = self._new_state(req, compiled)
         # prompt log-probabilities need every prompt position computed: no prefix hit
         req.compute_whole_prompt = state.prompt_logprobs is not None
         self.scheduler.add(req)
@@ -223,6 +259,10 @@ class EngineCore:
         """Abort a queued or running request; its final output (``abort``), or None if there is
         no such request. With async scheduling a request in the step in flight ends once that
         step is committed (its token from that step is discarded); the output is returned now."""
+        parked = self.parked.remove(request_id)
+        if parked is not None:
+            self.counters["requests.aborted"] += 1
+            return self._final_output(parked, "abort", [], "")
         req = self.scheduler.requests.get(request_id)
         if req is None or self._ending(req):
             return None
@@ -231,7 +271,11 @@ class EngineCore:
         return self._final_output(req, "abort", [], "")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or (self.overlap is not None and self.overlap.flight is not None)
+        return (
+            self.scheduler.has_work()
+            or bool(self.parked)
+            or (self.overlap is not None and self.overlap.flight is not None)
+        )
 
     def burst_window(self) -> float:
         """Seconds an engine loop that was idle waits for more arrivals before its first step
@@ -247,6 +291,7 @@ class EngineCore:
         unlocked. Idempotent; a later ``step`` starts the worker again (without a disk tier)."""
         if self.overlap is not None:
             self.overlap.close()
+        self.grammars.close()
         if self.disk is not None:
             close_disk_tier(self.disk, self.cache, self.runner)
             self.disk = None
@@ -261,9 +306,25 @@ class EngineCore:
         memory freed since the last idle back to the OS (``engine.release_memory``).
         """
         self.releaser.worked()
-        outputs = self._step()
+        outputs = self._admit_parked() if self.parked else []
+        outputs += self._step()
         if not self.has_work():
             self.releaser.idle()
+        return outputs
+
+    def _admit_parked(self) -> list[RequestOutput]:
+        """Admit the parked requests whose grammar compiled; end those whose compile failed or
+        ran out of time (their final outputs)."""
+        ready, failed = self.parked.take()
+        outputs = []
+        for req, compiled in ready:
+            try:
+                self._admit(req, compiled)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                failed.append((req, e))
+        for req, error in failed:
+            self.counters["requests.failed"] += 1
+            outputs.append(self._final_output(req, "error", [], "", error=f"{type(error).__name__}: {error}"))
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -438,6 +499,12 @@ class EngineCore:
         out: dict[str, Any] = dict(self.counters)
         out.update(self.scheduler.stats())
         out.update(self.cache.stats())
+        g = self.grammars
+        out.update({
+            "grammar.compiles": g.compiles, "grammar.compile_errors": g.compile_errors,
+            "grammar.compiling": g.compiling, "grammar.parked": len(self.parked),
+            "grammar.timeouts": self.parked.timeouts,
+        })  # fmt: skip
         out["time"] = time.time()
         return out
 
@@ -445,7 +512,8 @@ class EngineCore:
         """Abort every request still queued or running (engine exit); their final outputs (with
         async scheduling, first those of the step in flight, which is finished first)."""
         drained = self.overlap.drain() if self.overlap is not None else []
-        outs = [self.abort_request(rid) for rid in list(self.scheduler.requests)]
+        ids = [r.request_id for r in self.parked] + list(self.scheduler.requests)
+        outs = [self.abort_request(rid) for rid in ids]
         return drained + [o for o in outs if o is not None]
 
 

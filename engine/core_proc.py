@@ -4,7 +4,10 @@ of its own, serving front ends (``EngineProcClient``) over a ZeroMQ ROUTER socke
 ``start_core(config)`` starts it (a fresh interpreter, never a fork: torch and CUDA do not
 survive one) and returns a ``CoreHandle``. The loop, single-threaded: take every message waiting (adds,
 aborts, hellos), run one step if there is work, send each front end one ``StepOutputs`` of
-token ids for the step (``engine/messages.py``); block on the socket when idle.
+token ids for the step (``engine/messages.py``); block on the socket when idle. Grammars compile
+on the engine's grammar workers, never on this loop: a ``CompileConstraint`` is answered when its
+compile is done, and a request whose grammar is still compiling waits parked (``EngineCore``);
+a worker that finishes wakes the loop through a pipe.
 
 The core never detokenizes (``EngineCore(detokenize=False)``): stop strings and text are the
 front end's work; it aborts a request a stop string ended.
@@ -27,16 +30,20 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.constraint import trusted_decode
 from deltaserve.engine.messages import (
     STATS_INTERVAL_S,
     AbortRequests,
     AddRequest,
+    CompileConstraint,
+    ConstraintCompiled,
     FrontMessage,
     GetStats,
     Hello,
@@ -117,6 +124,15 @@ class CoreLoop:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.bind(address)
+        # a grammar worker writes a byte here when a compile finishes; the loop polls it with the socket
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.wake_r, zmq.POLLIN)
+        # CompileConstraint messages whose compile is running: (front end, token, the compile)
+        self.compiles: list[tuple[bytes, int, Future[Any]]] = []
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(FrontMessage)
         self.core: Any = None
@@ -136,6 +152,7 @@ class CoreLoop:
             log.error("core_proc.start_failed", error=repr(e))
             self._answer_start_failure(e)
             return 1
+        self.core.on_grammar_ready = self._wake
         log.info("core_proc.ready", pid=os.getpid(), address=self.address)
         # Everything built so far (model, tokenizer, cache bookkeeping) lives as long as the
         # process: out of the collector's sight, a full collection walks only what steps make.
@@ -165,6 +182,8 @@ class CoreLoop:
         finally:
             self.sock.close()
             self.ctx.term()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
             log.info("core_proc.stopped", pid=os.getpid())
 
     # ------------------------------------------------------------------ the loop
@@ -174,8 +193,10 @@ class CoreLoop:
         while not self.stop:
             busy = core.has_work()
             timeout_ms = 0 if busy else int(WATCH_INTERVAL_S * 1000)
-            if self.sock.poll(timeout_ms):
+            if self._poll(timeout_ms):
                 self._receive()
+            if self.compiles:
+                self._answer_compiles()
             self._watch()
             if self.stop or not core.has_work():
                 if not idle_sent:  # went idle: the front ends see the last stats at once
@@ -190,14 +211,29 @@ class CoreLoop:
             self._send(outputs, stats=False)
             if core.scheduler.step_count == steps_before and not outputs:
                 # requests wait but none could be scheduled: do not spin
-                self.sock.poll(int(IDLE_RETRY_S * 1000))
+                self._poll(int(IDLE_RETRY_S * 1000))
 
     def _gather(self, seconds: float) -> None:
         """Take the messages that arrive within ``seconds`` (none: return at once)."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0 and not self.stop:
-            if self.sock.poll(max(1, int(left * 1000))):
+            if self._poll(max(1, int(left * 1000))):
                 self._receive()
+
+    def _poll(self, timeout_ms: int) -> bool:
+        """Wait up to ``timeout_ms`` for a message or a grammar worker's wake-up; whether a
+        message waits."""
+        events = dict(self.poller.poll(timeout_ms))
+        if self.wake_r in events:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self.wake_r, 4096):
+                    pass
+        return self.sock in events
+
+    def _wake(self) -> None:
+        """(A grammar worker's thread) make the loop's poll return."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self.wake_w, b"w")
 
     def _receive(self) -> None:
         import zmq
@@ -208,7 +244,8 @@ class CoreLoop:
             except zmq.Again:
                 return
             try:
-                msg = self.dec.decode(data)
+                with trusted_decode():  # validated by the front end: not checked again
+                    msg = self.dec.decode(data)
             except msgspec.DecodeError as e:
                 log.error("core_proc.bad_message", error=str(e))
                 continue
@@ -229,6 +266,13 @@ class CoreLoop:
             ready = Ready(info, list(ip.salt_parts), ip.max_token_chars, os.getpid(), self._stats())
             self.sock.send_multipart([ident, self.enc.encode(ready)])
             log.info("core_proc.front_end", pid=msg.pid, owner=msg.owner, front_ends=len(self.fronts))
+        elif isinstance(msg, CompileConstraint):
+            fut = self.core.grammars.compile_async(msg.constraint)
+            self.compiles.append((ident, msg.token, fut))
+            if fut.done():
+                self._answer_compiles()
+            else:
+                fut.add_done_callback(lambda _: self._wake())
         elif isinstance(msg, GetStats):
             self.sock.send_multipart([ident, self.enc.encode(StepOutputs([], self._stats()))])
         elif isinstance(msg, Shutdown):
@@ -253,12 +297,25 @@ class CoreLoop:
         self.owner_of[req.request_id] = ident
         front.requests.add(req.request_id)
         try:
-            if req.request_id in self.core.scheduler.requests:
+            if self.core.has_request(req.request_id):
                 raise ValueError(f"request_id {req.request_id!r} is already in use")
             self.core.add_request(req)
         except Exception as e:  # noqa: BLE001 - ends this request only (overload raced the front end's check)
             out = self.core._final_output(req, "error", [], "", error=f"{type(e).__name__}: {e}")
             self._send([out], stats=False)
+
+    def _answer_compiles(self) -> None:
+        """Answer each ``CompileConstraint`` whose compile is done."""
+        waiting = []
+        for ident, token, fut in self.compiles:
+            if not fut.done():
+                waiting.append((ident, token, fut))
+                continue
+            error = fut.exception()
+            answer = ConstraintCompiled(token, None if error is None else str(error))
+            if ident in self.fronts:
+                self.sock.send_multipart([ident, self.enc.encode(answer)])
+        self.compiles = waiting
 
     def _watch(self) -> None:
         """Every ``WATCH_INTERVAL_S``: stop if the parent died; abort a dead front end's requests."""

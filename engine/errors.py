@@ -5,7 +5,8 @@
     DeltaServeError                  every error deltaserve raises
     ├── ConfigError (ValueError)     a config key has an invalid value; at load / construction
     ├── InvalidRequestError (ValueError)   generate() rejected one request
-    │   └── PromptTooLongError       ... because it cannot fit max_model_len
+    │   ├── PromptTooLongError       ... because it cannot fit max_model_len
+    │   └── GrammarTimeoutError      ... because its output constraint did not compile in time
     ├── EngineOverloadedError        generate() found the waiting queue full: retry later
     └── EngineDeadError              the engine is not running: no request can be served
 
@@ -46,6 +47,14 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt can never run: it has ``max_model_len`` tokens or more (room for at least
     one generated token is needed). ``max_model_len`` is ``model.max_model_len``, or by
     default what the model and the KV pool allow; the ``engine.ready`` log line shows it."""
+
+
+class GrammarTimeoutError(InvalidRequestError):
+    """The request's output constraint did not compile within
+    ``structured_outputs.compile_timeout_s`` (an HTTP server answers 400). The compile goes on in
+    the background and its result is cached: the same constraint sent again once it is done
+    is served at once. A smaller schema (fewer optional properties, shorter enums) compiles
+    faster."""
 
 
 class EngineOverloadedError(DeltaServeError):

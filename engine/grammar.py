@@ -1,9 +1,14 @@
 """Grammars: constraints compiled against the model's vocabulary, and the token masks they give.
 
-``Grammars`` (one per engine) compiles a ``Constraint`` once and keeps the result in an LRU
-cache, so requests with the same schema share one compiled grammar. It is thread-safe: the
-server compiles in a worker thread before a request reaches the engine (a cache hit in the
-step thread afterwards), and the engine compiles whatever was not (``EngineCore.add_request``).
+``Grammars`` (one per engine core) compiles a ``Constraint`` once and keeps the result in an
+LRU cache, so requests with the same schema share one compiled grammar. Compiles run on its
+own worker threads (``compile_async``: a future; one compile per constraint in flight, however
+many requests ask), never on a loop that serves other requests: xgrammar releases the GIL
+while it compiles. A front end asks first and waits at most ``compile_timeout_s``
+(``EngineClient.compile_constraint``: a 400 when it runs out); the core parks a request whose
+grammar is still compiling and admits it once it is ready (``engine/grammar_wait.py``). A
+compile cannot be interrupted: one that outlives its deadline finishes on its worker and is
+cached. The workers are daemon threads, so a stuck compile never holds up the process's exit.
 
 Each constrained request owns a ``GrammarMatcher`` (``RequestState.matcher``) that advances
 with every token the request accepts. ``fill_masks`` writes the next-token bitmask of a batch
@@ -13,10 +18,13 @@ The engine uses xgrammar (tools/bench_grammar.py measured it against llguidance)
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -29,8 +37,31 @@ from deltaserve.engine.constraint import (
     build_grammar,
     choice_ebnf,
 )
+from deltaserve.engine.errors import GrammarTimeoutError, InvalidRequestError
+from deltaserve.logs import get_logger
+
+log = get_logger("deltaserve.engine")
 
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used evicted)
+
+
+def timeout_error(timeout_s: float) -> GrammarTimeoutError:
+    return GrammarTimeoutError(
+        f"SamplingParams.constraint: the output constraint did not compile within {timeout_s:g} s "
+        "(structured_outputs.compile_timeout_s); a smaller schema compiles faster"
+    )
+
+
+async def wait_compiled(fut: Future[Any], timeout_s: float) -> None:
+    """Wait for a ``compile_async`` future at most ``timeout_s`` seconds: its error
+    (``InvalidRequestError``), or ``GrammarTimeoutError``. Never cancels the compile (other
+    requests may wait on it, and its result is cached for the next)."""
+    if not fut.done():
+        wrapped = asyncio.wrap_future(fut)
+        done, _ = await asyncio.wait({wrapped}, timeout=timeout_s)
+        if not done:
+            raise timeout_error(timeout_s)
+    fut.result()
 
 
 class Grammars:
@@ -43,15 +74,23 @@ class Grammars:
         stop_token_ids: Iterable[int],
         *,
         cache_entries: int = CACHE_ENTRIES,
+        threads: int = 2,
+        timeout_s: float = 10.0,
     ) -> None:
         self.vocab_size = int(vocab_size)
+        self.timeout_s = timeout_s
         self._tokenizer = tokenizer
         self._stop_ids = sorted(stop_token_ids)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._entries = cache_entries
         self._lock = threading.Lock()
         self._ready = False  # the vocabulary is read on first use (engines that never constrain skip it)
+        self._inflight: dict[tuple[str, str], Future[Any]] = {}
+        self._jobs: queue.SimpleQueue[tuple[Constraint, Future[Any]] | None] = queue.SimpleQueue()
+        self._num_threads = threads
+        self._threads: list[threading.Thread] = []  # started on the first compile
         self.compiles = 0  # cache misses (tests, stats)
+        self.compile_errors = 0
 
     def _ensure(self) -> None:
         with self._lock:
@@ -71,23 +110,78 @@ class Grammars:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
             self._ready = True
 
-    def compile(self, c: Constraint) -> Any:
-        """The compiled grammar of ``c`` (cached)."""
-        self._ensure()
+    def cached(self, c: Constraint) -> Any | None:
+        """The compiled grammar of ``c`` if it is in the cache (marked as used), else None."""
         key = c.key
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
-        compiled = self._compile(c)
+            return hit
+
+    def compile_async(self, c: Constraint) -> Future[Any]:
+        """A future of ``c``'s compiled grammar: done at once on a cache hit, else the compile
+        in flight for ``c`` (started now if none is). Its error is an ``InvalidRequestError``."""
+        key = c.key
         with self._lock:
-            self.compiles += 1
-            self._cache[key] = compiled
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._entries:
-                self._cache.popitem(last=False)
-        return compiled
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                done: Future[Any] = Future()
+                done.set_result(hit)
+                return done
+            fut = self._inflight.get(key)
+            if fut is None:
+                fut = self._inflight[key] = Future()
+                self._jobs.put((c, fut))
+                if len(self._threads) < self._num_threads:
+                    self._start_worker()
+            return fut
+
+    def compile(self, c: Constraint) -> Any:
+        """The compiled grammar of ``c`` (cached), waiting for it as long as it takes."""
+        return self.compile_async(c).result()
+
+    @property
+    def compiling(self) -> int:
+        """Constraints being compiled or waiting for a worker."""
+        with self._lock:
+            return len(self._inflight)
+
+    def close(self) -> None:
+        """Stop the workers once the compiles already queued are done (a compile cannot be
+        interrupted; the daemon threads never hold up the process's exit)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _start_worker(self) -> None:
+        t = threading.Thread(target=self._work, name=f"deltaserve-grammar-{len(self._threads)}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            c, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                self._ensure()
+                compiled = self._compile(c)
+            except Exception as e:  # noqa: BLE001 - the requests waiting on it get the error
+                with self._lock:
+                    self._inflight.pop(c.key, None)
+                    self.compile_errors += 1
+                log.warning("grammar.compile_failed", kind=c.kind.value, error=repr(e))
+                fut.set_exception(InvalidRequestError(f"SamplingParams.constraint: did not compile: {e}"))
+                continue
+            with self._lock:
+                self.compiles += 1
+                self._cache[c.key] = compiled
+                self._cache.move_to_end(c.key)
+                while len(self._cache) > self._entries:
+                    self._cache.popitem(last=False)
+                self._inflight.pop(c.key, None)
+            fut.set_result(compiled)
 
     def _compile(self, c: Constraint) -> Any:
         comp = self._compiler
@@ -104,8 +198,13 @@ class Grammars:
         return comp.compile_grammar(build_grammar(c))
 
     def matcher(self, c: Constraint) -> Any:
-        """A new matcher of ``c`` at the start of the output."""
+        """A new matcher of ``c`` at the start of the output (compiled here if not cached: the
+        engine asks only once ``cached`` has it)."""
         compiled = self.compile(c)
+        return self._xgr.GrammarMatcher(compiled)
+
+    def matcher_of(self, compiled: Any) -> Any:
+        """A new matcher of a compiled grammar (``cached`` / ``compile_async``'s result)."""
         return self._xgr.GrammarMatcher(compiled)
 
     def allocate(self, rows: int) -> torch.Tensor:

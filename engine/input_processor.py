@@ -22,7 +22,6 @@ from deltaserve.scheduler.request import Request
 
 if TYPE_CHECKING:
     from deltaserve.engine.client import RequestInput
-    from deltaserve.engine.grammar import Grammars
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -115,9 +114,6 @@ class InputProcessor:
         self.salt_parts = tuple(salt_parts)
         self.max_token_chars = int(max_token_chars) if max_token_chars else longest_token_chars(tokenizer)
         self._ids = itertools.count()
-        # the engine's compiled-constraint cache (set by EngineCore): a front end compiles a
-        # request's constraint through it off the event loop before submitting
-        self.grammars: Grammars | None = None
 
     def for_another_thread(self) -> InputProcessor:
         """The same checks over a copy of the tokenizer, for one other thread: a fast tokenizer

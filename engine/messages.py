@@ -2,10 +2,14 @@
 
 msgspec structs, msgpack-encoded, one ZeroMQ frame each (``engine/core_proc.py``). A front end
 sends ``Hello`` first (its pid: the core aborts its requests if it dies), then ``AddRequest`` /
-``AbortRequests`` / ``GetStats``, and ``Shutdown`` when it owns the core. The core answers ``Hello`` with
-``Ready`` (or ``StartFailed``), and sends one ``StepOutputs`` per step and front end: token ids
-only, never text (the front end detokenizes and applies stop strings), plus the engine's stats
-every ``STATS_INTERVAL_S`` and whenever it goes idle.
+``AbortRequests`` / ``GetStats`` / ``CompileConstraint``, and ``Shutdown`` when it owns the core.
+The core answers ``Hello`` with ``Ready`` (or ``StartFailed``), ``CompileConstraint`` with
+``ConstraintCompiled`` once its grammar workers are done, and sends one ``StepOutputs`` per step
+and front end: token ids only, never text (the front end detokenizes and applies stop strings),
+plus the engine's stats every ``STATS_INTERVAL_S`` and whenever it goes idle.
+
+What a front end sends it has validated: the core decodes it under ``trusted_decode()``
+(``SamplingParams`` and ``Constraint`` are not checked again).
 
 Request ids on this wire are the core's: a front end maps them to its streams, so front ends
 never collide on a user's ``request_id``.
@@ -18,6 +22,7 @@ from typing import Any
 import msgspec
 
 from deltaserve.engine.client import ModelInfo
+from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.sampling_params import SamplingParams
 
@@ -58,7 +63,15 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """The owning front end is done: abort what is left, close the engine, exit 0."""
 
 
-FrontMessage = Hello | AddRequest | AbortRequests | GetStats | Shutdown
+class CompileConstraint(msgspec.Struct, tag="compile", array_like=True):
+    """Compile this constraint on the core's grammar workers and answer ``ConstraintCompiled``
+    with the same ``token`` (the front end waits at most its deadline, then gives up)."""
+
+    token: int
+    constraint: Constraint
+
+
+FrontMessage = Hello | AddRequest | AbortRequests | GetStats | Shutdown | CompileConstraint
 
 
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -102,4 +115,12 @@ class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
     message: str
 
 
-CoreMessage = StepOutputs | Ready | StartFailed
+class ConstraintCompiled(msgspec.Struct, tag="compiled", array_like=True):
+    """The constraint of ``CompileConstraint`` ``token`` is compiled (``error`` None) or did not
+    compile (why)."""
+
+    token: int
+    error: str | None = None
+
+
+CoreMessage = StepOutputs | Ready | StartFailed | ConstraintCompiled

@@ -31,13 +31,17 @@ import msgspec
 
 from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.core_proc import CoreHandle, pid_alive, start_core
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError
+from deltaserve.engine.grammar import timeout_error
 from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    CompileConstraint,
+    ConstraintCompiled,
     CoreMessage,
     GetStats,
     Hello,
@@ -90,6 +94,7 @@ class EngineProcClient(EngineClient[ProcStream]):
         self._by_id: dict[str, ProcStream] = {}  # the request id given to the user -> its stream
         self._stats: dict[str, Any] = {}
         self._stats_waiters: list[tuple[float, asyncio.Future[dict[str, Any]]]] = []
+        self._compiles: dict[int, asyncio.Future[str | None]] = {}  # CompileConstraint token -> answer
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._dead: str | None = None
@@ -237,6 +242,25 @@ class EngineProcClient(EngineClient[ProcStream]):
         return await fut
 
     # ------------------------------------------------------------------ API
+    async def compile_constraint(self, constraint: Constraint) -> None:
+        """``EngineClient.compile_constraint``: asks the core (its grammar workers compile; its
+        loop goes on) and waits for the answer at most ``structured_outputs.compile_timeout_s``."""
+        self._check_alive()
+        token = next(self._seq)
+        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._compiles[token] = fut
+        timeout_s = self.config.structured_outputs.compile_timeout_s
+        try:
+            self._send(CompileConstraint(token, constraint))
+            done, _ = await asyncio.wait({fut}, timeout=timeout_s)
+        finally:
+            self._compiles.pop(token, None)
+        if not done:
+            raise timeout_error(timeout_s)
+        error = fut.result()
+        if error is not None:
+            raise InvalidRequestError(error)
+
     def submit(self, inp: RequestInput) -> ProcStream:
         """Validate and tokenize here (typed errors at the call); the request runs in the core."""
         self._check_alive()
@@ -290,7 +314,9 @@ class EngineProcClient(EngineClient[ProcStream]):
     def _check_capacity(self, n: int) -> None:
         """Admission control from the core's last stats plus this front end's unadmitted adds (the
         core ends a request that still overflows with an error)."""
-        waiting = int(self._stats.get("scheduler.waiting", 0)) + n - 1
+        waiting = (
+            int(self._stats.get("scheduler.waiting", 0)) + int(self._stats.get("grammar.parked", 0)) + n - 1
+        )
         limit = self.config.scheduler.max_waiting
         if waiting >= limit:
             raise EngineOverloadedError(
@@ -337,6 +363,11 @@ class EngineProcClient(EngineClient[ProcStream]):
         sock, dec, routes = self._sock, self._dec, self._routes
         while True:
             msg = dec.decode(await sock.recv())
+            if isinstance(msg, ConstraintCompiled):
+                fut = self._compiles.get(msg.token)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.error)
+                continue
             if not isinstance(msg, StepOutputs):
                 continue
             if msg.stats is not None:
@@ -386,6 +417,9 @@ class EngineProcClient(EngineClient[ProcStream]):
             if not fut.done():
                 fut.set_exception(EngineDeadError(message))
         self._stats_waiters = []
+        for fut in self._compiles.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(message))
         for callback in self.on_core_death:
             try:
                 callback(message)

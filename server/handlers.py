@@ -40,10 +40,10 @@ from deltaserve.server.sse import ChunkFormat, SSEResponse, UsageMode, run_or_di
 from deltaserve.server.structured import (
     ForcedToolChunks,
     ForcedTools,
+    chat_constraint,
+    compile_constraint,
     forced_response,
-    precompile,
     request_constraint,
-    tool_choice_constraint,
 )
 from deltaserve.server.tracker import Tracker
 
@@ -294,16 +294,12 @@ class OpenAIServer:
             top = req.top_logprobs or 0
         elif req.top_logprobs is not None and req.top_logprobs > 0:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        constraint, forced = request_constraint(req), None
-        tool_forced = tool_choice_constraint(req)
-        if tool_forced is not None:
-            if constraint is not None:
-                raise bad_request("a forced tool_choice takes no other output constraint", "tool_choice")
-            constraint, forced = tool_forced
+        # parsing a schema costs up to its limits' worth: off the event loop
+        constraint, forced = await asyncio.to_thread(chat_constraint, req)
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top, constraint=constraint)
         if req.prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=req.prompt_logprobs)
-        await precompile(self.engine, constraint)
+        await compile_constraint(self.engine, constraint)
         prompt, extras = await self.tokenizer.ids_if_long(
             messages_to_dicts(req.messages), template_extras(req.tools, req.chat_template_kwargs)
         )
@@ -371,11 +367,11 @@ class OpenAIServer:
         max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.model_info.max_model_len
         if spec.prompt_only:  # the engine samples one token, which the PromptStream drops
             max_tokens = 1
-        constraint = request_constraint(req)
+        constraint = await asyncio.to_thread(request_constraint, req)
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=constraint)
         if spec.engine_prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=spec.engine_prompt_logprobs)
-        await precompile(self.engine, constraint)
+        await compile_constraint(self.engine, constraint)
         if len(prompts) > 1 and req.request_id is not None:
             raise bad_request("request_id is for a single prompt", "request_id")
         for text_or_ids in prompts:

@@ -18,7 +18,6 @@ is a 400 whose ``param`` names the field.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import json
 import time
@@ -299,11 +298,22 @@ class ForcedToolChunks:
         )
 
 
-async def precompile(engine: EngineClient, c: Constraint | None) -> None:
-    """Compile ``c`` in a worker thread through the engine's grammar cache, so the engine's
-    step thread finds it compiled (an engine without a local cache compiles it itself)."""
-    if c is None:
-        return
-    grammars = getattr(getattr(engine, "input_processor", None), "grammars", None)
-    if grammars is not None:
-        await asyncio.get_running_loop().run_in_executor(None, grammars.compile, c)
+def chat_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint | None, ForcedTools | None]:
+    """A chat request's constraint and, for a forced ``tool_choice``, how its output is shaped
+    (400 when both a forced call and another constraint are asked for). Parses each schema:
+    call it off the event loop."""
+    constraint = request_constraint(req)
+    tool_forced = tool_choice_constraint(req)
+    if tool_forced is None:
+        return constraint, None
+    if constraint is not None:
+        raise bad_request("a forced tool_choice takes no other output constraint", "tool_choice")
+    return tool_forced
+
+
+async def compile_constraint(engine: EngineClient, c: Constraint | None) -> None:
+    """Compile ``c`` where the engine core runs before the request is submitted, so that one
+    that does not compile in time is a 400 (``GrammarTimeoutError``) and not an error inside a
+    stream that has started; the wait is on the core's grammar workers, off every loop."""
+    if c is not None:
+        await engine.compile_constraint(c)
