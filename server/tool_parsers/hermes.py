@@ -272,15 +272,16 @@ class HermesToolParser(ToolCallParser):
                     self.args = JsonRespacer()
                     return True
                 self.header.status = _Status.FAIL
+        # body + buf is the block's text not yet in an event (salvage relies on it at every step)
         if piece:
             self.body.append(piece)
-        if end < 0 and not final:
             self.buf = self.buf[len(piece) :]
+        if end < 0 and not final:
             return False  # the header, or the end of a block read whole, may still come
         body = "".join(self.body)
-        self.body = []
-        self.buf = self.buf[end + len(TOOL_CALL_END) :] if end >= 0 else ""
         whole = _whole_block(body.strip())
+        self.body = []
+        self.buf = self.buf[len(TOOL_CALL_END) :] if end >= 0 else ""
         if whole is None:
             self._malformed(body + (TOOL_CALL_END if end >= 0 else ""))
         else:

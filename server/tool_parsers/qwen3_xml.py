@@ -254,8 +254,9 @@ class Qwen3XmlToolParser(ToolCallParser):
         # at the end of the text, a value cut inside its closing tag ends before the tag
         at, tag = found if found is not None else (len(self.buf) - held_prefix(self.buf, _VALUE_ENDS), "")
         self.value.append(self.buf[:at])
-        self.buf = self.buf[at + (len(tag) if tag == PARAMETER_END else 0) :] if tag else ""
+        self.buf = self.buf[at:]  # the closing tag is dropped once the value is written (salvage)
         self._close_value()
+        self.buf = self.buf[len(tag) if tag == PARAMETER_END else 0 :] if tag else ""
         self.state = _State.FUNCTION
         return True
 
