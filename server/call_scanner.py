@@ -6,16 +6,24 @@ no other whitespace. So a call's name is known as soon as its closing quote arri
 arguments are the text of the ``parameters`` object, which ends where its braces balance
 (outside strings). ``feed`` returns what each new piece of text adds: a call's start (its
 index and name), then pieces of its arguments, which concatenate to the object's text.
+
+Each character is read once: ``buf`` keeps only what may still be the start of the text looked
+for, and a name is kept as pieces until it ends. ``feed`` never raises: a name that does not
+decode as a JSON string (or decodes to a lone surrogate) is given as written.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass
+
+from deltaserve.server.tool_parsers.base import utf8_safe
 
 _ITEM = '{"name": "'
 _ARGS = '", "parameters": '
+_PLAIN = re.compile(r'[^"\\{}\[\]]+')  # characters that change nothing in the arguments
 
 
 class _Phase(enum.Enum):
@@ -38,9 +46,10 @@ class CallScanner:
     """The incremental reader of one output (module docstring)."""
 
     def __init__(self) -> None:
-        self.buf = ""
+        self.buf = ""  # the text not yet read, from pos on
         self.pos = 0  # what is before has been read
         self.phase = _Phase.ITEM
+        self.name: list[str] = []  # (NAME) the name's text read so far
         self.index = -1  # the call being read
         self.depth = 0  # brace / bracket depth inside the arguments
         self.in_string = False
@@ -48,7 +57,8 @@ class CallScanner:
 
     def feed(self, text: str) -> list[CallEvent]:
         """The events ``text`` (the next piece of the output) completes."""
-        self.buf += text
+        self.buf = self.buf[self.pos :] + text
+        self.pos = 0
         events: list[CallEvent] = []
         while self._advance(events):
             pass
@@ -58,16 +68,22 @@ class CallScanner:
         """Read as far as the text allows in the current phase; whether the phase changed."""
         if self.phase is _Phase.ITEM:
             at = self.buf.find(_ITEM, self.pos)
-            if at < 0:
+            if at < 0:  # only what may start _ITEM is kept
+                self.pos = max(self.pos, len(self.buf) - len(_ITEM) + 1)
                 return False
             self.pos, self.phase = at + len(_ITEM), _Phase.NAME
             return True
         if self.phase is _Phase.NAME:
             at = self.buf.find(_ARGS, self.pos)
             if at < 0:
+                keep = max(self.pos, len(self.buf) - len(_ARGS) + 1)
+                self.name.append(self.buf[self.pos : keep])
+                self.pos = keep
                 return False
             self.index += 1
-            events.append(CallEvent(self.index, json.loads(f'"{self.buf[self.pos : at]}"'), ""))
+            self.name.append(self.buf[self.pos : at])
+            events.append(CallEvent(self.index, _decode("".join(self.name)), ""))
+            self.name = []
             self.pos, self.phase = at + len(_ARGS), _Phase.ARGS
             self.depth, self.in_string, self.escaped = 0, False, False
             return True
@@ -84,8 +100,13 @@ class CallScanner:
     def _arguments_end(self) -> int | None:
         """Where the arguments object ends (one past its closing brace), reading on from
         ``pos``; None while it is open."""
-        for k in range(self.pos, len(self.buf)):
+        k, n = self.pos, len(self.buf)
+        while k < n:
             ch = self.buf[k]
+            if not self.escaped and ch not in '"\\{}[]':  # a run that changes nothing: skipped at once
+                k = _PLAIN.match(self.buf, k).end()  # type: ignore[union-attr]
+                continue
+            k += 1
             if self.in_string:
                 if self.escaped:
                     self.escaped = False
@@ -100,5 +121,15 @@ class CallScanner:
             elif ch in "}]":
                 self.depth -= 1
                 if self.depth == 0:
-                    return k + 1
+                    return k
         return None
+
+
+def _decode(name: str) -> str:
+    """A name's JSON string text, decoded; as written when it does not decode to text a
+    response can carry."""
+    try:
+        out = json.loads(f'"{name}"')
+    except ValueError:
+        return name
+    return out if isinstance(out, str) and utf8_safe(out) else name

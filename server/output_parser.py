@@ -6,6 +6,13 @@ leaves, the tool-call parser (``tool_parsers``). ``feed`` returns the pieces in 
 message. A whole response is the same parser fed the whole text, so a stream's pieces always
 add up to the whole response.
 
+This is where the server runs the parsers, and it never raises: should a parser raise (a
+bug; the parsers are written not to), the failure is logged once (``server.parser_failed``, a
+warning), what that parser had queued is returned, every character it had received and not
+yet returned (the failed block, as written) is content, and the rest of the completion is
+content as generated. A failure that depends on the text alone (not on how it was split) comes
+at the same point of a stream and of the whole text, so the two still agree.
+
 ``ChatParsing`` is the server's choice of parsers (``ServerConfig.tool_call_parser`` /
 ``reasoning_parser``; ``auto`` is resolved from the model's chat template on first use) and
 makes the parser of each completion of a request.
@@ -17,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltaserve.logs import get_logger
 from deltaserve.server.reasoning import (
     Qwen3ReasoningParser,
     ReasoningParserName,
@@ -33,6 +41,8 @@ from deltaserve.server.tool_parsers import (
 
 #: the one-line conversation the think probe renders
 _PROBE = [{"role": "user", "content": "hi"}]
+
+log = get_logger("deltaserve.server")
 
 
 @dataclass(frozen=True)
@@ -80,19 +90,39 @@ class OutputParser:
         out: list[Piece] = []
         content = text
         if self.reasoning is not None:
-            thought, content = self.reasoning.finish() if final else self.reasoning.feed(text)
+            try:
+                thought, content = self.reasoning.finish() if final else self.reasoning.feed(text)
+            except Exception as e:  # noqa: BLE001 (a parser bug must not fail the reply: module docstring)
+                self._failed(self.reasoning, e)
+                thought, content = "", self.reasoning.salvage()
+                self.reasoning = None
             if thought:
                 out.append(Reasoning(thought))
         if self.tools is None:
             if content:
                 out.append(content)
             return out
-        events = self.tools.feed(content) if content else []
-        if final:
-            events += self.tools.finish()
+        events: list[Piece] = []
+        try:
+            if content:
+                events += self.tools.feed(content)
+            if final:
+                events += self.tools.finish()
+        except Exception as e:  # noqa: BLE001 (as above)
+            self._failed(self.tools, e)
+            events += self.tools.salvage()
+            self.tools = None
         self.called = self.called or any(isinstance(e, CallDelta) for e in events)
         out += events
         return out
+
+    @staticmethod
+    def _failed(parser: object, error: Exception) -> None:
+        log.warning(
+            "server.parser_failed",
+            parser=type(parser).__name__,
+            error=f"{type(error).__name__}: {str(error)[:200]}",
+        )
 
     def parse(self, text: str) -> ParsedMessage:
         """The whole completion ``text`` (a fresh parser: call once)."""

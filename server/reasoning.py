@@ -10,7 +10,10 @@ reasoning up to ``</think>``) or not (text is reasoning only if it starts with `
 ``Qwen3ReasoningParser.feed`` takes text pieces and returns ``(reasoning, content)`` pieces; the
 result is the same for every split of the same text. Reasoning is stripped of surrounding
 whitespace and the answer of the whitespace after ``</think>``; reasoning cut by
-``max_tokens`` before ``</think>`` is all reasoning, with no content.
+``max_tokens`` before ``</think>`` is all reasoning, with no content. Each character is read a
+bounded number of times (text waiting for a decision, like a long run of whitespace, is kept
+as a list of pieces), so a stream costs time linear in its text. ``salvage`` gives the text not
+yet returned, should a bug make ``feed`` raise.
 """
 
 from __future__ import annotations
@@ -85,9 +88,10 @@ class Qwen3ReasoningParser:
 
     def __init__(self, opened: bool) -> None:
         self.state = _State.REASONING if opened else _State.START
-        self.buf = ""
+        self.buf = ""  # text not read yet (in REASONING: at most a tag's length before a feed)
+        self.lead: list[str] = []  # (START) the whitespace before the first other character
         self.started = False  # reasoning text other than whitespace was written
-        self.held_ws = ""  # the reasoning's trailing whitespace (dropped at </think>)
+        self.held_ws: list[str] = []  # the reasoning's trailing whitespace (dropped at </think>)
         self.after_end = False  # drop the whitespace right after </think>
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -97,16 +101,26 @@ class Qwen3ReasoningParser:
     def finish(self) -> tuple[str, str]:
         return self._run(final=True)
 
+    def salvage(self) -> str:
+        """After ``feed`` or ``finish`` raised: the text received and not returned yet (held
+        whitespace aside), as written. The parser is not to be used again."""
+        out = "".join(self.lead) + self.buf
+        self.lead, self.buf = [], ""
+        return out
+
     def _run(self, final: bool) -> tuple[str, str]:
         reasoning, content = "", ""
         if self.state is _State.START:
             rest = self.buf.lstrip()
+            if len(rest) < len(self.buf):  # set aside as it comes: a long run is read once
+                self.lead.append(self.buf[: len(self.buf) - len(rest)])
+                self.buf = rest
             if rest.startswith(THINK_START):
-                self.state, self.buf = _State.REASONING, rest[len(THINK_START) :]
+                self.state, self.buf, self.lead = _State.REASONING, rest[len(THINK_START) :], []
             elif THINK_START.startswith(rest) and not final:
                 return "", ""
             else:
-                self.state = _State.CONTENT
+                self.state, self.buf, self.lead = _State.CONTENT, "".join(self.lead) + rest, []
         if self.state is _State.REASONING:
             at = self.buf.find(THINK_END)
             if at < 0:
@@ -127,7 +141,11 @@ class Qwen3ReasoningParser:
         if not self.started:
             text = text.lstrip()
             self.started = bool(text)
-        text = self.held_ws + text
         body = text.rstrip()
-        self.held_ws = text[len(body) :]
-        return body
+        if not body:  # whitespace only: held with what is held
+            if text:
+                self.held_ws.append(text)
+            return ""
+        out = "".join(self.held_ws) + body
+        self.held_ws = [text[len(body) :]] if len(body) < len(text) else []
+        return out

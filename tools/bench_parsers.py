@@ -3,12 +3,19 @@
 
     python tools/bench_parsers.py                 # each case, a reply of ~4,000 tokens
     python tools/bench_parsers.py --tokens 20000 --json out.json
+    python tools/bench_parsers.py --unterminated 64,1024 --chars 16   # abuse: seconds per reply
 
 A reply is split into pieces of ``--chars`` characters (a token's text is 3-4 characters on
 average) and fed to a fresh ``OutputParser`` per repetition, as a stream feeds it; the whole
 reply in one feed (a non-streamed response) is timed too. Cases: plain text (no tags: the
 content path), Qwen3 reasoning then text, reasoning then Qwen3.5 XML calls with a long string
 parameter, and hermes JSON calls. Torch-free; single-threaded.
+
+``--unterminated`` times instead replies that are one block never closed, of each size in KiB,
+streamed once in ``--chars`` pieces: what a parser must hold back while it cannot decide
+(hermes: a body that is no header, a name that never ends, whitespace; XML: an integer value;
+reasoning: whitespace before anything). Linear parsers take about 8 times as long for 8 times
+the size; a parser that re-reads what it holds takes about 64 times as long.
 """
 
 from __future__ import annotations
@@ -69,6 +76,34 @@ def replies(chars: int) -> dict[str, tuple[str, Callable[[], OutputParser]]]:
     }
 
 
+def unterminated(chars: int) -> dict[str, tuple[str, Callable[[], OutputParser]]]:
+    """Replies of ``chars`` characters that open a block and never close it (module docstring)."""
+
+    def hermes() -> OutputParser:
+        return OutputParser(None, HermesToolParser(TOOLS))
+
+    def xml() -> OutputParser:
+        return OutputParser(None, Qwen3XmlToolParser(TOOLS))
+
+    return {
+        "hermes_no_header": ('<tool_call>{"arguments": {"body": "' + "x" * chars, hermes),
+        "hermes_endless_name": ('<tool_call>{"name": "' + "x" * chars, hermes),
+        "hermes_whitespace": ("<tool_call>" + " " * chars, hermes),
+        "xml_integer": ("<tool_call><function=write_file><parameter=mode>" + "1" * chars, xml),
+        "reasoning_whitespace": (" " * chars, lambda: OutputParser(Qwen3ReasoningParser(False), None)),
+    }
+
+
+def time_stream(text: str, make: Callable[[], OutputParser], piece: int) -> float:
+    """Seconds to stream ``text`` in pieces of ``piece`` characters through a fresh parser."""
+    parser = make()
+    t0 = time.perf_counter()
+    for i in range(0, len(text), piece):
+        parser.feed(text[i : i + piece])
+    parser.finish()
+    return time.perf_counter() - t0
+
+
 def time_case(text: str, make: Callable[[], OutputParser], piece: int, reps: int) -> dict[str, float]:
     pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
     streamed, whole = [], []
@@ -97,8 +132,24 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=4, help="characters per piece (default %(default)s)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--unterminated", metavar="KIB,...", help="time unterminated blocks of these sizes instead"
+    )
     args = parser.parse_args()
-    results = {}
+    results: dict[str, dict[str, float]] = {}
+    if args.unterminated:
+        for kib in (int(k) for k in args.unterminated.split(",")):
+            for name, (text, make) in unterminated(kib * 1024).items():
+                try:
+                    seconds = time_stream(text, make, args.chars)
+                except Exception as e:  # noqa: BLE001 (a parser that fails is a result here)
+                    print(f"{name:20s} {kib:6d} KiB  raised {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                results.setdefault(name, {})[f"{kib}KiB_s"] = seconds
+                print(f"{name:20s} {kib:6d} KiB in {args.chars}-char pieces  {seconds:8.3f} s", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        return
     for name, (text, make) in replies(args.tokens * args.chars // 2).items():
         r = results[name] = time_case(text, make, args.chars, args.reps)
         print(
