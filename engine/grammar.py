@@ -8,7 +8,11 @@ while it compiles. A front end asks first and waits at most ``compile_timeout_s`
 (``EngineClient.compile_constraint``: a 400 when it runs out); the core parks a request whose
 grammar is still compiling and admits it once it is ready (``engine/grammar_wait.py``). A
 compile cannot be interrupted: one that outlives its deadline finishes on its worker and is
-cached. The workers are daemon threads, so a stuck compile never holds up the process's exit.
+cached. At interpreter exit the compiles in flight are waited for (an ``atexit`` hook; the
+limits of ``engine/constraint.py`` keep them to seconds): CPython ends a daemon thread that
+comes back from native code while it finalizes with ``pthread_exit``, which the native
+compiler's frames cannot unwind, and the process aborts ("terminate called without an active
+exception", seen here on a 1,000-property schema left compiling at exit).
 
 Each constrained request owns a ``GrammarMatcher`` (``RequestState.matcher``) that advances
 with every token the request accepts. ``fill_masks`` writes the next-token bitmask of a batch
@@ -19,9 +23,11 @@ The engine uses xgrammar (tools/bench_grammar.py measured it against llguidance)
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import queue
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -43,6 +49,9 @@ from deltaserve.logs import get_logger
 log = get_logger("deltaserve.engine")
 
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used evicted)
+
+#: every Grammars with worker threads, for the exit hook
+_LIVE: weakref.WeakSet[Grammars] = weakref.WeakSet()
 
 
 def timeout_error(timeout_s: float) -> GrammarTimeoutError:
@@ -149,14 +158,29 @@ class Grammars:
             return len(self._inflight)
 
     def close(self) -> None:
-        """Stop the workers once the compiles already queued are done (a compile cannot be
-        interrupted; the daemon threads never hold up the process's exit)."""
+        """Stop the workers: compiles not started are cancelled, one running finishes (a
+        compile cannot be interrupted). Returns at once; ``join`` waits."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[1].cancel()
+        with self._lock:
+            self._inflight.clear()
         for _ in self._threads:
             self._jobs.put(None)
+
+    def join(self) -> None:
+        """Wait until the workers have stopped (after ``close``)."""
+        for t in self._threads:
+            t.join()
 
     def _start_worker(self) -> None:
         t = threading.Thread(target=self._work, name=f"deltaserve-grammar-{len(self._threads)}", daemon=True)
         self._threads.append(t)
+        _LIVE.add(self)
         t.start()
 
     def _work(self) -> None:
@@ -214,3 +238,13 @@ class Grammars:
     def fill_masks(self, matchers: Sequence[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Row ``rows[i]`` of ``bitmask`` := the next-token mask of ``matchers[i]``."""
         self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, indices=rows)
+
+
+@atexit.register
+def _finish_compiles() -> None:
+    """Let the compiles in flight end before the interpreter finalizes (module docstring)."""
+    for grammars in list(_LIVE):
+        if grammars.compiling:
+            log.info("grammar.exit_wait", compiling=grammars.compiling)
+        grammars.close()
+        grammars.join()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,11 @@ class GrammarWait:
         for rid, p in list(self._parked.items()):
             if p.compiled.done():
                 del self._parked[rid]
-                error = p.compiled.exception()
+                error = (
+                    CancelledError("the grammar workers stopped")
+                    if p.compiled.cancelled()
+                    else p.compiled.exception()
+                )
                 if error is None:
                     ready.append((p.req, p.compiled.result()))
                 else:

@@ -283,3 +283,36 @@ def _words(alphabet: str, n: int) -> Iterator[tuple[str, ...]]:
     import itertools
 
     return itertools.product(alphabet, repeat=n)
+
+
+def test_the_process_exits_cleanly_while_a_grammar_compiles(tmp_path: Any) -> None:
+    """A compile still running at interpreter exit is waited for: returning into a finalizing
+    interpreter would abort the process (exit code 134, "terminate called ...")."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_compiling.py"
+    script.write_text(
+        "import asyncio, json\n"
+        "from deltaserve.engine import AsyncEngine, GrammarTimeoutError\n"
+        "from deltaserve.engine.constraint import Constraint, ConstraintKind\n"
+        "from tests.engine.conftest import make_config\n"
+        "async def main():\n"
+        "    props = {f'p{i}': {'type': 'string'} for i in range(1000)}\n"
+        "    c = Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps({'type': 'object', 'properties': props}))\n"
+        "    async with AsyncEngine(make_config(**{'structured_outputs.compile_timeout_s': 0.05})) as engine:\n"
+        "        try:\n"
+        "            await engine.compile_constraint(c)\n"
+        "        except GrammarTimeoutError:\n"
+        "            print('timed out, still compiling', flush=True)\n"
+        "asyncio.run(main())\n"
+    )
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "timed out, still compiling" in done.stdout
