@@ -7,7 +7,8 @@ What ``cache/disk_store.py`` writes and reads back, so that it holds only the I/
   payload. It is accounted as header + payload rounded up to whole ``FS_BLOCK`` blocks.
 * an item's name: ``<kind>-<key>-<parent>-<length>-<cost>`` (hex), all the index needs, so an
   open lists directories and opens no item; it lives under ``items/<first byte of key>/``.
-* ``manifest.json``: the ``StoreIdentity`` a store is reused under, and when it was created.
+* ``manifest.json``: the ``StoreIdentity`` a store is reused under, when it was created, and
+  the store's marker (``magic``: ``cache/disk_layout.py`` says what a store owns).
 * ``index.bin``: GDSF's L and the frequencies above 1, saved at close (checksummed: a damaged
   or older file is ignored, and the items restart at frequency 1).
 """
@@ -64,6 +65,8 @@ class StoreIdentity(msgspec.Struct, frozen=True):
 class Manifest(msgspec.Struct, frozen=True):
     identity: StoreIdentity
     created: float  # unix time the store was created
+    # the store's marker (``cache/disk_layout.py``); "" in what earlier versions wrote
+    magic: str = ""
 
 
 def accounted_bytes(length: int) -> int:

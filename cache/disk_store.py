@@ -14,9 +14,15 @@ Items are byte payloads of two kinds (``ItemKind``: a KV block, a GDN checkpoint
   *leaves* only: an item that another stored or queued item depends on (its ``parent``)
   stays until its dependents go.
 * One process at a time: ``flock`` on ``<path>/lock``; a second opener gets ``DiskStoreLocked``.
-* A store is reused only if its manifest's ``StoreIdentity`` equals the caller's; otherwise
-  its contents go to ``<path>/set-aside-<utc stamp>/`` (the newest only: older ones are
-  removed) and a warning names the fields that differ.
+* The store owns only what it made (``cache/disk_layout.py``): a missing or empty path
+  becomes a store; a store (``manifest.json``, the marker) is reused if its ``StoreIdentity``
+  equals the caller's, else its own entries go to ``<path>/set-aside-<utc stamp>/`` (marked;
+  older marked ones are removed) and a warning names the fields that differ; a non-empty
+  folder that is not a store is refused untouched (``DiskStoreError``).
+* No link inside the store is followed (folder descriptors, ``O_NOFOLLOW``); an item is read
+  only from a regular file (``O_NONBLOCK``: a FIFO is a miss, never a wait).
+* ``close`` never waits for a read: a read still running then returns None, and the folder
+  descriptors stay open until the last such read ends.
 
 Layout (``cache/disk_format.py``: the header, the names, ``index.bin``): ``manifest.json``;
 ``items/<first byte of key>/<name>``, one file per item, its name all the index needs (an
@@ -40,10 +46,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import math
 import os
-import shutil
+import stat
 import threading
 import time
 from collections import deque
@@ -54,9 +59,9 @@ from types import TracebackType
 import msgspec
 import xxhash
 
-# ItemKind, StoreIdentity and the format helpers are imported from here too (re-exported)
 from deltaserve.cache.disk_format import (
     FORMAT_VERSION,
+    FS_BLOCK,
     HEADER_BYTES,
     KEY_LIMIT,
     ItemKind,
@@ -72,25 +77,42 @@ from deltaserve.cache.disk_format import (
     parse_item_name,
 )
 from deltaserve.cache.disk_index import DiskEntry, DiskIndex
+from deltaserve.cache.disk_layout import (
+    INDEX,
+    ITEMS,
+    LOCK,
+    MANIFEST,
+    READ_FLAGS,
+    TMP,
+    DiskStoreError,
+    DiskStoreLocked,
+    Survey,
+    clear_tmp,
+    create_file,
+    encode_manifest,
+    list_items,
+    open_dir,
+    own_dir,
+    read_regular,
+    refuse_foreign,
+    remove_older_set_asides,
+    replace_file,
+    set_aside,
+    survey,
+    take_lock,
+    unlink_in,
+)
 from deltaserve.logs import get_logger
 
+# the format's names and the errors are imported from here too
+__all__ = ["FORMAT_VERSION", "HEADER_BYTES", "DiskStore", "DiskStoreError", "DiskStoreLocked", "ItemKind",
+           "StoreIdentity", "accounted_bytes", "item_name", "parse_item_name"]  # fmt: skip
 log = get_logger("deltaserve.cache")
 
 _ERROR_LOG_INTERVAL_S = 60.0
 # Writer threads: creating a file costs this filesystem 0.3 ms idle and several ms under
 # writeback pressure, mostly waiting (GIL released); two writers overlap those waits.
 WRITER_THREADS = 2
-
-
-class DiskStoreError(Exception):
-    """The disk store cannot be opened as asked: an identity whose ``format`` is not this
-    module's, a path that cannot be locked or created. Raised by ``DiskStore(...)`` only;
-    I/O errors after the open are never raised (a write drops, a read misses)."""
-
-
-class DiskStoreLocked(DiskStoreError):
-    """Another ``DiskStore`` (in this process or another) holds the path's lock: one store
-    per path at a time. The message names the path."""
 
 
 @dataclass(slots=True)
@@ -106,27 +128,14 @@ def _length(e: DiskEntry | _Pending) -> int:
     return e.length if isinstance(e, DiskEntry) else len(e.payload)
 
 
-def _write_file(path: str, header: bytes, payload: bytes) -> None:
+def _write_file(fd: int, header: bytes, payload: bytes) -> None:
     """Write ``header + payload`` to a new file (the writer thread's only payload I/O)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        total = len(header) + len(payload)
-        done = os.writev(fd, [header, payload])
-        if done < total:  # a short write (rare, very large payloads): finish the rest
-            rest = memoryview(header + payload)[done:]
-            while rest:
-                rest = rest[os.write(fd, rest) :]
-    finally:
-        os.close(fd)
-
-
-def _fsync_replace(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    total = len(header) + len(payload)
+    done = os.writev(fd, [header, payload])
+    if done < total:  # a short write (rare, very large payloads): finish the rest
+        rest = memoryview(header + payload)[done:]
+        while rest:
+            rest = rest[os.write(fd, rest) :]
 
 
 class DiskStore:
@@ -152,9 +161,6 @@ class DiskStore:
             )
         t0 = time.perf_counter()
         self._path = Path(path)
-        self._items_dir = str(self._path / "items")
-        self._tmp_dir = str(self._path / "tmp")
-        self._fan_dirs: set[int] = set()  # items/<xx> directories known to exist (writer's)
         self._capacity = capacity_bytes
         self._identity = identity
         self._queue_items = queue_items
@@ -171,25 +177,41 @@ class DiskStore:
         self._writing = 0  # items the writers hold between queue and index
         self._unlinking: set[tuple[ItemKind, int]] = set()  # evicted, file not yet gone
         self._closed = False
+        # reads between their index look-up and their end: the folder descriptors stay open
+        # for them after ``close`` (released by the last one once ``_dirs_unused``)
+        self._reads = 0
+        self._dirs_unused = False
         self._counters = dict.fromkeys(
             ("bytes_written", "bytes_read", "items_written", "items_read", "queue_drops",
              "write_errors", "damaged_items", "evicted_items"), 0)  # fmt: skip
         self._error_log_at: dict[str, float] = {}
+        self._set_aside: Path | None = None
+        self._root = self._items_fd = self._tmp_fd = self._lock_fd = -1
         try:
             self._path.mkdir(parents=True, exist_ok=True)
+            # the path itself may be a link (the user's choice); nothing inside it is followed
+            self._root = os.open(self._path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise DiskStoreError(f"cannot create disk store {self._path}: {e}") from e
-        self._lock_fd = self._take_lock()
         try:
-            self._set_aside: Path | None = None
-            self._created = self._open_manifest()
-            self._prepare_dirs()
+            refuse_foreign(survey(self._root), self._path)  # before anything is created there
+            self._lock_fd, made_lock = take_lock(self._root, self._path)
+            found = survey(self._root)  # again, under the lock: another opener may have been first
+            if found.kind == "foreign" and made_lock:
+                with contextlib.suppress(OSError):
+                    os.unlink(LOCK, dir_fd=self._root)
+            refuse_foreign(found, self._path)
+            self._created = self._open_manifest(found)
+            self._items_fd = own_dir(self._root, ITEMS)  # its fan-out folders come on demand
+            self._tmp_fd = own_dir(self._root, TMP)
+            clear_tmp(self._tmp_fd, self._path)
             self._load_index()
-        except OSError as e:
-            os.close(self._lock_fd)
-            raise DiskStoreError(f"cannot open disk store {self._path}: {e}") from e
-        except BaseException:
-            os.close(self._lock_fd)
+        except BaseException as e:
+            self._close_dirs()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+            if isinstance(e, OSError):
+                raise DiskStoreError(f"cannot open disk store {self._path}: {e}") from e
             raise
         self._opened_in_ms = (time.perf_counter() - t0) * 1e3
         self._writers = [
@@ -208,57 +230,26 @@ class DiskStore:
         )
 
     # ------------------------------------------------------------------ open
-    def _take_lock(self) -> int:
-        try:
-            fd = os.open(self._path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise DiskStoreError(f"cannot lock disk store {self._path}: {e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise DiskStoreLocked(
-                    f"disk store {self._path} is in use by another DiskStore (lock held)"
-                ) from e
-            raise DiskStoreError(f"cannot lock disk store {self._path}: {e}") from e
-        return fd
-
-    def _open_manifest(self) -> float:
-        """The store's creation time; sets a foreign or unreadable store aside first."""
-        mpath = self._path / "manifest.json"
-        contents = [
-            p for p in self._path.iterdir() if p.name != "lock" and not p.name.startswith("set-aside-")
-        ]
-        old: Manifest | None = None
-        reason = "empty"
-        if contents:
-            try:
-                old = msgspec.json.decode(mpath.read_bytes(), type=Manifest)
-                reason = "identity differs"
-            except (OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-                reason = f"manifest unreadable: {type(e).__name__}"
-        if old is not None and old.identity == self._identity:
+    def _open_manifest(self, found: Survey) -> float:
+        """The store's creation time; sets another identity's (or an unreadable) store aside
+        first. The manifest is written before anything else of a new store: the marker."""
+        old = found.manifest
+        if found.kind == "store" and old is not None and old.identity == self._identity:
+            if found.legacy:  # written by an earlier version: add the marker
+                replace_file(self._root, MANIFEST, encode_manifest(old))
             return old.created
-        if contents:
-            self._set_aside_contents(contents, old, reason)
-        created = time.time()
-        manifest = Manifest(identity=self._identity, created=created)
-        _fsync_replace(mpath, msgspec.json.encode(manifest))
-        return created
+        if found.kind == "store":
+            self._set_aside_store(
+                old, "identity differs" if old is not None else f"manifest.json {found.reason}"
+            )
+        manifest = Manifest(identity=self._identity, created=time.time())
+        replace_file(self._root, MANIFEST, encode_manifest(manifest))
+        return manifest.created
 
-    def _set_aside_contents(self, contents: list[Path], old: Manifest | None, reason: str) -> None:
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        dest = self._path / f"set-aside-{stamp}"
-        n = 1
-        while dest.exists():
-            n += 1
-            dest = self._path / f"set-aside-{stamp}-{n}"
-        dest.mkdir()
-        for p in contents:
-            p.rename(dest / p.name)
-        self._set_aside = dest
-        self._remove_older_set_asides(dest)
+    def _set_aside_store(self, old: Manifest | None, reason: str) -> None:
+        name = set_aside(self._root, reason)
+        self._set_aside = self._path / name
+        remove_older_set_asides(self._root, self._path, name)
         differs: dict[str, object] = {}
         if old is not None:
             mine = msgspec.structs.asdict(self._identity)
@@ -267,57 +258,18 @@ class DiskStore:
         log.warning(
             "disk_store.set_aside",
             path=str(self._path),
-            set_aside=str(dest),
+            set_aside=str(self._set_aside),
             reason=reason,
             differs=differs,
         )
 
-    def _remove_older_set_asides(self, keep: Path) -> None:
-        """Only the newest set-aside store stays: switching models back and forth must not
-        fill the disk past ``capacity_bytes`` with stores nobody reads."""
-        for old in self._path.glob("set-aside-*"):
-            if old != keep and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-                log.warning("disk_store.set_aside_removed", path=str(old))
-
-    def _prepare_dirs(self) -> None:
-        tmp = self._path / "tmp"
-        if tmp.exists():  # partial writes of a crashed process
-            shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(exist_ok=True)
-        (self._path / "items").mkdir(exist_ok=True)  # its fan-out directories come on demand
-
-    def _item_path(self, e: DiskEntry | _Pending) -> str:
-        name = item_name(e.kind, e.key, e.parent, _length(e), e.cost)
-        return os.path.join(self._items_dir, f"{fan_of(e.key):02x}", name)
-
-    def _list_items(self) -> list[DiskEntry]:
-        """Every item file, by its name alone (no file is opened); foreign files go."""
-        found: list[DiskEntry] = []
-        for sub in os.scandir(self._items_dir):
-            try:
-                fan = int(sub.name, 16) if len(sub.name) == 2 else -1
-            except ValueError:
-                fan = -1
-            if fan >= 0:
-                self._fan_dirs.add(fan)
-            for entry in os.scandir(sub.path):
-                parsed = parse_item_name(entry.name)
-                if parsed is None or fan_of(parsed[1]) != fan:
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
-                    continue
-                kind, key, parent, length, cost = parsed
-                found.append(DiskEntry(kind, key, parent, length, accounted_bytes(length), cost))
-        return found
-
     def _load_index(self) -> None:
         """Index what is on disk, with the frequencies and L saved at the last close (an
         older or damaged ``index.bin`` only costs what it knew: items restart at frequency 1)."""
-        entries = self._list_items()
-        saved = None
-        with contextlib.suppress(OSError):
-            saved = decode_index((self._path / "index.bin").read_bytes())
+        entries = list_items(self._items_fd)
+        limit = 32 * max(self._capacity // FS_BLOCK, len(entries)) + 4096  # above any valid index
+        raw, _ = read_regular(self._root, INDEX, limit)
+        saved = decode_index(raw) if raw is not None else None
         inflation, freqs = saved if saved is not None else (0.0, {})
         for e in entries:
             e.freq = freqs.get((e.kind, e.key), e.freq)
@@ -326,12 +278,23 @@ class DiskStore:
         self._counters["evicted_items"] += len(victims)
         self._unlink_victims(victims)
 
+    def _close_dirs(self) -> None:
+        for name in ("_items_fd", "_tmp_fd", "_root"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+    @staticmethod
+    def _names(e: DiskEntry | _Pending) -> tuple[str, str]:
+        """(``items/`` fan folder, file name) of an item."""
+        return f"{fan_of(e.key):02x}", item_name(e.kind, e.key, e.parent, _length(e), e.cost)
+
     def _unlink_victims(self, victims: list[DiskEntry]) -> None:
         """Remove evicted items' files (lock not held); until then ``put`` refuses their keys,
         so a new copy cannot be written under a name that is about to be unlinked."""
         for v in victims:
-            with contextlib.suppress(OSError):
-                os.unlink(self._item_path(v))
+            unlink_in(self._items_fd, *self._names(v))
         if victims:
             with self._lock:
                 self._unlinking.difference_update((v.kind, v.key) for v in victims)
@@ -407,36 +370,30 @@ class DiskStore:
         return refuse
 
     def read(self, kind: ItemKind, key: int) -> bytes | None:
-        """The verified payload, or None (missing or damaged: counted and forgotten; or the
-        store is closed)."""
+        """The verified payload, or None (missing or damaged: counted and forgotten; not a
+        regular file; or the store is closed, also while the read ran)."""
         with self._lock:
             e = None if self._closed else self._index.get(kind, key)
-        if e is None:
-            return None
-        path = self._item_path(e)
-        payload = None
+            if e is None:
+                return None
+            self._reads += 1
         try:
-            with open(path, "rb") as f:
-                head = decode_header(f.read(HEADER_BYTES))
-                if os.fstat(f.fileno()).st_size == HEADER_BYTES + e.length:
-                    payload = f.read(e.length)
-        except OSError:
-            head = None
-        ok = (
-            head is not None
-            and payload is not None
-            and head[:4] == (kind, key, e.parent, e.length)
-            and len(payload) == e.length
-            and xxhash.xxh3_64_intdigest(payload) == head[5]
-        )
+            payload = self._read_file(e)
+        finally:
+            with self._lock:
+                self._reads -= 1
+                closed = self._closed
+                if closed and self._dirs_unused and self._reads == 0:
+                    self._close_dirs()
+        if closed:  # the lock may be someone else's now: touch nothing
+            return None
         with self._lock:
             current = self._index.get(kind, key) is e
-            if not ok:
-                if current:  # damaged; an item evicted meanwhile is just a miss
+            if payload is None:
+                if current and not self._closed:  # damaged; one evicted meanwhile is just a miss
                     self._counters["damaged_items"] += 1
                     self._index.remove(e)
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+                    unlink_in(self._items_fd, *self._names(e))
                     log.warning("disk_store.damaged_item", kind=e.kind.name, key=f"{key:032x}")
                 return None
             self._counters["items_read"] += 1
@@ -444,6 +401,37 @@ class DiskStore:
             if current:
                 self._index.touch(e)
         return payload
+
+    def _read_file(self, e: DiskEntry) -> bytes | None:
+        """``e``'s payload if its file is a regular file that verifies, else None. Opened
+        without following a link and without blocking (a FIFO is not waited on)."""
+        fan, name = self._names(e)
+        try:
+            fan_fd = open_dir(self._items_fd, fan)
+            try:
+                fd = os.open(name, READ_FLAGS, dir_fd=fan_fd)
+            finally:
+                os.close(fan_fd)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != HEADER_BYTES + e.length:
+                    return None
+                f = os.fdopen(fd, "rb")
+            except BaseException:
+                os.close(fd)
+                raise
+            with f:
+                head = decode_header(f.read(HEADER_BYTES))
+                payload = f.read(e.length)
+        except OSError:
+            return None
+        ok = (
+            head is not None
+            and head[:4] == (e.kind, e.key, e.parent, e.length)
+            and len(payload) == e.length
+            and xxhash.xxh3_64_intdigest(payload) == head[5]
+        )
+        return payload if ok else None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is written (or dropped); False on timeout."""
@@ -457,7 +445,8 @@ class DiskStore:
         return True
 
     def close(self) -> None:
-        """Write what is queued, stop the writer, save the index, release the lock."""
+        """Write what is queued, stop the writers, save the index, release the lock. Never
+        waits for a read (a read still running returns None)."""
         with self._cond:
             if self._closed:
                 return
@@ -469,6 +458,10 @@ class DiskStore:
             self._save_index()
         except OSError as e:
             log.warning("disk_store.index_save_failed", path=str(self._path), error=str(e))
+        with self._lock:
+            self._dirs_unused = True
+            if self._reads == 0:
+                self._close_dirs()
         os.close(self._lock_fd)
         log.info("disk_store.closed", path=str(self._path), items=len(self._index))
 
@@ -552,24 +545,29 @@ class DiskStore:
         if not fits:
             return
         header = encode_header(item.kind, item.key, item.parent, item.payload, item.cost)
-        final = self._item_path(item)
-        tmp = os.path.join(self._tmp_dir, os.path.basename(final))
+        fan, name = self._names(item)
+        fan_fd = fd = -1
         try:
-            fan = fan_of(item.key)
-            if fan not in self._fan_dirs:
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                self._fan_dirs.add(fan)
-            _write_file(tmp, header, item.payload)
-            os.rename(tmp, final)
+            fan_fd = own_dir(self._items_fd, fan)
+            fd = create_file(self._tmp_fd, name)
+            try:
+                _write_file(fd, header, item.payload)
+            finally:
+                os.close(fd)
+            os.rename(name, name, src_dir_fd=self._tmp_fd, dst_dir_fd=fan_fd)
         except Exception as e:  # an I/O error above all; anything else must not leak bytes
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._tmp_fd)
             with self._lock:
                 self._index.release(size)
                 self._counters["write_errors"] += 1
                 self._index.undepend(item.parent)
             self._log_write_error(e)
             return
+        finally:
+            if fan_fd >= 0:
+                os.close(fan_fd)
         with self._lock:
             self._index.release(size)
             self._index.add(DiskEntry(item.kind, item.key, item.parent, len(item.payload), size, item.cost))
@@ -597,4 +595,4 @@ class DiskStore:
         with self._lock:
             freqs = [(e.kind, e.key, e.freq) for e in self._index.entries()]
             inflation = self._index.inflation
-        _fsync_replace(self._path / "index.bin", encode_index(freqs, inflation))
+        replace_file(self._root, INDEX, encode_index(freqs, inflation))

@@ -14,11 +14,15 @@ bytes; this part decides what goes there and which hits come back. Torch-free.
   bytes they read); the store's writer thread puts them on disk, and a full queue drops.
 * **Reads.** ``fetch`` extends a prompt's tree hit from disk: the KV blocks after it that the
   disk holds, and the deepest checkpoint on them at a checkpoint unit (at most the prompt
-  less one token). A reader thread reads and verifies them before the request is admitted
-  (a damaged or missing item shortens the hit, never changes an output); meanwhile the
-  request waits and the others run. The admitted request then loads them into its private
-  blocks and live slot like host loads (``TransferKind.DISK_*``), and publishes them as if
-  computed.
+  less one token). A reader thread of a small pool (``cache/disk_reader.py``) reads and
+  verifies them before the request is admitted (a damaged or missing item shortens the hit,
+  never changes an output); meanwhile the request waits and the others run. The admitted
+  request then loads them into its private blocks and live slot like host loads
+  (``TransferKind.DISK_*``), and publishes them as if computed.
+* **Deadline.** A fetch not read within ``read_timeout_s`` (None: no deadline) is given up
+  (``disk.read_timeouts``): its request goes on without it and computes; what the stuck read
+  returns later is never used. So one stuck read (a stalled filesystem) holds one reader
+  thread, never another request. ``close`` does not wait for reads.
 
 Invariant: a fetch is read whole before it is used; its buffers count against
 ``read_buffer_bytes`` until its request is admitted or gone.
@@ -29,10 +33,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deltaserve.cache.disk_reader import ReaderPool
 from deltaserve.cache.radix_tree import Node
 from deltaserve.cache.types import DiskItemKind, DiskSave, Tier
 from deltaserve.logs import get_logger
@@ -64,14 +69,16 @@ class DiskFetch:
     boundaries: list[int]  # candidate checkpoint ends, in blocks, deepest first
     nbytes: int  # bytes reserved for its buffers
     since: float
+    deadline: float | None = None  # on the tier's clock; given up past it
     future: Future[None] | None = None
     end_block: int = 0
     kv: list[bytes] = field(default_factory=list)
     state: bytes | None = None
+    timed_out: bool = False  # given up: a miss, whatever its read returns later
 
     @property
     def done(self) -> bool:
-        return self.future is None or self.future.done()
+        return self.timed_out or self.future is None or self.future.done()
 
 
 class DiskTier:
@@ -86,8 +93,11 @@ class DiskTier:
         write_bytes_per_s: float | None = None,
         read_buffer_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
-        reader: Executor | None = None,  # where reads run (default: one thread; the simulator's clock)
+        reader: Executor | None = None,  # where reads run (default: a ReaderPool; the simulator's clock)
+        read_timeout_s: float | None = None,  # a fetch not read by then is a miss (None: no deadline)
     ) -> None:
+        if read_timeout_s is not None and not read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0 or None, got {read_timeout_s}")
         self.store = store
         self.block_size = block_size
         self.unit_blocks = unit_blocks
@@ -96,9 +106,11 @@ class DiskTier:
         self.rate = write_bytes_per_s
         self.read_buffer_bytes = read_buffer_bytes
         self.clock = clock
+        self.read_timeout_s = read_timeout_s
+        self._timeout_logged_at: float | None = None
         self._allowance = float(write_bytes_per_s or 0.0)  # a token bucket of one second
         self._refilled = clock()
-        self._reader = reader or ThreadPoolExecutor(1, thread_name_prefix="deltaserve-disk-read")
+        self._reader = reader or ReaderPool()
         self.fetches: dict[str, DiskFetch] = {}
         self._gave_up: set[str] = set()  # requests whose read found nothing (until they end)
         self.buffered = 0  # bytes reserved by fetches
@@ -107,7 +119,8 @@ class DiskTier:
         self._planned: set[tuple[DiskItemKind, int]] = set()  # planned, not yet handed to the store
         self.counters: dict[str, int] = dict.fromkeys(
             ("disk.fetches", "disk.fetch_damaged", "disk.fetch_refused", "disk.read_wait_ms",
-             "disk.saves_planned", "disk.saves_skipped_rate", "disk.write_backs"), 0)  # fmt: skip
+             "disk.read_timeouts", "disk.saves_planned", "disk.saves_skipped_rate",
+             "disk.write_backs"), 0)  # fmt: skip
 
     # ------------------------------------------------------------------ reads
     def probe(self, keys: list[int], hit_blocks: int, max_blocks: int) -> tuple[int, list[int]]:
@@ -128,10 +141,11 @@ class DiskTier:
         buffers are full: the request goes on without it)."""
         f = self.fetches.get(request_id)
         if f is not None:
-            if f.start_block <= hit_blocks and (not f.done or f.end_block > hit_blocks):
+            self._check_deadline(f)
+            if not f.timed_out and f.start_block <= hit_blocks and (not f.done or f.end_block > hit_blocks):
                 return f
             self.discard(request_id)
-            if f.end_block == 0:  # its read found nothing usable: no second try (no livelock)
+            if f.end_block == 0 or f.timed_out:  # nothing usable: no second try (no livelock)
                 self._gave_up.add(request_id)
             # else the tree moved under it: read again from the new hit
         if request_id in self._gave_up:
@@ -143,7 +157,9 @@ class DiskTier:
         if self.buffered + nbytes > self.read_buffer_bytes:
             self.counters["disk.fetch_refused"] += 1
             return None
-        f = DiskFetch(request_id, hit_blocks, keys, bounds, nbytes, self.clock())
+        now = self.clock()
+        deadline = None if self.read_timeout_s is None else now + self.read_timeout_s
+        f = DiskFetch(request_id, hit_blocks, keys, bounds, nbytes, now, deadline)
         self.buffered += nbytes
         self.fetches[request_id] = f
         self.counters["disk.fetches"] += 1
@@ -156,6 +172,8 @@ class DiskTier:
         read = self.store.read
         kv: list[bytes] = []
         for key in f.keys[f.start_block : f.boundaries[0]]:
+            if f.timed_out:  # given up: the rest would be read for nothing
+                return
             data = read(KV, key)
             if data is None or len(data) != self.kv_block_bytes:
                 break
@@ -165,14 +183,38 @@ class DiskTier:
             if b > reached:
                 continue
             state = read(CHECKPOINT, f.keys[b - 1])
+            if f.timed_out:
+                return
             if state is not None and len(state) == self.checkpoint_bytes:
                 f.kv, f.state = kv[: b - f.start_block], state
                 f.end_block = b  # (last: the step thread reads it once ``done``)
                 return
 
+    def _check_deadline(self, f: DiskFetch) -> None:
+        """Give ``f`` up if its read is still running past its deadline (counted; logged at
+        most once a minute: a stalled filesystem would log every request)."""
+        if f.timed_out or f.done or f.deadline is None:
+            return
+        now = self.clock()
+        if now < f.deadline:
+            return
+        f.timed_out = True
+        if f.future is not None:
+            f.future.cancel()  # (if it has not started; a running read finishes into nothing)
+        self.counters["disk.read_timeouts"] += 1
+        if self._timeout_logged_at is None or now - self._timeout_logged_at >= 60.0:
+            self._timeout_logged_at = now
+            log.warning(
+                "disk.read_timeout",
+                request_id=f.request_id,
+                timeout_s=self.read_timeout_s,
+                read_timeouts=self.counters["disk.read_timeouts"],
+            )
+
     def usable(self, f: DiskFetch, hit_blocks: int) -> bool:
         """``f`` has been read and extends a tree hit of ``hit_blocks``."""
-        if not f.done:
+        self._check_deadline(f)
+        if f.timed_out or not f.done:
             return False
         if f.future is not None:
             f.future.result()  # (a bug in the reader surfaces here, not as a silent miss)
@@ -296,8 +338,9 @@ class DiskTier:
         return out
 
     def close(self) -> None:
-        """Stop the reader (reads in flight finish) and close the store (it flushes)."""
-        self._reader.shutdown(wait=True)
+        """Stop the reader without waiting for a read in flight (it finishes into nothing:
+        the store serves nothing once closed) and close the store (it flushes)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
         for rid in list(self.fetches):
             self.discard(rid)
         self.store.close()

@@ -233,8 +233,8 @@ def open_disk_tier(
 ) -> DiskTier | None:
     """The disk tier of ``cache.disk_path`` (None when unset), attached to the cache and the
     runner. A store of another model or format is set aside by the store; a path another
-    engine holds is a ``ConfigError``. A model the tier cannot serve (no GDN layers) logs a
-    warning and runs without it."""
+    engine holds, or a non-empty folder that is not a store, is a ``ConfigError``. A model
+    the tier cannot serve (no GDN layers) logs a warning and runs without it."""
     c = config.cache
     if c.disk_path is None:
         return None
@@ -254,6 +254,7 @@ def open_disk_tier(
         checkpoint_bytes=ident.checkpoint_bytes,
         write_bytes_per_s=c.disk_write_bytes_per_s,
         read_buffer_bytes=c.disk_read_buffer_bytes,
+        read_timeout_s=c.disk_read_timeout_s,
     )
     cache.attach_disk(tier)
     runner.disk = DiskIO(store)

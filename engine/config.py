@@ -269,9 +269,10 @@ class CacheConfig(_Section):
         str | None,
         _doc(
             "Disk tier: a directory for a persistent store of KV blocks and checkpoints (below the host "
-            "tier, or the device when there is none). A restarted engine with the same model serves hits "
-            "from it; a store of another model or format is set aside. One engine per path (locked). "
-            "Unset = off."
+            "tier, or the device when there is none): missing or empty (it is created), or a store made "
+            "here before; a non-empty folder that is not a store is refused. A restarted engine with the "
+            "same model serves hits from it; a store of another model or format is set aside. One engine "
+            "per path (locked). Unset = off."
         ),
     ] = None
     disk_bytes: Annotated[
@@ -291,6 +292,16 @@ class CacheConfig(_Section):
             "computed instead."
         ),
     ] = 2**30
+    disk_read_timeout_s: Annotated[
+        float,
+        _doc(
+            "Disk tier: a hit not read from disk within this many seconds is given up (a miss, counted in "
+            "disk.read_timeouts) and its request computes instead; a stuck read (a stalled network "
+            "filesystem) holds one of the few reader threads, never a request.",
+            gt=0.0,
+            le=3600.0,
+        ),
+    ] = 5.0
 
     @property
     def fixed_split(self) -> bool:

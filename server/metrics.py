@@ -38,8 +38,8 @@ Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling
   ``engine_requests{outcome=finished|aborted|failed}``, ``engine_steps``, ``engine_steps_failed``,
   ``prefix_cache_hits_by_tier{tier=device|host|disk}``; with a disk tier ``disk_bytes_written``,
   ``disk_bytes_read``, ``disk_queue_drops``, ``disk_write_errors``, ``disk_damaged_items``,
-  ``disk_evicted_items``, ``disk_reads``, ``disk_read_wait_seconds``, ``disk_load_wait_seconds``
-  and gauges ``disk_cache_bytes``, ``disk_cache_items``, ``disk_cache_capacity_bytes``.
+  ``disk_evicted_items``, ``disk_reads``, ``disk_read_wait_seconds``, ``disk_read_timeouts``,
+  ``disk_load_wait_seconds`` and gauges ``disk_cache_bytes``, ``disk_cache_items``, ``disk_cache_capacity_bytes``.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ _DISK_COUNTERS = {
     "disk.evicted_items": ("disk_evicted_items", "Items evicted from the disk tier by value per byte.", 1.0),
     "disk.fetches": ("disk_reads", "Hits read from the disk tier before admission.", 1.0),
     "disk.read_wait_ms": ("disk_read_wait_seconds", "Time requests waited for their disk reads (sum).", 1e-3),
+    "disk.read_timeouts": ("disk_read_timeouts", "Disk hits given up past cache.disk_read_timeout_s (computed instead).", 1.0),
     "disk.load_wait_ms": ("disk_load_wait_seconds", "Time from admission until a disk hit's loads landed (sum).", 1e-3),
 }  # fmt: skip
 

@@ -542,9 +542,9 @@ def slow_writer(monkeypatch: pytest.MonkeyPatch):
     gate = threading.Event()
     real = disk_store._write_file
 
-    def slow(path: str, header: bytes, payload: bytes) -> None:
+    def slow(fd: int, header: bytes, payload: bytes) -> None:
         gate.wait(30)
-        real(path, header, payload)
+        real(fd, header, payload)
 
     monkeypatch.setattr(disk_store, "_write_file", slow)
     yield gate
@@ -600,12 +600,12 @@ def test_write_error_drops_and_store_goes_on(
     real = disk_store._write_file
     fail = {"left": 3}
 
-    def flaky(path: str, header: bytes, payload: bytes) -> None:
+    def flaky(fd: int, header: bytes, payload: bytes) -> None:
         if fail["left"]:
             fail["left"] -= 1
-            Path(path).write_bytes(header[:10])  # a partial file, as a full disk leaves it
+            os.write(fd, header[:10])  # a partial file, as a full disk leaves it
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, header, payload)
+        real(fd, header, payload)
 
     monkeypatch.setattr(disk_store, "_write_file", flaky)
     caplog.set_level(logging.WARNING, logger="deltaserve.cache")

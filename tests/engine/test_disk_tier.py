@@ -141,6 +141,22 @@ def test_two_engines_on_one_path_the_second_is_refused(core_factory: Any, tmp_pa
     core_factory(**_disk(tmp_path)).close()  # unlocked on close
 
 
+def test_a_foreign_folder_is_a_config_error_and_untouched(core_factory: Any, tmp_path: Path) -> None:
+    data = tmp_path / "store"
+    (data / "photos").mkdir(parents=True)
+    (data / "photos" / "a.jpg").write_bytes(b"\xff\xd8 a photo")
+    (data / ".profile").write_text("umask 022\n")
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    with pytest.raises(ConfigError) as err:
+        core_factory(**_disk(tmp_path))
+    assert str(err.value) == (
+        f"cache.disk_path = {str(data)!r}: {data} is not a deltaserve disk store and is not empty "
+        "(manifest.json: missing); choose an empty folder or a new path"
+    )
+    assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
+    assert (data / "photos" / "a.jpg").read_bytes() == b"\xff\xd8 a photo"
+
+
 def test_a_full_disk_drops_and_changes_nothing(core_factory: Any, tmp_path: Path) -> None:
     plain = core_factory(**{"cache.enable_prefix_caching": False})
     rng = random.Random(9)
