@@ -16,6 +16,10 @@ Lifetime: the owning front end's ``Shutdown`` ends the loop (what is left is abo
 closed: exit 0); so does the death of the process that spawned the core. SIGINT and SIGTERM are
 ignored here: the front end drains on them and then shuts the core down. A front end that
 dies (its pid gone) has its requests aborted; the core and the other front ends go on.
+
+The socket file (``engine/ipc_files.py``): a private folder of the run in the temp folder; the
+core removes it as it exits, its starter when it sees the core gone (``CoreHandle``: a killed
+core cannot), a new start those of runs whose processes are all gone.
 """
 
 from __future__ import annotations
@@ -26,9 +30,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ import msgspec
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import trusted_decode
+from deltaserve.engine.ipc_files import new_address, pid_alive, remove_address
 from deltaserve.engine.messages import (
     STATS_INTERVAL_S,
     AbortRequests,
@@ -62,26 +65,6 @@ log = get_logger("deltaserve.engine")
 WATCH_INTERVAL_S = 0.5
 #: a step that scheduled nothing (requests wait for room): wait this long before the next
 IDLE_RETRY_S = 0.05
-
-
-def pid_alive(pid: int) -> bool:
-    """The process ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): the kill probe answered
-
-
-def new_address() -> str:
-    """A fresh ipc:// address in the temp folder."""
-    return f"ipc://{tempfile.gettempdir()}/deltaserve-core-{uuid.uuid4().hex[:12]}"
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:
@@ -377,11 +360,16 @@ def run_core(argv: list[str]) -> int:
     address, parent_pid = argv[0], int(argv[1])
     config = EngineConfig.from_dict(msgspec.json.decode(sys.stdin.buffer.read()))
     configure_logging(config.logging.level.value)
-    return CoreLoop(config, address, parent_pid).run()
+    try:
+        return CoreLoop(config, address, parent_pid).run()
+    finally:
+        remove_address(address)  # the core bound the socket: it removes it
 
 
 class CoreHandle:
-    """The core process, seen from the process that started it."""
+    """The core process, seen from the process that started it. Once it is seen to have exited
+    (``alive``, ``exitcode``, ``join``), its ipc socket and run folder are removed
+    (``remove_address``: a killed core leaves them)."""
 
     def __init__(self, process: subprocess.Popen[bytes], address: str) -> None:
         self.process = process
@@ -391,16 +379,23 @@ class CoreHandle:
     def pid(self) -> int:
         return self.process.pid
 
+    def _poll(self) -> int | None:
+        code = self.process.poll()
+        if code is not None:
+            remove_address(self.address)
+        return code
+
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self._poll() is None
 
     @property
     def exitcode(self) -> int | None:
-        return self.process.poll()
+        return self._poll()
 
     def join(self, timeout: float | None = None) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout)
+        self._poll()
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -412,10 +407,14 @@ def start_core(config: EngineConfig, address: str | None = None) -> CoreHandle:
     default): a new interpreter (never a fork: torch and CUDA do not survive one, and a fresh
     interpreter does not re-import the application's ``__main__`` as multiprocessing's spawn does)."""
     address = address or new_address()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve.engine.core_proc", address, str(os.getpid())],
-        stdin=subprocess.PIPE,
-    )
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "deltaserve.engine.core_proc", address, str(os.getpid())],
+            stdin=subprocess.PIPE,
+        )
+    except BaseException:
+        remove_address(address)
+        raise
     assert process.stdin is not None
     process.stdin.write(msgspec.json.encode(config.to_dict()))
     process.stdin.close()

@@ -7,8 +7,18 @@
   ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus, a
   registry per app).
 
-In front of the routes: CORS (when ``allowed_origins`` is set; outermost, so a preflight and
-a 401 both carry its headers), then the API key check (``auth.py``, when ``api_key`` is set).
+In front of the routes: CORS (when ``allowed_origins`` is set; outermost, so a preflight, a
+503 and a 401 all carry its headers), then the connection limit (``ConnectionLimit``), then
+the API key check (``auth.py``, when ``api_key`` is set).
+
+The connection limit is the app's, not uvicorn's, so the probes outlive it: past
+``max_connections`` open connections (or requests in flight), a request gets 503 in OpenAI's
+shape with ``Connection: close``, but ``/health``, ``/metrics`` and ``/version`` are still
+served; uvicorn's own ``limit_concurrency`` sits ``PROBE_RESERVE`` higher (``cli.py``). The
+gate learns the limit and the open connections from the server that runs the app
+(``ConnectionGate.arm``: ``serve`` and ``BackgroundServer`` do, with their ``ServerConfig``'s
+``max_connections``); unarmed (another ASGI server, Ray Serve) it passes everything, as
+uvicorn without a limit would.
 
 The rooms: ``handlers.py`` (the endpoints), ``chat.py`` / ``completions.py`` (responses and
 stream chunks), ``sse.py`` (SSE, disconnects, the one stream skeleton), ``inputs.py`` (API
@@ -28,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,7 +50,7 @@ from starlette.routing import Route
 
 from deltaserve.engine.client import EngineClient
 from deltaserve.logs import get_logger
-from deltaserve.server.auth import BearerAuth
+from deltaserve.server.auth import OPEN_PATHS, BearerAuth
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.errors import APIError, encode, translate_error
 from deltaserve.server.handlers import JSON, OpenAIServer
@@ -79,8 +90,59 @@ def package_version() -> str:
         return deltaserve.__version__
 
 
-def _middleware(config: ServerConfig, server: OpenAIServer) -> list[Middleware]:
-    """CORS outermost (its preflight answer and headers also cover a 401), then the key check."""
+class ConnectionGate:
+    """What ``ConnectionLimit`` checks: a limit and the open connections, both from the server
+    that runs the app (``arm``), and the non-probe requests in flight."""
+
+    def __init__(self) -> None:
+        self.limit = 0  # 0: no limit (not armed, or max_connections = 0)
+        self.connections: Callable[[], int] = lambda: 0
+        self.in_flight = 0
+
+    def arm(self, connections: Callable[[], int], limit: int) -> None:
+        """Refuse past ``limit`` (0: never) of ``connections()`` open connections (uvicorn's
+        ``server_state.connections``) or requests in flight."""
+        self.connections = connections
+        self.limit = limit
+
+    def full(self) -> bool:
+        """True when one more request would pass the limit: the asking connection counts among
+        the open ones, the asking request not yet among those in flight."""
+        limit = self.limit
+        return bool(limit) and (self.connections() > limit or self.in_flight >= limit)
+
+
+class ConnectionLimit:
+    """ASGI middleware: 503 (OpenAI's shape, ``Connection: close``) for a request while the gate
+    is full, except to the probe paths (``auth.OPEN_PATHS``), which are always let through."""
+
+    def __init__(self, app: Any, gate: ConnectionGate, on_reject: Callable[[], None]) -> None:
+        self.app = app
+        self.gate = gate
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        gate = self.gate
+        if gate.full():
+            self.on_reject()
+            message = f"the server is at its connection limit ({gate.limit}); retry later"
+            body = APIError(503, message, "service_unavailable_error", None, "too_many_connections").body()
+            headers = {"Connection": "close", "Retry-After": "1"}
+            await Response(body, status_code=503, media_type=JSON, headers=headers)(scope, receive, send)
+            return
+        gate.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            gate.in_flight -= 1
+
+
+def _middleware(config: ServerConfig, server: OpenAIServer, gate: ConnectionGate) -> list[Middleware]:
+    """CORS outermost (its preflight answer and headers also cover a 503 and a 401), then the
+    connection limit, then the key check."""
     stack = []
     if config.allowed_origins:
         stack.append(
@@ -92,6 +154,8 @@ def _middleware(config: ServerConfig, server: OpenAIServer) -> list[Middleware]:
                 allow_credentials=config.allow_credentials,
             )
         )
+    on_503 = server.metrics.http_errors.labels("503").inc
+    stack.append(Middleware(ConnectionLimit, gate=gate, on_reject=on_503))
     if config.api_key:
         stack.append(
             Middleware(
@@ -150,11 +214,13 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
         body = APIError(status, message, kind, None, None).body()
         return Response(body, status_code=status, media_type=JSON, headers=getattr(exc, "headers", None))
 
+    gate = ConnectionGate()
     app = Starlette(
         routes=routes,
-        middleware=_middleware(config, server),
+        middleware=_middleware(config, server, gate),
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
     )
     app.state.server = server
+    app.state.connection_gate = gate
     return app

@@ -21,8 +21,8 @@ By default (``engine.core_process = "separate"``) the engine core runs in a proc
 (``EngineProcClient``, docs/server.md): if that process dies, open streams end with an error,
 ``/health`` answers 503, and the server drains and exits 1 (a supervisor restarts it).
 ``--in-process`` runs it on a thread of the server's process (``AsyncEngine``).
-``--api-server-count N`` (N > 1) runs N front-end processes on one listening socket around one
-core (``server/front_ends.py``).
+``--api-server-count N`` (N > 1) runs N front-end processes around one core, sharing the port
+(``server/front_ends.py``).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from deltaserve.engine.errors import ConfigError
 from deltaserve.logs import configure_logging, get_logger
-from deltaserve.server.config import ServerConfig
+from deltaserve.server.config import PROBE_RESERVE, ServerConfig, check_api_key
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.tool_parsers import ToolParserName
 
@@ -155,7 +155,8 @@ def build_parser(
     )  # fmt: skip
     s.add_argument(
         "--max-connections", type=int, default=1024, metavar="N",
-        help="connections served at once; more get 503 (default %(default)s; 0: no limit)",
+        help="connections served at once; past it requests get 503, but /health, /metrics and /version "
+        "are still served (default %(default)s; 0: no limit)",
     )  # fmt: skip
     s.add_argument(
         "--max-body-bytes",
@@ -200,10 +201,27 @@ def _str_list(values: list[str] | None, option: str) -> list[str] | None:
                 raise ConfigError(f"{option} {value!r}: not a JSON list ({e})") from None
             if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                 raise ConfigError(f"{option} {value!r}: must be a list of strings")
-            out += items
         else:
-            out += [v.strip() for v in value.split(",") if v.strip()]
+            items = [v.strip() for v in value.split(",")]
+        if not all(isinstance(i, str) and i.strip() for i in items):
+            # an empty entry is a slip (a trailing comma, an unset variable): never dropped quietly
+            raise ConfigError(f"{option} {value!r}: an empty entry")
+        out += items
     return out
+
+
+def api_key_from(option: str | None, env: Mapping[str, str]) -> str | None:
+    """The API key of ``--api-key`` or ``$DELTASERVE_API_KEY``; None when neither is set. A key
+    given but empty (or unusable: ``config.check_api_key``) is a ``ConfigError``, never no key;
+    so are the two given with different keys (which one guards the server would be a guess)."""
+    from_env = env.get(API_KEY_ENV)
+    if option is not None:
+        check_api_key(option, "--api-key")
+    if from_env is not None:
+        check_api_key(from_env, f"${API_KEY_ENV}")
+    if option is not None and from_env is not None and option != from_env:
+        raise ConfigError(f"--api-key and ${API_KEY_ENV} are both set, to different keys: give one")
+    return option if option is not None else from_env
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -225,7 +243,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
-def server_config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> ServerConfig:
+def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
     """The ``ServerConfig`` of a parsed ``serve`` command (``env``: where ``API_KEY_ENV`` is read)."""
     env = os.environ if env is None else env
     cors: dict[str, object] = {}
@@ -244,7 +262,7 @@ def server_config_from_args(args: argparse.Namespace, env: dict[str, str] | None
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
-        api_key=args.api_key or env.get(API_KEY_ENV) or None,
+        api_key=api_key_from(args.api_key, env),
         allow_credentials=args.allow_credentials,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -329,8 +347,10 @@ def _uvicorn_server_class(*, signals: bool) -> type:
 
 
 def uvicorn_config(app: Any, config: ServerConfig, drain_timeout_s: float, *, keep_alive_s: int) -> Any:
-    """uvicorn's settings for ``app``: httptools with our read deadlines, the connection limit,
-    and room after the drain for the requests it aborts to answer."""
+    """uvicorn's settings for ``app``: httptools with our read deadlines, room after the drain
+    for the requests it aborts to answer, and a connection limit ``PROBE_RESERVE`` above
+    ``max_connections``: the app's own gate refuses all but the probes past ``max_connections``
+    (``app.ConnectionLimit``), so a full server still answers ``/health`` and ``/metrics``."""
     import uvicorn
 
     from deltaserve.server.read_timeouts import protocol_class
@@ -343,18 +363,37 @@ def uvicorn_config(app: Any, config: ServerConfig, drain_timeout_s: float, *, ke
         access_log=config.access_log,
         timeout_graceful_shutdown=drain_timeout_s + DRAIN_GRACE_S,
         timeout_keep_alive=keep_alive_s,
-        limit_concurrency=config.max_connections or None,
+        limit_concurrency=config.max_connections + PROBE_RESERVE if config.max_connections else None,
     )
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def arm_connection_gate(app: Any, server: Any, max_connections: int) -> None:
+    """Arm ``app``'s connection gate (``create_app``'s) with ``max_connections`` of ``server``'s
+    open connections."""
+    gate = getattr(getattr(app, "state", None), "connection_gate", None)
+    if gate is not None:
+        connections = server.server_state.connections
+        gate.arm(lambda: len(connections), max_connections)
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port), listening unless ``listen`` is false.
+    ``reuse_port``: ``SO_REUSEPORT``, so other sockets of this user may bind the same port and
+    the kernel spreads new connections over those that listen (``front_ends.py``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    # listen now: the URL is printed before uvicorn starts accepting, and a client that connects
-    # in between waits in the backlog instead of being refused
-    sock.listen(2048)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+        if listen:
+            # listen now: the URL is printed before uvicorn starts accepting, and a client that
+            # connects in between waits in the backlog instead of being refused
+            sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
 
@@ -394,6 +433,7 @@ class BackgroundServer:
         self.port = sock.getsockname()[1]
         config = uvicorn_config(self.app, self.config, self.drain_timeout_s, keep_alive_s=5)
         self.server = _uvicorn_server_class(signals=False)(config, self.drain_timeout_s)
+        arm_connection_gate(self.app, self.server, self.config.max_connections)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self._task.done():
@@ -430,10 +470,12 @@ async def serve(
     out: Any = None,
     sock: socket.socket | None = None,
     address: str | None = None,
+    app_hook: Callable[[Any], None] | None = None,
 ) -> int:
     """Start the engine, serve until a signal, drain, shut down. Returns the exit code
     (``CORE_DIED_EXIT`` when a separate engine core process died). ``sock``: a listening socket
-    to serve on (else one is bound); ``address``: join that engine core process."""
+    to serve on (else one is bound); ``address``: join that engine core process; ``app_hook``:
+    called with the app before it serves (a front end adds its header)."""
     from deltaserve.server.app import create_app
 
     out = out or sys.stdout
@@ -454,6 +496,8 @@ async def serve(
         sock = sock or bind_socket(server_config.host, server_config.port)
         host, port = sock.getsockname()[:2]
         app = create_app(engine, server_config)
+        if app_hook is not None:
+            app_hook(app)
         names = app.state.server.model_names
         shown = f"[{host}]" if ":" in host else host
         capacity = engine.model_info.capacity
@@ -463,6 +507,7 @@ async def serve(
         )
         config = uvicorn_config(app, server_config, server_config.drain_timeout_s, keep_alive_s=30)
         server = _uvicorn_server_class(signals=True)(config, server_config.drain_timeout_s)
+        arm_connection_gate(app, server, server_config.max_connections)
         state["server"] = server
         if state["code"]:  # the core died while the app was being built
             server.should_exit = True

@@ -14,6 +14,10 @@ from deltaserve.engine.errors import ConfigError
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.tool_parsers import ToolParserName
 
+#: connections past ``max_connections`` on which the probes (``/health``, ``/metrics``,
+#: ``/version``) are still served; beyond that uvicorn answers every request 503
+PROBE_RESERVE = 64
+
 #: the smallest body limit sized from the model, and the bytes per token of ``max_model_len``
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 32
@@ -50,16 +54,24 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         its first byte on a kept-alive connection) and its body within ``body_timeout_s`` of the
         headers, or the connection is closed (``server/read_timeouts.py``).
     max_connections
-        Connections (and requests) served at once; more get uvicorn's 503 at once. 0: no limit.
+        Connections (and requests) served at once: past it, a request gets 503 in OpenAI's
+        error shape and its connection is closed, except the probes (``/health``, ``/metrics``,
+        ``/version``), which are served up to ``PROBE_RESERVE`` connections more
+        (``app.ConnectionLimit``). 0: no limit.
     api_key
         When set, every route but ``/health``, ``/metrics`` and ``/version`` needs the header
         ``Authorization: Bearer <api_key>`` (compared in constant time); otherwise 401 in
-        OpenAI's error shape (``server/auth.py``). None: no key is asked for.
+        OpenAI's error shape (``server/auth.py``). None: no key is asked for. A key that is
+        empty, has surrounding whitespace or characters a header cannot carry is refused (a
+        ConfigError, never a server that runs without the key or can never match it).
     allowed_origins / allowed_methods / allowed_headers / allow_credentials
         CORS (vLLM's option names): with ``allowed_origins`` non-empty (``["*"]``: any origin),
         browsers' preflight ``OPTIONS`` requests are answered and responses carry the
         ``Access-Control-Allow-*`` headers. Empty (the default): no CORS headers, and a
-        preflight is a 405 like any other unrouted method.
+        preflight is a 405 like any other unrouted method. ``"*"`` with ``allow_credentials``
+        is refused: browsers reject ``*`` with credentials, and answering every origin by name
+        instead would let any web page call the API with the user's credentials; list the
+        origins. A listed origin is matched exactly (``"null"`` only when listed).
     tool_call_parser
         How chat replies are read for tool calls: ``qwen3_xml`` (``<function=NAME>`` blocks:
         Qwen3.5, Qwen3-Coder), ``hermes`` (JSON blocks: Qwen2.5 / Qwen3 / Qwen3-Next), ``none``;
@@ -94,6 +106,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return f"ServerConfig({fields})"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            # an empty host binds every interface: never the result of an unset variable
+            raise ConfigError(f"server.host = {self.host!r}: must name an address (0.0.0.0: every interface)")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port = {self.port!r}: must be an integer in [0, 65535]")
         if not (isinstance(self.drain_timeout_s, (int, float)) and self.drain_timeout_s >= 0):
@@ -116,9 +131,31 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     raise ConfigError(f"server.{name} = {value!r}: must be one of {choices}") from None
         if not all(isinstance(n, str) and n for n in self.served_model_names):
             raise ConfigError(f"server.served_model_names = {self.served_model_names!r}: non-empty strings")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
-            raise ConfigError("server.api_key: must be a non-empty string (or unset: no key)")
+        self._check_access()
+
+    def _check_access(self) -> None:
+        """The key and CORS: refuse what would serve more openly than asked."""
+        if self.api_key is not None:
+            check_api_key(self.api_key, "server.api_key")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
-            if not all(isinstance(v, str) and v for v in value):
+            if not all(isinstance(v, str) and v.strip() for v in value):
                 raise ConfigError(f"server.{name} = {value!r}: non-empty strings")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ConfigError(
+                "server.allow_credentials (--allow-credentials) with '*' in server.allowed_origins "
+                "(--allowed-origins): any web page could call the API with its users' credentials "
+                "(browsers refuse '*' with credentials); list the origins allowed instead"
+            )
+
+
+def check_api_key(key: object, name: str) -> None:
+    """Raise a one-line ``ConfigError`` naming ``name`` (never the key) unless ``key`` is a usable
+    bearer key: non-empty, printable ASCII (what a header carries), no surrounding whitespace
+    (``auth.key_matches`` strips the token a client sends, so such a key could never match)."""
+    if not isinstance(key, str) or not key.strip():
+        raise ConfigError(f"{name} is empty: give a key, or leave it unset for no key")
+    if key != key.strip():
+        raise ConfigError(f"{name} has leading or trailing whitespace: no client could send it")
+    if not (key.isascii() and key.isprintable()):
+        raise ConfigError(f"{name} has characters an HTTP header cannot carry: printable ASCII only")

@@ -1,10 +1,18 @@
 """``deltaserve serve --api-server-count N``: N front-end processes around one engine core process.
 
 The supervisor (this module's ``serve_front_ends``, in the ``deltaserve serve`` process) starts
-the core (``engine/core_proc.py``), waits until it is ready, binds the listening socket once
-and starts N front ends (``python -m deltaserve.server.front_ends``), each serving HTTP on
-that inherited socket (the kernel hands each connection to one of the processes accepting on
-it: one accept queue, and ``--port 0`` works) with an ``EngineProcClient`` joined to the core.
+the core (``engine/core_proc.py``), waits until it is ready, takes the port and starts N front
+ends (``python -m deltaserve.server.front_ends``), each serving HTTP with an ``EngineProcClient``
+joined to the core, and prints the URL once every front end listens.
+
+Connections: on Linux the supervisor binds ``host:port`` with ``SO_REUSEPORT`` without
+listening (so ``--port 0`` picks the port once) and each front end binds and listens on its own
+``SO_REUSEPORT`` socket on that port: the kernel spreads new connections over the front ends'
+accept queues by a hash of the client's address and port (one shared listening socket gives
+each connection to whichever front end accepts first: on one machine every connection went to
+one of two; docs/server.md has the split measured). Elsewhere the front ends accept on one
+inherited listening socket. Each response carries ``x-deltaserve-frontend: <1..N>``; the
+supervisor logs each front end's number and pid.
 
 Faults and signals: SIGINT / SIGTERM are passed on to the front ends, which drain; when they
 have exited the supervisor shuts the core down and exits 0. A front end that dies is logged
@@ -16,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,24 +90,118 @@ class CoreLink:
         self.ctx.term()
 
 
-def start_front_end(engine_config: EngineConfig, server_config: ServerConfig, address: str, fd: int) -> Any:
-    """One front-end process serving on the inherited listening socket ``fd``."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve.server.front_ends", address, str(fd)],
-        stdin=subprocess.PIPE,
-        pass_fds=[fd],
-    )
+#: the header each front end adds to its responses: its number, 1..N (the supervisor logs the
+#: pid of each), so a client or a test can see which one served a connection
+FRONT_END_HEADER = "x-deltaserve-frontend"
+#: Linux spreads the connections of a port over the sockets bound to it with SO_REUSEPORT (a
+#: hash of the client's address and port); elsewhere SO_REUSEPORT does not balance, and the front
+#: ends accept on one inherited listening socket instead
+REUSE_PORT = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+#: how long the supervisor waits for a front end to listen (it has only imported and bound)
+LISTEN_TIMEOUT_S = 120.0
+
+
+class FrontEndHeader:
+    """ASGI middleware: ``FRONT_END_HEADER: <number>`` on every response."""
+
+    def __init__(self, app: Any, number: int) -> None:
+        self.app = app
+        self.header = (FRONT_END_HEADER.encode(), str(number).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_tagged)
+
+
+def start_front_end(
+    engine_config: EngineConfig, server_config: ServerConfig, address: str, listen: str, number: int
+) -> tuple[Any, int]:
+    """Front end ``number``, serving on ``listen`` (``port:P``: its own ``SO_REUSEPORT`` socket
+    on ``server_config.host:P``; ``fd:N``: the inherited listening socket ``N``). Returns the
+    process and the read end of the pipe on which it says it listens."""
+    ready_r, ready_w = os.pipe()
+    fds = [ready_w] + ([int(listen[3:])] if listen.startswith("fd:") else [])
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deltaserve.server.front_ends",
+                address,
+                listen,
+                str(ready_w),
+                str(number),
+            ],
+            stdin=subprocess.PIPE,
+            pass_fds=fds,
+        )
+    except BaseException:
+        os.close(ready_r)
+        raise
+    finally:
+        os.close(ready_w)
     assert proc.stdin is not None
     proc.stdin.write(msgspec.json.encode({"engine": engine_config.to_dict(), "server": server_config}))
     proc.stdin.close()
-    return proc
+    log.info("front_ends.started", front_end=number, pid=proc.pid, listen=listen)
+    return proc, ready_r
+
+
+def wait_listening(front: list[tuple[Any, int]], where: str, timeout_s: float = LISTEN_TIMEOUT_S) -> None:
+    """Until every front end has said it listens (closing each pipe); ``OSError`` naming the first
+    that exits (or stays silent past ``timeout_s``) before."""
+    deadline = time.monotonic() + timeout_s
+    pipes = [os.fdopen(ready_r, "rb") for _, ready_r in front]
+    try:
+        for number, ((proc, _), pipe) in enumerate(zip(front, pipes), 1):
+            line = b""
+            if select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                line = pipe.readline()
+            if line != b"listening\n":
+                proc.poll()
+                raise OSError(
+                    f"front end {number} (pid {proc.pid}) did not listen on {where} "
+                    f"(exit code {proc.returncode})"
+                )
+    finally:
+        for pipe in pipes:
+            pipe.close()
+
+
+def _listening_socket(server_config: ServerConfig) -> tuple[socket.socket, str, int]:
+    """The supervisor's socket, what the front ends listen on, and the port. With ``REUSE_PORT``
+    the socket is bound with ``SO_REUSEPORT`` but does not listen: it takes the port (``--port
+    0`` picks it here) and holds it while each front end binds and listens on its own socket, so
+    the kernel spreads new connections over the front ends' accept queues. Without, it listens
+    and the front ends inherit it (one accept queue: whichever accepts first takes a connection)."""
+    from deltaserve.server.cli import bind_socket
+
+    host, port = server_config.host, server_config.port
+    if not REUSE_PORT:
+        sock = bind_socket(host, port)
+        return sock, f"fd:{sock.fileno()}", sock.getsockname()[1]
+    # First a plain bind: "address in use" if anything listens there, a server of this user
+    # with SO_REUSEPORT included, which the front ends would otherwise join and share
+    # connections with. It stays bound (not listening) until the holder has the port too.
+    with bind_socket(host, port, listen=False) as probe:
+        port = probe.getsockname()[1]
+        sock = bind_socket(host, port, reuse_port=True, listen=False)
+    return sock, f"port:{port}", port
 
 
 def serve_front_ends(
     engine_config: EngineConfig, server_config: ServerConfig, count: int, out: Any = None
 ) -> int:
     """Run the core and ``count`` front ends until a signal (module docstring); the exit code."""
-    from deltaserve.server.cli import CORE_DIED_EXIT, bind_socket
+    from deltaserve.server.cli import CORE_DIED_EXIT
 
     out = out or sys.stdout
     handle = start_core(engine_config)
@@ -107,29 +211,40 @@ def serve_front_ends(
     except BaseException:
         link.shutdown(timeout_s=0.0)
         raise
-    sock = bind_socket(server_config.host, server_config.port)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    front = [
-        start_front_end(engine_config, server_config, handle.address, sock.fileno()) for _ in range(count)
-    ]
-    print(
-        f"deltaserve: serving {ready.model_info.name} at http://{shown}:{port}/v1 (OpenAI-compatible; "
-        f"{count} front ends, engine core pid {handle.pid})",
-        file=out,
-        flush=True,
-    )
-    signals: list[int] = []
-    previous = {
-        s: signal.signal(s, lambda sig, _frame: signals.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)
-    }
+    front: list[tuple[Any, int]] = []
+    sock: socket.socket | None = None
     code = 0
     try:
-        code = _supervise(handle, front, signals)
+        sock, listen, port = _listening_socket(server_config)
+        host = sock.getsockname()[0]
+        config = msgspec.structs.replace(server_config, port=port)
+        for number in range(1, count + 1):
+            front.append(start_front_end(engine_config, config, handle.address, listen, number))
+        shown = f"[{host}]" if ":" in host else host
+        wait_listening(front, f"{shown}:{port}")
+        print(
+            f"deltaserve: serving {ready.model_info.name} at http://{shown}:{port}/v1 (OpenAI-compatible; "
+            f"{count} front ends, engine core pid {handle.pid})",
+            file=out,
+            flush=True,
+        )
+        signals: list[int] = []
+        previous = {
+            s: signal.signal(s, lambda sig, _frame: signals.append(sig))
+            for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            code = _supervise(handle, [p for p, _ in front], signals)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        sock.close()
+        for proc, _ in front:  # still running only when the start failed
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if sock is not None:
+            sock.close()
         link.shutdown()
     print("deltaserve: stopped", file=out, flush=True)
     return CORE_DIED_EXIT if code else 0
@@ -161,23 +276,35 @@ def _supervise(handle: CoreHandle, front: list[Any], signals: list[int]) -> int:
 
 
 def run_front_end(argv: list[str]) -> int:
-    """A front end's entry point: ADDRESS FD, the configs as JSON on stdin."""
+    """A front end's entry point: ADDRESS LISTEN READY_FD NUMBER (``start_front_end``), the
+    configs as JSON on stdin. It listens first, says so on READY_FD, then joins the core."""
     import asyncio
-    import socket
 
     from deltaserve.engine import install_uvloop
     from deltaserve.logs import configure_logging
-    from deltaserve.server.cli import serve
+    from deltaserve.server.cli import bind_socket, serve
 
-    address, fd = argv[0], int(argv[1])
+    address, listen, ready_fd, number = argv[0], argv[1], int(argv[2]), int(argv[3])
     data = msgspec.json.decode(sys.stdin.buffer.read())
     engine_config = EngineConfig.from_dict(data["engine"])
     server_config = msgspec.convert(data["server"], ServerConfig)
     configure_logging(engine_config.logging.level.value)
-    sock = socket.socket(fileno=fd)
+    kind, _, value = listen.partition(":")
+    if kind == "fd":
+        sock = socket.socket(fileno=int(value))
+    else:
+        sock = bind_socket(server_config.host, int(value), reuse_port=True)
+    os.write(ready_fd, b"listening\n")
+    os.close(ready_fd)
     install_uvloop()
+
+    def tag(app: Any) -> None:
+        app.add_middleware(FrontEndHeader, number=number)
+
     with open(os.devnull, "w") as quiet:  # the supervisor prints the URL once
-        return asyncio.run(serve(engine_config, server_config, out=quiet, sock=sock, address=address))
+        return asyncio.run(
+            serve(engine_config, server_config, out=quiet, sock=sock, address=address, app_hook=tag)
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Slow clients cannot hold the server: request headers and bodies have read deadlines (the
-connection is closed past them), and connections beyond the limit get 503 at once; the server
-goes on serving. Over the scripted stand-in engine, on 127.0.0.1."""
+connection is closed past them), and requests on connections beyond the limit get 503 at once
+(the probes excepted); the server goes on serving. Over the scripted stand-in engine, on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -78,9 +78,10 @@ async def test_connections_past_the_limit_get_503() -> None:
         held = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(2)]
         await asyncio.sleep(0.1)
         async with httpx.AsyncClient(base_url=srv.url, timeout=10) as http:
-            r = await http.get("/health")
-            assert r.status_code == 503
+            r = await http.get("/v1/models")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections"
+            assert (await http.get("/health")).status_code == 200  # probes pass the limit
             for _, writer in held:
                 writer.close()
             await asyncio.sleep(0.2)
-            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/v1/models")).status_code == 200

@@ -84,7 +84,9 @@ def test_model_option_and_precedence(tmp_path: Path) -> None:
 def test_api_key_from_the_option_or_the_environment() -> None:
     assert server_config_from_args(parse(), env={}).api_key is None
     assert server_config_from_args(parse(), env={API_KEY_ENV: "from-env"}).api_key == "from-env"
-    assert server_config_from_args(parse("--api-key", "opt"), env={API_KEY_ENV: "env"}).api_key == "opt"
+    assert server_config_from_args(parse("--api-key", "opt"), env={API_KEY_ENV: "opt"}).api_key == "opt"
+    with pytest.raises(ConfigError, match="both set, to different keys"):  # which one guards: a guess
+        server_config_from_args(parse("--api-key", "opt"), env={API_KEY_ENV: "env"})
     assert server_config_from_args(parse(), env={"VLLM_API_KEY": "v"}).api_key is None  # not ours
     with pytest.raises(ConfigError, match="api_key"):
         ServerConfig(api_key=" ")
