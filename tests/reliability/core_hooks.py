@@ -80,3 +80,13 @@ def use_hook(monkeypatch: pytest.MonkeyPatch, hook: str, **params: Any) -> None:
     monkeypatch.setenv(HOOK_ENV, f"tests.reliability.core_hooks:{hook}")
     for key, value in params.items():
         monkeypatch.setenv({"at": AT_ENV, "kind": KIND_ENV}[key], str(value))
+
+
+def inject_leaked_block(core: EngineCore) -> None:
+    """Take one KV block out of the pool without an owner: the accounting check must see it."""
+    core.cache.blocks.allocate()
+
+
+def leaked_block(loop: Any) -> None:
+    """Core hook: ``inject_leaked_block``."""
+    inject_leaked_block(loop.core)
