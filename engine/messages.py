@@ -5,9 +5,10 @@ sends ``Hello`` first (its pid: the core aborts its requests if it dies), then `
 ``AbortRequests`` / ``GetStats`` / ``CompileConstraint`` / ``CheckIntegrity``, and ``Shutdown``
 when it owns the core. The core answers ``Hello`` with ``Ready`` (or ``StartFailed``),
 ``CompileConstraint`` with ``ConstraintCompiled`` once its grammar workers are done,
-``CheckIntegrity`` with ``IntegrityChecked`` (run between two steps), and sends one ``StepOutputs`` per step
-and front end: token ids only, never text (the front end detokenizes and applies stop strings),
-plus the engine's stats every ``STATS_INTERVAL_S`` and whenever it goes idle.
+``CheckIntegrity`` with ``IntegrityChecked`` (checked between two steps), and sends one
+``StepOutputs`` per step and front end: token ids only, never text (the front end detokenizes
+and applies stop strings), plus the engine's stats every ``STATS_INTERVAL_S`` and whenever it
+goes idle.
 
 What a front end sends it has validated: the core decodes it under ``trusted_decode()``
 (``SamplingParams`` and ``Constraint`` are not checked again).

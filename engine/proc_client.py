@@ -123,6 +123,10 @@ class EngineProcClient(EngineClient[ProcStream]):
             ready = await self._hello()
         except BaseException:
             await self._stop_core(kill=True)
+            # an open socket keeps its context's term() (run by the garbage collector, too) waiting
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = None
             raise
         self.core_pid = ready.pid
         self._stats = ready.stats
