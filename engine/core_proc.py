@@ -15,7 +15,16 @@ front end's work; it aborts a request a stop string ended.
 Lifetime: the owning front end's ``Shutdown`` ends the loop (what is left is aborted, the engine
 closed: exit 0); so does the death of the process that spawned the core. SIGINT and SIGTERM are
 ignored here: the front end drains on them and then shuts the core down. A front end that
-dies (its pid gone) has its requests aborted; the core and the other front ends go on.
+dies (its pid gone) has its requests aborted; the core and the other front ends go on. A loop
+that raises (a step's fault outside any one request) ends every open request with ``error``
+("engine loop died: ..."), closes the engine and exits 1.
+
+Diagnostics and testing: ``CheckIntegrity`` runs ``EngineCore.check_integrity()`` between two
+steps. The environment variable ``DELTASERVE_CORE_HOOK=module:function`` (inherited from the
+process that starts the core) names a function called with the ``CoreLoop`` once the engine is
+built, before it serves: the fault tests inject their faults into a real core process with it
+(tests/reliability/core_hooks.py). It is logged as a warning; a hook that fails to import or
+raises fails the start (``StartFailed``).
 
 The socket file (``engine/ipc_files.py``): a private folder of the run in the temp folder; the
 core removes it as it exits, its starter when it sees the core gone (``CoreHandle``: a killed
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import os
 import signal
 import subprocess
@@ -40,16 +50,19 @@ import msgspec
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import trusted_decode
+from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.ipc_files import new_address, pid_alive, remove_address
 from deltaserve.engine.messages import (
     STATS_INTERVAL_S,
     AbortRequests,
     AddRequest,
+    CheckIntegrity,
     CompileConstraint,
     ConstraintCompiled,
     FrontMessage,
     GetStats,
     Hello,
+    IntegrityChecked,
     Ready,
     Shutdown,
     StartFailed,
@@ -65,6 +78,8 @@ log = get_logger("deltaserve.engine")
 WATCH_INTERVAL_S = 0.5
 #: a step that scheduled nothing (requests wait for room): wait this long before the next
 IDLE_RETRY_S = 0.05
+#: ``module:function`` called with the ``CoreLoop`` before it serves (module docstring)
+HOOK_ENV = "DELTASERVE_CORE_HOOK"
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:
@@ -81,6 +96,18 @@ def to_delta(out: RequestOutput) -> TokenDelta:
         prompt_logprobs=out.prompt_logprobs,
         prompt_token_ids=out.prompt_token_ids,
     )
+
+
+def run_hook(loop: CoreLoop) -> None:
+    """Call the function ``DELTASERVE_CORE_HOOK`` names (if set) with ``loop``."""
+    spec = os.environ.get(HOOK_ENV, "")
+    if not spec:
+        return
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"{HOOK_ENV} = {spec!r}: expected module:function")
+    log.warning("core_proc.hook", hook=spec)
+    getattr(importlib.import_module(module), name)(loop)
 
 
 @dataclass
@@ -131,6 +158,7 @@ class CoreLoop:
 
         try:
             self.core = EngineCore(self.config, detokenize=False)
+            run_hook(self)
         except Exception as e:  # noqa: BLE001 - reported to the front end that waits for Ready
             log.error("core_proc.start_failed", error=repr(e))
             self._answer_start_failure(e)
@@ -141,11 +169,15 @@ class CoreLoop:
         # process: out of the collector's sight, a full collection walks only what steps make.
         gc.collect()
         gc.freeze()
+        died: str | None = None
         try:
             self._loop()
+        except BaseException as e:  # noqa: BLE001 - every open request is told, then exit 1
+            log.error("core_proc.loop_died", error=repr(e), exc_info=e)
+            died = f"engine loop died: {e!r}"
         finally:
-            self._finish()
-        return 0
+            self._finish(died)
+        return 0 if died is None else 1
 
     def _answer_start_failure(self, error: Exception) -> None:
         """Tell the front ends that say hello within a few seconds why the engine did not start."""
@@ -156,11 +188,17 @@ class CoreLoop:
             self.sock.send_multipart([ident, failed])
             return
 
-    def _finish(self) -> None:
-        """Abort what is left (front ends get the outputs), close the engine and the socket."""
+    def _finish(self, died: str | None = None) -> None:
+        """Abort what is left (front ends get the outputs: ``error`` with ``died`` when the loop
+        died), close the engine and the socket."""
         try:
             if self.core is not None:
-                self._send(self.core.abort_all(), stats=True)
+                outputs = self.core.abort_all()
+                if died is not None:
+                    for out in outputs:
+                        if out.finish_reason == "abort":
+                            out.finish_reason, out.error = "error", died
+                self._send(outputs, stats=True)
                 self.core.close()
         finally:
             self.sock.close()
@@ -256,6 +294,13 @@ class CoreLoop:
                 self._answer_compiles()
             else:
                 fut.add_done_callback(lambda _: self._wake())
+        elif isinstance(msg, CheckIntegrity):
+            try:
+                self.core.check_integrity()
+                error = None
+            except AssertionError as e:
+                error = str(e) or "integrity check failed"
+            self.sock.send_multipart([ident, self.enc.encode(IntegrityChecked(msg.token, error))])
         elif isinstance(msg, GetStats):
             self.sock.send_multipart([ident, self.enc.encode(StepOutputs([], self._stats()))])
         elif isinstance(msg, Shutdown):

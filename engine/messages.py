@@ -2,11 +2,13 @@
 
 msgspec structs, msgpack-encoded, one ZeroMQ frame each (``engine/core_proc.py``). A front end
 sends ``Hello`` first (its pid: the core aborts its requests if it dies), then ``AddRequest`` /
-``AbortRequests`` / ``GetStats`` / ``CompileConstraint``, and ``Shutdown`` when it owns the core.
-The core answers ``Hello`` with ``Ready`` (or ``StartFailed``), ``CompileConstraint`` with
-``ConstraintCompiled`` once its grammar workers are done, and sends one ``StepOutputs`` per step
-and front end: token ids only, never text (the front end detokenizes and applies stop strings),
-plus the engine's stats every ``STATS_INTERVAL_S`` and whenever it goes idle.
+``AbortRequests`` / ``GetStats`` / ``CompileConstraint`` / ``CheckIntegrity``, and ``Shutdown``
+when it owns the core. The core answers ``Hello`` with ``Ready`` (or ``StartFailed``),
+``CompileConstraint`` with ``ConstraintCompiled`` once its grammar workers are done,
+``CheckIntegrity`` with ``IntegrityChecked`` (checked between two steps), and sends one
+``StepOutputs`` per step and front end: token ids only, never text (the front end detokenizes
+and applies stop strings), plus the engine's stats every ``STATS_INTERVAL_S`` and whenever it
+goes idle.
 
 What a front end sends it has validated: the core decodes it under ``trusted_decode()``
 (``SamplingParams`` and ``Constraint`` are not checked again).
@@ -71,7 +73,14 @@ class CompileConstraint(msgspec.Struct, tag="compile", array_like=True):
     constraint: Constraint
 
 
-FrontMessage = Hello | AddRequest | AbortRequests | GetStats | Shutdown | CompileConstraint
+class CheckIntegrity(msgspec.Struct, tag="check", array_like=True):
+    """Run ``EngineCore.check_integrity()`` (cache and scheduler accounting) between two steps
+    and answer ``IntegrityChecked`` with the same ``token`` (a diagnostics and testing aid)."""
+
+    token: int
+
+
+FrontMessage = Hello | AddRequest | AbortRequests | GetStats | Shutdown | CompileConstraint | CheckIntegrity
 
 
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -123,4 +132,12 @@ class ConstraintCompiled(msgspec.Struct, tag="compiled", array_like=True):
     error: str | None = None
 
 
-CoreMessage = StepOutputs | Ready | StartFailed | ConstraintCompiled
+class IntegrityChecked(msgspec.Struct, tag="checked", array_like=True):
+    """The answer to ``CheckIntegrity`` ``token``: ``error`` None when the accounting holds, else
+    the ``AssertionError``'s message."""
+
+    token: int
+    error: str | None = None
+
+
+CoreMessage = StepOutputs | Ready | StartFailed | ConstraintCompiled | IntegrityChecked

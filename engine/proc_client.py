@@ -40,11 +40,13 @@ from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    CheckIntegrity,
     CompileConstraint,
     ConstraintCompiled,
     CoreMessage,
     GetStats,
     Hello,
+    IntegrityChecked,
     Ready,
     Shutdown,
     StartFailed,
@@ -95,6 +97,7 @@ class EngineProcClient(EngineClient[ProcStream]):
         self._stats: dict[str, Any] = {}
         self._stats_waiters: list[tuple[float, asyncio.Future[dict[str, Any]]]] = []
         self._compiles: dict[int, asyncio.Future[str | None]] = {}  # CompileConstraint token -> answer
+        self._checks: dict[int, asyncio.Future[str | None]] = {}  # CheckIntegrity token -> answer
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._dead: str | None = None
@@ -120,6 +123,10 @@ class EngineProcClient(EngineClient[ProcStream]):
             ready = await self._hello()
         except BaseException:
             await self._stop_core(kill=True)
+            # an open socket keeps its context's term() (run by the garbage collector, too) waiting
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = None
             raise
         self.core_pid = ready.pid
         self._stats = ready.stats
@@ -240,6 +247,22 @@ class EngineProcClient(EngineClient[ProcStream]):
         self._stats_waiters.append((time.time(), fut))
         self._send(GetStats())
         return await fut
+
+    async def check_integrity(self) -> None:
+        """Assert the core's cache and scheduler accounting, checked in the core between two
+        steps. Raises ``AssertionError`` (the core's message) when broken, ``EngineDeadError``
+        if the core died."""
+        self._check_alive()
+        token = next(self._seq)
+        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._checks[token] = fut
+        try:
+            self._send(CheckIntegrity(token))
+            error = await fut
+        finally:
+            self._checks.pop(token, None)
+        if error is not None:
+            raise AssertionError(error)
 
     # ------------------------------------------------------------------ API
     async def compile_constraint(self, constraint: Constraint) -> None:
@@ -368,6 +391,11 @@ class EngineProcClient(EngineClient[ProcStream]):
                 if fut is not None and not fut.done():
                     fut.set_result(msg.error)
                 continue
+            if isinstance(msg, IntegrityChecked):
+                fut = self._checks.get(msg.token)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.error)
+                continue
             if not isinstance(msg, StepOutputs):
                 continue
             if msg.stats is not None:
@@ -417,7 +445,7 @@ class EngineProcClient(EngineClient[ProcStream]):
             if not fut.done():
                 fut.set_exception(EngineDeadError(message))
         self._stats_waiters = []
-        for fut in self._compiles.values():
+        for fut in [*self._compiles.values(), *self._checks.values()]:
             if not fut.done():
                 fut.set_exception(EngineDeadError(message))
         for callback in self.on_core_death:

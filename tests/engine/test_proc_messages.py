@@ -11,10 +11,12 @@ from deltaserve.engine.detokenizer import NoDetokenizer
 from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    CheckIntegrity,
     CoreMessage,
     FrontMessage,
     GetStats,
     Hello,
+    IntegrityChecked,
     Ready,
     Shutdown,
     StepOutputs,
@@ -32,6 +34,7 @@ def test_front_messages_round_trip() -> None:
         AbortRequests(["a:1", "a:2"]),
         GetStats(),
         Shutdown(),
+        CheckIntegrity(9),
     ]
     dec = msgspec.msgpack.Decoder(FrontMessage)
     for m in msgs:
@@ -51,6 +54,8 @@ def test_core_messages_round_trip() -> None:
     dec = msgspec.msgpack.Decoder(CoreMessage)
     assert dec.decode(msgspec.msgpack.encode(step)) == step
     assert dec.decode(msgspec.msgpack.encode(ready)) == ready
+    for checked in (IntegrityChecked(9), IntegrityChecked(10, "block 3 is free and in use")):
+        assert dec.decode(msgspec.msgpack.encode(checked)) == checked
 
 
 def test_to_delta_keeps_all_but_the_text() -> None:

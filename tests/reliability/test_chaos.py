@@ -1,10 +1,12 @@
 """Seeded chaos: random prompts sharing prefixes, multi-turn reuse of outputs, random
 aborts (``abort()``, ``break``, task cancel), tight KV, 1-2 checkpoint slots, a tiny staging
-budget, for each scheduling policy. Checked:
+budget, for each scheduling policy and both placements of the core (``in_process``:
+``AsyncEngine``; ``separate``: ``EngineProcClient`` over a core process). Checked:
 
 * every request ends with a reason: finished + aborted == submitted, none failed;
-* integrity holds throughout (``await engine.check_integrity()`` from a concurrent task)
-  and after the run every pool is fully free;
+* integrity holds throughout (``await engine.check_integrity()`` from a concurrent task; in a
+  separate core it runs there, between steps) and after the run every pool is fully free
+  (the core's stats);
 * greedy outputs equal a cache-off, unconstrained engine's, token for token.
 
 The default suite runs one seed per policy (seconds); ``-m slow`` runs the soak.
@@ -22,7 +24,14 @@ import pytest
 from deltaserve.engine import AsyncEngine, EngineCore, RequestOutput
 from deltaserve.models import LoadedModel
 from tests.engine.conftest import greedy, make_config, run_to_completion
-from tests.reliability.conftest import tokens
+from tests.reliability.conftest import (
+    PLACEMENTS,
+    Engine,
+    assert_idle_pools,
+    current_stats,
+    open_engine,
+    tokens,
+)
 
 POLICIES = ["fcfs", "priority", "lpm", "sjf"]
 TIMEOUT = 120.0
@@ -48,7 +57,7 @@ def tight_config(policy: str, state_bytes: int, slots: int) -> dict[str, Any]:
     }
 
 
-async def session(engine: AsyncEngine, rng: random.Random, prefixes: list[list[int]], tally: Tally) -> None:
+async def session(engine: Engine, rng: random.Random, prefixes: list[list[int]], tally: Tally) -> None:
     prompt = rng.choice(prefixes) + tokens(rng.randint(1, 60), rng.randrange(10**6))
     for _ in range(rng.randint(1, 3)):
         n = rng.randint(1, 32)
@@ -101,7 +110,7 @@ async def session(engine: AsyncEngine, rng: random.Random, prefixes: list[list[i
         return  # an abandoned conversation ends
 
 
-async def integrity_watch(engine: AsyncEngine, stop: asyncio.Event) -> int:
+async def integrity_watch(engine: Engine, stop: asyncio.Event) -> int:
     checks = 0
     while not stop.is_set():
         await engine.check_integrity()
@@ -133,11 +142,12 @@ def reference_outputs(
     return [[t for o in outs[rid] for t in o.token_ids] for rid in ids]
 
 
-async def run_chaos(loaded: LoadedModel, policy: str, seed: int, sessions: int, slots: int) -> dict[str, Any]:
+async def run_chaos(
+    loaded: LoadedModel, policy: str, seed: int, sessions: int, slots: int, placement: str = "in_process"
+) -> dict[str, Any]:
     rng = random.Random(seed)
     state_bytes = loaded.model.cache_spec().state_slot_bytes()
-    core = EngineCore(make_config(**tight_config(policy, state_bytes, slots)), loaded=loaded)
-    engine = AsyncEngine(core=core)
+    engine = open_engine(placement, loaded, **tight_config(policy, state_bytes, slots))
     prefixes = [tokens(rng.choice([64, 100, 150]), 1000 + i) for i in range(3)]
     tally = Tally()
     async with engine:
@@ -150,20 +160,22 @@ async def run_chaos(loaded: LoadedModel, policy: str, seed: int, sessions: int, 
             TIMEOUT,
         )
         for _ in range(1000):  # abandoned streams are aborted between steps
-            if not engine.stats()["scheduler.running"] and not engine.stats()["scheduler.waiting"]:
+            stats = await current_stats(engine)
+            if not stats["scheduler.running"] and not stats["scheduler.waiting"]:
                 break
             await asyncio.sleep(0.01)
         stop.set()
         checks = await watcher
         await engine.check_integrity()
-        stats = engine.stats()
+        stats = await current_stats(engine)
     assert stats["requests.failed"] == 0
     assert stats["requests.finished"] + stats["requests.aborted"] == tally.submitted, (stats, tally)
     # every pool fully free after the run (cached blocks and checkpoints stay, unpinned)
-    core.check_integrity()
-    assert core.cache.blocks.num_free + core.cache.tree.num_nodes == core.cache.blocks.num_blocks
-    assert core.cache.slots.num_free_live == core.cache.slots.num_live
-    assert core.cache.tree.num_pinned == 0 and not core.states
+    assert_idle_pools(stats)
+    if isinstance(engine, AsyncEngine):
+        assert engine.core is not None
+        engine.core.check_integrity()
+        assert not engine.core.states, "engine-side request state leaked"
     expected = reference_outputs(loaded, tally.finished)
     for (prompt, _n, got), want in zip(tally.finished, expected, strict=True):
         assert got == want, f"policy {policy} seed {seed}: output changed for a {len(prompt)}-token prompt"
@@ -178,18 +190,24 @@ async def run_chaos(loaded: LoadedModel, policy: str, seed: int, sessions: int, 
     }
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("policy", POLICIES)
-async def test_chaos(tiny_loaded: LoadedModel, policy: str) -> None:
-    summary = await run_chaos(tiny_loaded, policy, seed=POLICIES.index(policy), sessions=6, slots=1)
+async def test_chaos(tiny_loaded: LoadedModel, policy: str, placement: str) -> None:
+    summary = await run_chaos(
+        tiny_loaded, policy, seed=POLICIES.index(policy), sessions=6, slots=1, placement=placement
+    )
     assert summary["finished"] > 0 and summary["integrity_checks"] > 0
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("policy", POLICIES)
-async def test_chaos_soak(tiny_loaded: LoadedModel, policy: str) -> None:
+async def test_chaos_soak(tiny_loaded: LoadedModel, policy: str, placement: str) -> None:
     totals: dict[str, Any] = {}
     for seed in range(6):
-        summary = await run_chaos(tiny_loaded, policy, seed=100 + seed, sessions=24, slots=1 + seed % 2)
+        summary = await run_chaos(
+            tiny_loaded, policy, seed=100 + seed, sessions=24, slots=1 + seed % 2, placement=placement
+        )
         for key, value in summary.items():
             if isinstance(value, dict):
                 for k, v in value.items():
@@ -197,4 +215,4 @@ async def test_chaos_soak(tiny_loaded: LoadedModel, policy: str) -> None:
                     totals[key][k] += v
             else:
                 totals[key] = totals.get(key, 0) + value
-    print(f"\nchaos soak [{policy}]: {totals}")
+    print(f"\nchaos soak [{policy}, {placement}]: {totals}")

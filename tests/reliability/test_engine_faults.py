@@ -2,8 +2,10 @@
 request, and the engine never dies silently.
 
 Each reported reproduction is a test here. EngineCore-level tests check integrity after
-every step (``run_to_completion``); AsyncEngine-level tests bound every wait with a timeout
-so a regression shows as a failure, not a hang.
+every step (``run_to_completion``); engine-level tests bound every wait with a timeout so a
+regression shows as a failure, not a hang. The engine-level fault tests run over both
+placements of the core (``in_process``: ``AsyncEngine``; ``separate``: ``EngineProcClient`` and
+a core process, its faults injected through the core hook, tests/reliability/core_hooks.py).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from deltaserve.engine import (
     RequestOutput,
     SamplingParams,
 )
+from deltaserve.engine.proc_client import EngineProcClient
+from deltaserve.models import LoadedModel
 from deltaserve.scheduler import FCFSPolicy, PolicyContext, Request
 from tests.engine.conftest import greedy, run_to_completion
-from tests.reliability.conftest import tokens
+from tests.reliability.conftest import PLACEMENTS, assert_idle_pools, current_stats, open_engine, tokens
+from tests.reliability.core_hooks import ERRORS, inject_commit_fault, inject_step_fault, use_hook
 
 TIMEOUT = 60.0
 
@@ -105,40 +110,54 @@ async def test_extreme_but_valid_sampling_values_never_fail_a_step(
 
 
 # ---------------------------------------------------------------------- 3: the loop dies
-class Doom(BaseException):
-    """A BaseException that is neither Exception nor CancelledError."""
+async def wait_unhealthy(engine: Any) -> None:
+    """A separate core's front end sees the process exit within its watch interval."""
+    for _ in range(int(TIMEOUT / 0.02)):
+        if not engine.is_healthy():
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail("the engine still reports healthy after its loop died")
 
 
-@pytest.mark.parametrize("exc", [asyncio.CancelledError(), Doom("custom"), KeyError("plain")])
-async def test_a_step_raising_anything_marks_the_engine_dead(engine_factory: Any, exc: BaseException) -> None:
-    engine: AsyncEngine = engine_factory()
-    await engine.start()
-    assert engine.core is not None
-    real = engine.core.step
-    calls = {"n": 0}
-
-    def step() -> list[RequestOutput]:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise exc
-        return real()
-
+@pytest.mark.parametrize(
+    ("placement", "kind"),
+    [
+        *(("in_process", kind) for kind in ERRORS),
+        ("separate", "keyerror"),
+        # the core loop catches every BaseException alike: the other kinds only cost a core start
+        *(pytest.param("separate", kind, marks=pytest.mark.slow) for kind in ("cancelled", "doom")),
+    ],
+)
+async def test_a_step_raising_anything_marks_the_engine_dead(
+    tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, placement: str, kind: str
+) -> None:
     # (an ordinary exception escaping the step machinery itself is not one request's fault:
     # it stops the loop too, under the same contract)
-    engine.core.step = step  # type: ignore[method-assign]
+    if placement == "separate":
+        use_hook(monkeypatch, "step_fault", at=3, kind=kind)
+    engine = open_engine(placement, tiny_loaded)
+    await engine.start()
+    if isinstance(engine, AsyncEngine):
+        assert engine.core is not None
+        inject_step_fault(engine.core, 3, ERRORS[kind])
     streams = [engine.generate(tokens(40, i), greedy(30)) for i in range(3)]
     results = await asyncio.gather(*(drain(s) for s in streams))
     for outs in results:
         assert outs[-1].finished and outs[-1].finish_reason == "error"
         assert outs[-1].error is not None and "engine loop died" in outs[-1].error
-    assert not engine.is_healthy()
-    with pytest.raises(EngineDeadError, match="engine loop died"):
+        assert repr(ERRORS[kind]) in outs[-1].error
+    await wait_unhealthy(engine)
+    dead = "engine loop died" if placement == "in_process" else r"the engine core process \(pid \d+\) died"
+    with pytest.raises(EngineDeadError, match=dead):
         engine.generate("Hi", greedy(2))
     with pytest.raises(EngineDeadError):
         await engine.check_integrity()
     await asyncio.wait_for(engine.shutdown(), TIMEOUT)  # never raises for a dead loop
-    assert engine.core is not None
-    assert_pools_free(engine.core)
+    if isinstance(engine, EngineProcClient):
+        assert engine.handle is not None and engine.handle.exitcode == 1
+    else:
+        assert engine.core is not None
+        assert_pools_free(engine.core)
 
 
 async def test_a_cancelled_loop_task_marks_the_engine_dead(engine_factory: Any) -> None:
@@ -211,6 +230,32 @@ def test_a_commit_that_raises_ends_only_that_steps_requests(core_factory: Any) -
     assert_pools_free(core)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_a_commit_that_raises_ends_only_its_request_and_the_engine_serves_on(
+    tiny_loaded: LoadedModel, core_factory: Any, monkeypatch: pytest.MonkeyPatch, placement: str
+) -> None:
+    """The engine-level twin of the test above, in the core's own process too."""
+    if placement == "separate":
+        use_hook(monkeypatch, "commit_fault", at=2)
+    prompt = tokens(100, 1)
+    async with open_engine(placement, tiny_loaded, **{"cache.checkpoint_interval": 64}) as engine:
+        if isinstance(engine, AsyncEngine):
+            assert engine.core is not None
+            inject_commit_fault(engine.core, 2)
+        first = await drain(engine.generate(prompt, greedy(5)))
+        assert first[-1].finish_reason == "error"
+        assert "cache commit failed: RuntimeError: injected commit fault" in (first[-1].error or "")
+        later = await drain(engine.generate(prompt, greedy(5)))
+        assert later[-1].finish_reason == "length"
+        assert text_tokens(later) == solo_greedy(core_factory, prompt, 5)
+        assert engine.is_healthy()
+        await engine.check_integrity()
+        stats = await current_stats(engine)
+    assert stats["steps.failed"] == 1
+    assert (stats["requests.failed"], stats["requests.finished"]) == (1, 1)
+    assert_idle_pools(stats)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_commit_that_raises_half_way_leaves_the_cache_whole(
     core_factory: Any, async_scheduling: bool
@@ -274,18 +319,53 @@ class EmptyPolicy(FCFSPolicy):
         return []
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("policy", ["ExplodingPolicy", "EmptyPolicy"])
-async def test_a_broken_policy_never_stops_the_engine(engine_factory: Any, policy: str) -> None:
-    async with engine_factory(
-        **{"scheduler.policy": f"tests.reliability.test_engine_faults:{policy}", "cache.num_kv_blocks": 24}
-    ) as engine:
+async def test_a_broken_policy_never_stops_the_engine(
+    tiny_loaded: LoadedModel, policy: str, placement: str
+) -> None:
+    # (a separate core imports the policy by this name in its own process)
+    dotted = {"scheduler.policy": f"tests.reliability.test_engine_faults:{policy}", "cache.num_kv_blocks": 24}
+    async with open_engine(placement, tiny_loaded, **dotted) as engine:
         results = await asyncio.gather(*(drain(engine.generate(tokens(90, i), greedy(12))) for i in range(6)))
         assert [r[-1].finish_reason for r in results] == ["length"] * 6
-        stats = engine.stats()
         assert engine.is_healthy()
         await engine.check_integrity()
+        stats = await current_stats(engine)
+    assert (stats["requests.finished"], stats["requests.failed"]) == (6, 0)
+    assert_idle_pools(stats)
     if policy == "ExplodingPolicy":
         assert stats["scheduler.policy_errors"] > 0
+
+
+async def test_a_raising_detokenizer_in_the_front_end_ends_only_its_request(
+    tiny_loaded: LoadedModel, core_factory: Any
+) -> None:
+    """With a separate core the front end detokenizes: a fault there ends its request with an
+    error, the core aborts it, and the other request is untouched."""
+    good_prompt = tokens(30, 2)
+    async with open_engine("separate", tiny_loaded) as engine:
+        assert isinstance(engine, EngineProcClient)
+        bad = engine.generate(tokens(30, 1), greedy(8))
+        good = engine.generate(good_prompt, greedy(8))
+
+        def explode(ids: list[int]) -> str:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+        bad.completions[0].detokenizer.add = explode  # type: ignore[method-assign]
+        bad_outs, good_outs = await asyncio.gather(drain(bad), drain(good))
+        assert bad_outs[-1].finish_reason == "error"
+        assert "output processing failed: UnicodeDecodeError" in (bad_outs[-1].error or "")
+        assert good_outs[-1].finish_reason == "length"
+        assert text_tokens(good_outs) == solo_greedy(core_factory, good_prompt, 8)
+        await engine.check_integrity()
+        for _ in range(int(TIMEOUT / 0.02)):  # the abort reaches the core after the error
+            stats = await current_stats(engine)
+            if stats["requests.aborted"] + stats["requests.finished"] == 2:
+                break
+            await asyncio.sleep(0.02)
+    assert (stats["requests.aborted"], stats["requests.finished"], stats["requests.failed"]) == (1, 1, 0)
+    assert_idle_pools(stats)
 
 
 # ---------------------------------------------------------------------- 5: ids belong to their stream
