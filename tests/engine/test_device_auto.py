@@ -52,7 +52,7 @@ def test_auto_resolution(cuda: bool, device: str, reason: str, dtype: torch.dtyp
 def test_engine_auto_on_cpu_pins_config(tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     recorder = Recorder()
     monkeypatch.setattr(builder, "log", recorder)
-    config = make_config()
+    config = make_config(**{"model.device": "auto", "model.dtype": "auto"})
     assert config.model.device == "auto" and config.model.dtype is DType.AUTO
     core = EngineCore(config, loaded=tiny_loaded)
     assert core.device == torch.device("cpu") and core.dtype == torch.float32
