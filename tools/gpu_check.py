@@ -134,7 +134,7 @@ def make_plan(args: argparse.Namespace, tmp: Path) -> Any:
     return Plan(device="cuda", dtype="bfloat16", parity_model=shaped, speed_model=shaped, backend="auto",
                 parity_lengths=[1, 5, 64, 65, 300], parity_tokens=8, decode_batches=[1, 8, 32, 128],
                 decode_steps=32, prefill_lengths=[2048, 8192], ttft_prefix=8192, copy_bytes=2 << 30,
-                matmul_n=8192, memory_bytes=256 << 20)  # fmt: skip
+                matmul_n=8192, memory_bytes=1 << 30)  # fmt: skip
 
 
 def speed(plan: Any, budget: Budget, reserve_s: float) -> dict[str, Any]:
@@ -190,6 +190,9 @@ def env_info(dry_run: bool) -> dict[str, Any]:
                                         text=True).stdout.strip()  # fmt: skip
     except OSError:
         info["commit"] = None
+    import deltaserve
+
+    info["deltaserve"] = deltaserve.__file__  # this checkout's, not an installed copy
     if torch.cuda.is_available():
         info["card"] = torch.cuda.get_device_name()
     try:
