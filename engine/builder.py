@@ -28,6 +28,7 @@ from deltaserve.models import CacheSpec, LoadedModel
 log = get_logger("deltaserve.engine")
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
@@ -73,9 +74,24 @@ def default_cpu_threads(environ: Mapping[str, str], weight_bytes: int) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def choose_device(name: str, cuda_available: bool | None = None) -> tuple[torch.device, str]:
+    """``model.device`` as a torch device and why: ``auto`` is CUDA when torch sees a GPU
+    (``cuda_available``, default ``torch.cuda.is_available()``), else the CPU."""
+    if name != "auto":
+        return torch.device(name), "configured"
+    if torch.cuda.is_available() if cuda_available is None else cuda_available:
+        return torch.device("cuda"), "auto: CUDA available"
+    return torch.device("cpu"), "auto: no CUDA"
+
+
 def resolve_device(config: EngineConfig) -> torch.device:
-    """``model.device`` as a torch device; ``ConfigError`` if it is not there."""
-    device = torch.device(config.model.device)
+    """``model.device`` as a torch device; ``ConfigError`` if it is not there.
+
+    Pins ``config.model.device`` and ``config.model.dtype`` to the concrete values chosen (no
+    ``auto`` left), so what is derived from the config after this (the prefix-cache salt, the
+    disk tier's identity, model info) names what runs: a bf16 store must not be served to a
+    float32 engine because both configs said ``auto``. Logs ``engine.device`` with the reason."""
+    device, reason = choose_device(config.model.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(
@@ -86,6 +102,21 @@ def resolve_device(config: EngineConfig) -> torch.device:
             raise ConfigError(
                 f"model.device = {config.model.device!r}: only {torch.cuda.device_count()} CUDA device(s)"
             )
+    dtype = resolve_dtype(config.model.dtype, device)
+    dtype_reason = (
+        f"auto: {'CUDA' if device.type == 'cuda' else 'CPU'}"
+        if config.model.dtype is DType.AUTO
+        else "configured"
+    )
+    config.model.device = str(device)
+    config.model.dtype = DTYPE_NAMES[dtype]
+    log.info(
+        "engine.device",
+        device=str(device),
+        device_reason=reason,
+        dtype=str(dtype).removeprefix("torch."),
+        dtype_reason=dtype_reason,
+    )
     return device
 
 

@@ -132,10 +132,14 @@ class ModelConfig(_Section):
         _doc(
             "Weights and KV-cache dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on CPU)."
         ),
-    ] = DType.FLOAT32
+    ] = DType.AUTO
     device: Annotated[
-        str, _doc("cpu, cuda or cuda:N. A CUDA device that is not there is a ConfigError at engine start.")
-    ] = "cpu"
+        str,
+        _doc(
+            "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N. A CUDA device "
+            "that is not there is a ConfigError at engine start; `engine.ready` logs the choice."
+        ),
+    ] = "auto"
     max_model_len: Annotated[
         PosInt | None,
         _doc(
@@ -149,8 +153,8 @@ class ModelConfig(_Section):
     ] = 0
 
     def check(self) -> None:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise _bad("model.device", self.device, "expected cpu, cuda or cuda:N")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise _bad("model.device", self.device, "expected auto, cpu, cuda or cuda:N")
 
 
 class CacheConfig(_Section):

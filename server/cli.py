@@ -8,7 +8,7 @@
     python -m deltaserve serve --served-model-name qwen --host 0.0.0.0 --api-key "$KEY"
     deltaserve export-tokenizer ./tiny-tokenizer      # the built-in model's tokenizer, for clients
 
-``MODEL`` (or ``--model``), ``--tokenizer``, ``--dtype``, ``--max-model-len`` and
+``MODEL`` (or ``--model``), ``--tokenizer``, ``--dtype``, ``--device``, ``--max-model-len`` and
 ``--gpu-memory-utilization`` are shorthands of config keys (``SHORTHANDS``); they override the
 ``--config`` file, and ``--set`` overrides them.
 
@@ -51,6 +51,7 @@ log = get_logger("deltaserve.server")
 SHORTHANDS = {
     "tokenizer": "model.tokenizer",
     "dtype": "model.dtype",
+    "device": "model.device",
     "max_model_len": "model.max_model_len",
     "gpu_memory_utilization": "cache.gpu_memory_utilization",
 }
@@ -69,6 +70,7 @@ def _add_model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="the same as MODEL")
     s.add_argument("--tokenizer", default=None, help="model.tokenizer: a tokenizer folder or builtin:<name>")
     s.add_argument("--dtype", default=None, help="model.dtype: float32 | bfloat16 | float16 | auto")
+    s.add_argument("--device", default=None, help="model.device: auto | cpu | cuda | cuda:N")
     s.add_argument("--max-model-len", type=int, default=None, metavar="N", help="model.max_model_len")
     s.add_argument(
         "--gpu-memory-utilization", type=float, default=None, metavar="F",

@@ -34,7 +34,7 @@ def test_every_key_is_documented() -> None:
 
 def test_type_rendering() -> None:
     text = DOC.read_text(encoding="utf-8")
-    assert '| `dtype` | `"float32" \\| "bfloat16" \\| "float16" \\| "auto"` | `"float32"` |' in text
+    assert '| `dtype` | `"float32" \\| "bfloat16" \\| "float16" \\| "auto"` | `"auto"` |' in text
     assert "| `gpu_memory_utilization` | `float in (0, 1]` | `0.9` |" in text
     assert "| `memory_bytes` | `int ≥ 1 \\| None` | *unset* |" in text
     assert "| `block_size` | `int in [1, 1024]` | `16` |" in text

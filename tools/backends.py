@@ -263,9 +263,10 @@ class HFBackend:
 
         self.torch = torch
         self.path = model_path
-        self.device = device
-        from deltaserve.engine.builder import resolve_dtype  # the engine's one dtype table
+        from deltaserve.engine.builder import choose_device, resolve_dtype  # the engine's own tables
 
+        device = str(choose_device(device)[0])  # "auto" as the engine resolves it
+        self.device = device
         torch_dtype = resolve_dtype(dtype, torch.device(device))
         self.dtype = str(torch_dtype).removeprefix("torch.")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()

@@ -49,6 +49,10 @@ def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int
 
 def make_config(**dotted: Any) -> EngineConfig:
     base: dict[str, Any] = {
+        # the CPU in float32 whatever the machine has (the defaults are auto: CUDA when there
+        # is one), so the engine tests compare the same thing on a GPU box
+        "model.device": "cpu",
+        "model.dtype": "float32",
         "scheduler.max_num_batched_tokens": 256,
         "scheduler.max_num_seqs": 8,
         "cache.num_kv_blocks": 512,

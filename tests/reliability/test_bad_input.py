@@ -125,7 +125,7 @@ BAD_CONFIGS: list[tuple[Any, str]] = [
         lambda: ModelConfig(dtype="float64"),
         r"model.dtype = 'float64': expected one of float32, bfloat16, float16, auto",
     ),
-    (lambda: ModelConfig(device="tpu"), r"model.device = 'tpu': expected cpu, cuda or cuda:N"),
+    (lambda: ModelConfig(device="tpu"), r"model.device = 'tpu': expected auto, cpu, cuda or cuda:N"),
     (lambda: ModelConfig(seed=2**64), r"model.seed = 18446744073709551616"),
     (lambda: LoggingConfig(stats_interval_s=math.nan), r"logging.stats_interval_s = nan"),
     (lambda: LoggingConfig(level="loud"), r"logging.level = 'loud': expected one of debug, info"),

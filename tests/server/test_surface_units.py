@@ -47,6 +47,7 @@ def test_positional_model_and_shorthands_set_config_keys() -> None:
     args = parse(
         "builtin:tiny-qwen3", "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
         "--tokenizer", "builtin:tiny-qwen3.5", "--dtype", "bfloat16", "--served-model-name", "a", "b",
+        "--device", "cuda:1",
     )  # fmt: skip
     config = engine_config(args)
     assert config.model.path == "builtin:tiny-qwen3"
@@ -54,6 +55,7 @@ def test_positional_model_and_shorthands_set_config_keys() -> None:
     assert config.cache.gpu_memory_utilization == 0.5
     assert config.model.tokenizer == "builtin:tiny-qwen3.5"
     assert config.model.dtype is DType.BFLOAT16
+    assert config.model.device == "cuda:1"
     assert server_config_from_args(args, env={}).served_model_names == ["a", "b"]
     # nothing given: the config's defaults, untouched
     default = engine_config(parse())
