@@ -154,8 +154,12 @@ def _middleware(config: ServerConfig, server: OpenAIServer, gate: ConnectionGate
                 allow_credentials=config.allow_credentials,
             )
         )
-    on_503 = server.metrics.http_errors.labels("503").inc
-    stack.append(Middleware(ConnectionLimit, gate=gate, on_reject=on_503))
+    # (labels() creates the series: only when a 503 is given, so /metrics lists no 5xx before one)
+    stack.append(
+        Middleware(
+            ConnectionLimit, gate=gate, on_reject=lambda: server.metrics.http_errors.labels("503").inc()
+        )
+    )
     if config.api_key:
         stack.append(
             Middleware(
