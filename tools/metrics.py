@@ -13,6 +13,9 @@ usual serving-benchmark ones):
   for multi-turn workloads.
 
 Percentiles interpolate linearly between closest ranks (numpy's default).
+
+``format_table`` prints summaries side by side; ``format_legend`` (``TABLE_LEGEND``) the notes
+loadgen prints under it, saying what each row measures.
 """
 
 from __future__ import annotations
