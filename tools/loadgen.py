@@ -41,7 +41,7 @@ from deltaserve.logs import get_logger
 from deltaserve.tools.backends import Delta, EngineBackend, HFBackend, OpenAIBackend, Sampling
 from deltaserve.tools.live import RunResult, run_live
 from deltaserve.tools.loadgen_report import agreement_rows, plot, workload_line, write_json
-from deltaserve.tools.metrics import format_table
+from deltaserve.tools.metrics import format_legend, format_table
 from deltaserve.tools.workloads import (
     HFCodec,
     Workload,
@@ -292,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     workload: Workload = args._workload
     title = workload_line(workload, args._plan)
     print(title)
-    print(format_table([(r.label, r.summary) for r in runs], agreement_rows(runs)))
+    columns = [(r.label, r.summary) for r in runs]
+    print(format_table(columns, agreement_rows(runs)))
+    print(format_legend(columns))
     if args.json:
         write_json(args.json, args, workload, runs)
         print(f"wrote {args.json}")

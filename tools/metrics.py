@@ -13,6 +13,9 @@ usual serving-benchmark ones):
   for multi-turn workloads.
 
 Percentiles interpolate linearly between closest ranks (numpy's default).
+
+``format_table`` prints summaries side by side; ``format_legend`` (``TABLE_LEGEND``) the notes
+loadgen prints under it, saying what each row measures.
 """
 
 from __future__ import annotations
@@ -314,6 +317,56 @@ TABLE_ROWS: list[tuple[str, str, str]] = [
     ("KV blocks evicted", "kv_evicted_blocks", "n"),
     ("preemptions", "preemptions", "n"),
 ]
+
+
+#: what the table's rows mean, printed under it: (key, note); a row is explained by the key one
+#: of whose " / " parts its label contains (README.md's loadgen section repeats the keys)
+TABLE_LEGEND: list[tuple[str, str]] = [
+    ("requests completed / failed", "requests that finished / ended in an error (latency, token and "
+     "requests' hit-rate rows count completed requests only)"),
+    ("duration (s) / requests/s / tokens/s", "first send to last finish; the rates are per second "
+     "of it (total = prompt + output tokens)"),
+    ("prompt tokens / output tokens", "summed over the completed requests"),
+    ("TTFT", "time to first token: send to the first output token"),
+    ("TPOT", "per request, (last token - first token) / (output tokens - 1); requests of >= 2 tokens"),
+    ("ITL", "every gap between two consecutive output tokens (over gaps, not requests)"),
+    ("E2E", "send to the last token"),
+    ("prefix hit rate (requests)", "cached / prompt tokens summed over the completed requests, as the "
+     "backend reported each one (RequestOutput.num_cached_tokens; usage.prompt_tokens_details over HTTP)"),
+    ("prefix hit rate (engine)", "the engine's own counters over the run, warm-up removed: hit / looked-up "
+     "prompt tokens of every request it admitted (failed and aborted too); over HTTP read from the "
+     "server's /metrics (deltaserve, vLLM, llama-server); - where the backend has none"),
+    ("hit rate turn N", "the requests' hit rate over turn N only (multi-turn workloads; turn 0 is each "
+     "conversation's first message, cold unless it shares a prefix)"),
+    ("checkpoints stored / skipped / evicted", "GDN state checkpoints the engine captured / did not "
+     "capture for lack of a staging budget or a slot / evicted during the run"),
+    ("KV blocks evicted", "cached KV blocks evicted during the run"),
+    ("preemptions", "running requests freed and recomputed later for lack of cache memory"),
+    ("same prompts / outputs as first", "requests whose prompt / output tokens equal the first column's "
+     "(the columns ran the identical workload; greedy outputs should agree)"),
+    ("/first column", "this column divided by the first (throughputs and latencies; blank for rates)"),
+]  # fmt: skip
+
+
+def format_legend(columns: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> str:
+    """The notes of the rows ``format_table(columns)`` shows (per-turn and column-comparison
+    notes only where the table has them), wrapped under a ``rows:`` line."""
+    import textwrap
+
+    multi = len(columns) > 1
+    shown = [
+        (label, note)
+        for label, note in TABLE_LEGEND
+        if (label != "hit rate turn N" or _turn_rows(columns) or not columns)
+        and (label not in ("same prompts / outputs as first", "/first column") or multi or not columns)
+    ]
+    width = max(len(label) for label, _ in shown)
+    lines = ["rows:"]
+    for label, note in shown:
+        wrapped = textwrap.wrap(note, width=max(40, 100 - width)) or [""]
+        lines.append(f"  {label.ljust(width)}  {wrapped[0]}")
+        lines += [f"  {'':{width}}  {more}" for more in wrapped[1:]]
+    return "\n".join(lines)
 
 
 def lookup(summary: Mapping[str, Any], path: str) -> Any:

@@ -2,7 +2,8 @@
 # One-time (idempotent) set-up: a virtual environment in .venv with everything the
 # project, its tests and tools need. torch is pinned and installed FIRST: an unpinned
 # torch pulled in by another package would download the newest CUDA build (GBs).
-# Re-running is a no-op unless pyproject.toml changed.
+# Re-running is a no-op unless pyproject.toml changed. Progress goes to stderr, one line
+# per step ("[i/n] what"), so a first run (minutes: torch is large) is never silent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION="${DELTASERVE_TORCH_VERSION:-2.13.0}"
@@ -12,9 +13,21 @@ want="$(sha256sum pyproject.toml | cut -c1-16)-torch${TORCH_VERSION}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+STEPS=4
+step() {  # step I WHAT: one progress line on stderr, with the seconds since set-up began
+    echo "deltaserve setup [$1/$STEPS] $2 (${SECONDS}s)" >&2
+}
+if [ -x .venv/bin/python ]; then
+    step 1 "reusing the virtual environment .venv"
+else
+    step 1 "creating the virtual environment .venv with $PY"
+    "$PY" -m venv .venv
+fi
+step 2 "upgrading pip"
 .venv/bin/python -m pip install -q --upgrade pip
+step 3 "installing torch==${TORCH_VERSION} (the largest download: a few minutes on a first run)"
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}"
+step 4 "installing deltaserve in editable mode with its extras test, triton, plot, cluster"
 .venv/bin/python -m pip install -q -e ".[test,triton,plot,cluster]"
 echo "$want" > "$stamp"
-echo "deltaserve: environment ready in .venv" >&2
+echo "deltaserve: environment ready in .venv (${SECONDS}s)" >&2

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="needs Ray: pip install 'deltaserve[cluster]'")
 
 import httpx  # noqa: E402
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="needs Ray: pip install 'deltaserve[cluster]'")
 
 from ray import exceptions as rx  # noqa: E402
 

@@ -183,7 +183,10 @@ def test_zero_length_segment_keeps_or_zeroes_its_state(rng: torch.Generator) -> 
 
 
 def test_against_transformers_reference(rng: torch.Generator) -> None:
-    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    hf = pytest.importorskip(
+        "transformers.models.qwen3_5.modeling_qwen3_5",
+        reason="needs a transformers with Qwen3.5 (the reference)",
+    )
     q, k, v, g, beta, cu = make_inputs([150], 2, 4, rng)
     init = torch.randn(4, DK, DV, generator=rng) * 0.2
     ssm = torch.zeros(3, 4, DK, DV)
