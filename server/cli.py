@@ -483,7 +483,7 @@ async def serve(
         names = app.state.server.model_names
         shown = f"[{host}]" if ":" in host else host
         capacity = engine.model_info.capacity
-        url = f"{server_config.scheme}://{shown}:{port}{server_config.root_path}/v1"
+        url = f"{server_config.scheme}://{shown}:{port}/v1"
         print(f"deltaserve: serving {names[0]} at {url} (OpenAI-compatible)", file=out)
         print(
             "deltaserve: capacity " + " ".join(f"{k}={v}" for k, v in capacity.items()), file=out, flush=True

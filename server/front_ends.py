@@ -228,7 +228,7 @@ def serve_front_ends(
         shown = f"[{host}]" if ":" in host else host
         wait_listening(front, f"{shown}:{port}")
         print(
-            f"deltaserve: serving {ready.model_info.name} at {server_config.scheme}://{shown}:{port}{server_config.root_path}/v1 (OpenAI-compatible; "
+            f"deltaserve: serving {ready.model_info.name} at {server_config.scheme}://{shown}:{port}/v1 (OpenAI-compatible; "
             f"{count} front ends, engine core pid {handle.pid})",
             file=out,
             flush=True,
