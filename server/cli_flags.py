@@ -91,7 +91,7 @@ REPLICAS_HINT = "one GPU per engine here; for data parallelism run --replicas N 
 
 FLAGS: tuple[Flag, ...] = (
     # --- the same name and meaning as deltaserve's own options (server/cli.py)
-    Flag(("MODEL", "--model"), V, SAME, "model.path: a Hugging Face-format folder or builtin:<name>"),
+    Flag(("MODEL", "--model"), V, SAME, "model.path: a Hugging Face-format folder or builtin:NAME"),
     Flag(("-m",), L, SAME, "model.path (a Hugging Face-format folder, not a GGUF file)"),
     Flag(("--host",), B, SAME, "address to listen on (default 0.0.0.0, as vLLM's)"),
     Flag(("--port",), B, SAME, "port (default 8000)"),
@@ -306,7 +306,8 @@ def docs_table(rows: Sequence[Flag] = FLAGS) -> str:
         ),
     }
     lines = ["| flag | from | here |", "|---|---|---|"]
-    lines += [f"| `{f.shown}` | {f.origin} | {what[f.kind](f)} |" for f in rows]
+    # a "|" inside a cell would end it
+    lines += [f"| `{f.shown}` | {f.origin} | {what[f.kind](f).replace('|', chr(92) + '|')} |" for f in rows]
     return "\n".join(lines)
 
 

@@ -286,3 +286,34 @@ def test_help_and_the_docs_list_every_flag_of_the_table() -> None:
         for name in flag.names:
             assert name in help_text, name
             assert f"`{flag.shown}`" in section.group(1), name
+
+
+def test_the_model_card_recipe_serves() -> None:
+    """The recipe's flags on a real ``serve`` (the tiny model; a length it can hold): it serves,
+    logs the flags it accepts in one line, and exits 0 on SIGTERM."""
+    import os
+    import signal
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "deltaserve", "serve", "builtin:tiny-qwen3.5", "--max-model-len", "512",
+           "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+           "--max-num-seqs", "8", "--seed", "0", "--host", "127.0.0.1", "--port", "0", "--in-process",
+           "--set", "cache.memory_bytes=67108864", "--disable-log-stats"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()
+        assert first.startswith("deltaserve: serving builtin:tiny-qwen3.5 at http://127.0.0.1:"), first + (
+            proc.stderr.read() if proc.poll() is not None else ""
+        )
+        url = first.split(" at ")[1].split()[0]
+        with httpx.Client(base_url=url, timeout=60) as http:
+            assert http.get("/models").json()["data"][0]["id"] == "builtin:tiny-qwen3.5"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        accepted = [line for line in proc.stderr.read().splitlines() if "serve.flags_accepted" in line]
+        assert len(accepted) == 1 and "--enable-auto-tool-choice" in accepted[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
