@@ -330,6 +330,7 @@ def uvicorn_config(app: Any, config: ServerConfig, drain_timeout_s: float, *, ke
 
     from deltaserve.server.read_timeouts import protocol_class
 
+    cli_flags.uvicorn_logging(config.uvicorn_log_level)
     return uvicorn.Config(
         app,
         http=protocol_class(config.header_timeout_s, config.body_timeout_s),

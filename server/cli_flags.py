@@ -335,3 +335,24 @@ def package_version() -> str:
         return version("deltaserve")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
+
+
+def uvicorn_logging(level: str | None) -> None:
+    """``--uvicorn-log-level``: uvicorn's records at ``level`` and above to stderr, in the format
+    of deltaserve's own lines (the server passes ``log_config=None`` to uvicorn, so its loggers
+    have no handler of their own). Idempotent; None: nothing is changed."""
+    import logging
+    import sys
+
+    if level is None:
+        return
+    logger = logging.getLogger("uvicorn")
+    if not any(getattr(h, "_deltaserve", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+        )
+        handler._deltaserve = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(5 if level == "trace" else level.upper())  # uvicorn's TRACE is 5

@@ -290,7 +290,7 @@ def test_help_and_the_docs_list_every_flag_of_the_table() -> None:
 
 def test_the_model_card_recipe_serves() -> None:
     """The recipe's flags on a real ``serve`` (the tiny model; a length it can hold): it serves,
-    logs the flags it accepts in one line, and exits 0 on SIGTERM."""
+    logs the flags it accepts in one line, shows uvicorn's info lines, and exits 0 on SIGTERM."""
     import os
     import signal
 
@@ -298,7 +298,7 @@ def test_the_model_card_recipe_serves() -> None:
     cmd = [sys.executable, "-m", "deltaserve", "serve", "builtin:tiny-qwen3.5", "--max-model-len", "512",
            "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
            "--max-num-seqs", "8", "--seed", "0", "--host", "127.0.0.1", "--port", "0", "--in-process",
-           "--set", "cache.memory_bytes=67108864", "--disable-log-stats"]  # fmt: skip
+           "--set", "cache.memory_bytes=67108864", "--disable-log-stats", "--uvicorn-log-level", "info"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         assert proc.stdout is not None and proc.stderr is not None
@@ -311,8 +311,11 @@ def test_the_model_card_recipe_serves() -> None:
             assert http.get("/models").json()["data"][0]["id"] == "builtin:tiny-qwen3.5"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        accepted = [line for line in proc.stderr.read().splitlines() if "serve.flags_accepted" in line]
+        err = proc.stderr.read().splitlines()
+        accepted = [line for line in err if "serve.flags_accepted" in line]
         assert len(accepted) == 1 and "--enable-auto-tool-choice" in accepted[0]
+        assert any(" uvicorn.error: " in line for line in err), err  # --uvicorn-log-level info
+        assert not any("engine.stats" in line for line in err)  # --disable-log-stats
     finally:
         if proc.poll() is None:
             proc.kill()
