@@ -454,9 +454,9 @@ async def serve(
     app_hook: Callable[[Any], None] | None = None,
 ) -> int:
     """Start the engine, serve until a signal, drain, shut down. Returns the exit code
-    (``CORE_DIED_EXIT`` when a separate engine core process died). ``sock``: a listening socket
-    to serve on (else one is bound); ``address``: join that engine core process; ``app_hook``:
-    called with the app before it serves (a front end adds its header)."""
+    (``CORE_DIED_EXIT`` when a separate engine core process died). ``sock``: a bound socket to
+    serve on, made to listen once the engine has started (else one is bound then); ``address``:
+    join that engine core process; ``app_hook``: called with the app before it serves."""
     from deltaserve.server.app import create_app
 
     out = out or sys.stdout
