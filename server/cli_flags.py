@@ -162,7 +162,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--jinja",), L, A, "chat templates are always Jinja", arity=Arity.NONE),
     Flag(("-ngl", "--n-gpu-layers", "--gpu-layers"), L, A, "the whole model runs on --device", metavar="N"),
     Flag(("-fa", "--flash-attn"), L, A, "kernels are chosen by kernels.backend", arity=Arity.OPTIONAL,
-         metavar="on|off|auto"),
+         metavar="on|off|auto", allowed=("on", "off", "auto")),
     Flag(("--cont-batching",), L, A, "batching is always continuous", arity=Arity.NONE),
     # --- capabilities deltaserve lacks
     Flag(("-tp", "--tensor-parallel-size"), V, R, REPLICAS_HINT, metavar="N", allowed=("1",)),
@@ -209,6 +209,15 @@ class _Accept(argparse.Action):
         value = values if isinstance(values, str) else None
         if self.flag.kind is Kind.REFUSED and value not in self.flag.allowed:
             parser.exit(2, refusal(self.flag, str(option), value) + "\n")
+        if (
+            self.flag.kind is Kind.ACCEPTED
+            and value is not None
+            and self.flag.allowed
+            and value not in self.flag.allowed
+        ):
+            # an optional value took the next word (MODEL after -fa, say): never swallowed quietly
+            expected = " | ".join(self.flag.allowed)
+            parser.exit(2, f"deltaserve serve: {option} {value}: expected {expected} (put MODEL first)\n")
         accepted = list(getattr(ns, _ACCEPTED_DEST, None) or [])
         accepted.append(str(option) if value is None else f"{option} {value}")
         setattr(ns, _ACCEPTED_DEST, accepted)

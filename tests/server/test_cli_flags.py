@@ -154,6 +154,16 @@ def test_refused_flags_exit_2_with_one_line(flag: Any, name: str, capsys: pytest
     assert err.startswith(f"deltaserve serve: {' '.join(argv)} is not supported: ") and flag.note in err
 
 
+def test_an_optional_value_never_swallows_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert accepted_flags(parse("/models/q", "-fa", "on", "--jinja")) == ["-fa on", "--jinja"]
+    with pytest.raises(SystemExit) as e:
+        parse("-fa", "/models/q")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "deltaserve serve: -fa /models/q: expected on | off | auto (put MODEL first)"
+    ]
+
+
 def test_what_deltaserve_does_anyway_is_accepted() -> None:
     args = parse("-tp", "1", "--pipeline-parallel-size", "1", "--kv-cache-dtype", "auto")
     assert accepted_flags(args) == ["-tp 1", "--pipeline-parallel-size 1", "--kv-cache-dtype auto"]
