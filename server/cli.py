@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import os
 import signal
 import socket
@@ -541,19 +540,23 @@ def main(
             file=sys.stderr,
         )
         return 2
-    if dispatch is not None:
-        code = dispatch(args, engine_config, server_config)
-        if code is not None:
-            return code
-    install_uvloop()
     host, port = server_config.host, server_config.port
+    replicas = bool(getattr(args, "replicas", None))
     sock = None
     try:
         # the address first: one in use is found before the model loads (the front ends'
         # supervisor takes it first too); not listening yet, so clients are refused, not held
-        if args.api_server_count == 1:
+        if args.api_server_count == 1 or replicas:
             sock = bind_socket(host, port, listen=False)
-        _log_start(args, server_config)
+        cli_flags.log_start(args, server_config)
+        if dispatch is not None:
+            if replicas and sock is not None:  # the cluster binds the address itself
+                sock.close()
+                sock = None
+            code = dispatch(args, engine_config, server_config)
+            if code is not None:
+                return code
+        install_uvloop()
         if args.api_server_count > 1:
             from deltaserve.server.front_ends import serve_front_ends
 
@@ -569,24 +572,6 @@ def main(
     finally:
         if sock is not None:
             sock.close()
-
-
-def _log_start(args: argparse.Namespace, config: ServerConfig) -> None:
-    """One line for the vLLM / llama-server flags accepted with no effect, and a warning when
-    every client that reaches the port may use the model (vLLM's default, kept: not refused)."""
-    accepted = cli_flags.accepted_flags(args)
-    if accepted:
-        log.info("serve.flags_accepted", flags=accepted, effect="none (docs/server.md: From vLLM)")
-    try:
-        loopback = config.host == "localhost" or ipaddress.ip_address(config.host.strip("[]")).is_loopback
-    except ValueError:  # a host name
-        loopback = False
-    if not loopback and config.api_key is None:
-        log.warning(
-            "serve.no_api_key", host=config.host, port=config.port,
-            hint=f"any client that reaches this port may use the model: --api-key KEY (or ${API_KEY_ENV}), "
-            "or --host 127.0.0.1",
-        )  # fmt: skip
 
 
 def _export_main(args: argparse.Namespace) -> int:

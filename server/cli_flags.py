@@ -30,12 +30,17 @@ from __future__ import annotations
 import argparse
 import enum
 import errno
+import ipaddress
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.engine.errors import ConfigError
+from deltaserve.logs import get_logger
+from deltaserve.server.config import API_KEY_ENV, ServerConfig
+
+log = get_logger("deltaserve.server")
 
 
 class Kind(str, enum.Enum):
@@ -365,3 +370,21 @@ def uvicorn_logging(level: str | None) -> None:
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(5 if level == "trace" else level.upper())  # uvicorn's TRACE is 5
+
+
+def log_start(args: argparse.Namespace, config: ServerConfig) -> None:
+    """One line for the vLLM / llama-server flags accepted with no effect, and a warning when
+    every client that reaches the port may use the model (vLLM's default, kept: not refused)."""
+    accepted = accepted_flags(args)
+    if accepted:
+        log.info("serve.flags_accepted", flags=accepted, effect="none (docs/server.md: From vLLM)")
+    try:
+        loopback = config.host == "localhost" or ipaddress.ip_address(config.host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if not loopback and config.api_key is None:
+        log.warning(
+            "serve.no_api_key", host=config.host, port=config.port,
+            hint=f"any client that reaches this port may use the model: --api-key KEY (or ${API_KEY_ENV}), "
+            "or --host 127.0.0.1",
+        )  # fmt: skip

@@ -25,12 +25,11 @@ from deltaserve.engine.errors import ConfigError
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import (
     BackgroundServer,
-    _log_start,
     build_parser,
     engine_overrides,
     server_config_from_args,
 )
-from deltaserve.server.cli_flags import FLAGS, Arity, Kind, accepted_flags, docs_table, refusal
+from deltaserve.server.cli_flags import FLAGS, Arity, Kind, accepted_flags, docs_table, log_start, refusal
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.tool_parsers import ToolParserName
@@ -204,7 +203,7 @@ def test_an_open_host_without_a_key_is_served_with_one_warning(
     argv = ["--host", host, "--enable-auto-tool-choice"] + (["--api-key", key] if key else [])
     args = parse(*argv)
     with caplog.at_level(logging.INFO, logger="deltaserve"):
-        _log_start(args, server_config_from_args(args, env={}))
+        log_start(args, server_config_from_args(args, env={}))
     events = [(r.levelname, r.event, r.fields) for r in caplog.records]  # type: ignore[attr-defined]
     assert events[0] == ("INFO", "serve.flags_accepted",
                          {"flags": ["--enable-auto-tool-choice"], "effect": "none (docs/server.md: From vLLM)"})  # fmt: skip
@@ -273,6 +272,28 @@ def test_a_port_in_use_exits_2_before_the_model_loads(placement: list[str]) -> N
         f"deltaserve serve: 127.0.0.1:{port} is already in use; pass --port N (0: any free port)"
     ]
     assert elapsed < 30.0  # the interpreter's imports; a model load comes on top of them
+
+
+def test_a_port_in_use_with_replicas_is_found_before_the_cluster_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import deltaserve.cluster.cli
+    from deltaserve.__main__ import main as package_main
+
+    started: list[int] = []
+    monkeypatch.setattr(deltaserve.cluster.cli, "main_cluster", lambda *a: started.append(1) or 0)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        argv = ["serve", "--replicas", "2", "--host", "127.0.0.1", "--port", str(port)]
+        assert package_main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"deltaserve serve: 127.0.0.1:{port} is already in use; pass --port N (0: any free port)"
+    ]
+    assert started == []
+    assert package_main(["serve", "--replicas", "2", "--host", "127.0.0.1", "--port", "0"]) == 0
+    assert started == [1]  # a free port: the cluster gets it (closed again: the cluster binds it)
 
 
 def test_an_address_not_on_this_machine_is_one_line() -> None:
