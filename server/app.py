@@ -50,7 +50,7 @@ from starlette.routing import Route
 
 from deltaserve.engine.client import EngineClient
 from deltaserve.logs import get_logger
-from deltaserve.server.auth import OPEN_PATHS, BearerAuth
+from deltaserve.server.auth import OPEN_PATHS, BearerAuth, route_path
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.errors import APIError, encode, translate_error
 from deltaserve.server.handlers import JSON, OpenAIServer
@@ -122,7 +122,7 @@ class ConnectionLimit:
         self.on_reject = on_reject
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         gate = self.gate

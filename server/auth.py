@@ -23,6 +23,13 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 JSON = "application/json"
 
 
+def route_path(scope: Any) -> str:
+    """The request's path without uvicorn's ``root_path`` (``--root-path``: uvicorn puts the
+    prefix in front of ``path``), as Starlette's router matches it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
+
+
 def key_matches(header: bytes, key: bytes) -> bool:
     """True when ``header`` is ``Bearer <key>`` (the scheme in any case), compared in constant time."""
     scheme, _, token = header.partition(b" ")
@@ -48,7 +55,7 @@ class BearerAuth:
         self._on_reject = on_reject
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         header = b""

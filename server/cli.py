@@ -2,17 +2,21 @@
 
 ::
 
-    deltaserve serve                                  # the built-in tiny model on 127.0.0.1:8000
+    deltaserve serve                                  # the built-in tiny model on 0.0.0.0:8000
     deltaserve serve /models/Qwen3.5-0.8B --max-model-len 32768 --gpu-memory-utilization 0.85
     deltaserve serve --config serve.toml --set scheduler.policy=lpm --port 9000
-    python -m deltaserve serve --served-model-name qwen --host 0.0.0.0 --api-key "$KEY"
+    python -m deltaserve serve --served-model-name qwen --host 127.0.0.1 --api-key "$KEY"
+    deltaserve --version
     deltaserve export-tokenizer ./tiny-tokenizer      # the built-in model's tokenizer, for clients
 
 ``MODEL`` (or ``--model``), ``--tokenizer``, ``--dtype``, ``--device``, ``--max-model-len`` and
 ``--gpu-memory-utilization`` are shorthands of config keys (``SHORTHANDS``); they override the
-``--config`` file, and ``--set`` overrides them.
+``--config`` file, and ``--set`` overrides them. vLLM's and llama-server's flags are shorthands,
+accepted or refused as the table in ``server/cli_flags.py`` says (docs/server.md, "From vLLM /
+from llama-server").
 
-Startup loads the model, prints the URL and the planned capacity (``EngineCore.capacity``) on
+The listening address is taken first (``--host`` defaults to every interface, as vLLM's): one
+in use is one line and exit 2, before the model loads. Startup then loads the model, prints the URL and the planned capacity (``EngineCore.capacity``) on
 stdout, then serves. SIGINT / SIGTERM drain: no new connections, in-flight requests get up to
 ``--drain-timeout`` seconds to finish, what is left is aborted, and the process exits 0. A
 second signal exits at once (still 0: leftovers are aborted).
@@ -30,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -41,7 +44,9 @@ from typing import Any
 
 from deltaserve.engine.errors import ConfigError
 from deltaserve.logs import configure_logging, get_logger
-from deltaserve.server.config import PROBE_RESERVE, ServerConfig, check_api_key
+from deltaserve.server import cli_flags
+from deltaserve.server.cli_flags import address_error, package_version
+from deltaserve.server.config import API_KEY_ENV, PROBE_RESERVE, ServerConfig, api_key_from, str_list
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.tool_parsers import ToolParserName
 
@@ -57,8 +62,6 @@ SHORTHANDS = {
 }
 #: the exit code of a server whose engine core process died
 CORE_DIED_EXIT = 1
-#: where the API key is read from when ``--api-key`` is not given
-API_KEY_ENV = "DELTASERVE_API_KEY"
 
 
 def _add_model_args(s: argparse.ArgumentParser) -> None:
@@ -67,7 +70,7 @@ def _add_model_args(s: argparse.ArgumentParser) -> None:
         "model_tag", nargs="?", default=None, metavar="MODEL",
         help="model.path: builtin:<name> or a Hugging Face-format folder (default: the config's)",
     )  # fmt: skip
-    s.add_argument("--model", default=None, help="the same as MODEL")
+    s.add_argument("--model", "-m", default=None, help="the same as MODEL")
     s.add_argument("--tokenizer", default=None, help="model.tokenizer: a tokenizer folder or builtin:<name>")
     s.add_argument("--dtype", default=None, help="model.dtype: float32 | bfloat16 | float16 | auto")
     s.add_argument("--device", default=None, help="model.device: auto | cpu | cuda | cuda:N")
@@ -118,6 +121,7 @@ def build_parser(
     parser = argparse.ArgumentParser(
         prog="deltaserve", description="deltaserve: hybrid GDN + attention LLM serving"
     )
+    parser.add_argument("--version", action="version", version=f"deltaserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser(
         "serve",
@@ -128,7 +132,11 @@ def build_parser(
     add_config_args(s)
     _add_model_args(s)
     _add_http_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    s.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on (default %(default)s: every interface, as vLLM's)",
+    )
     s.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0: any free port)")
     s.add_argument(
         "--served-model-name",
@@ -170,13 +178,15 @@ def build_parser(
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
     # how chat replies are parsed (server/output_parser.py)
     s.add_argument(
-        "--tool-call-parser", default="auto", choices=[n.value for n in ToolParserName],
-        help="tool calls in chat replies (default auto: from the chat template)",
+        "--tool-call-parser", default="auto",
+        choices=[n.value for n in ToolParserName] + list(cli_flags.TOOL_PARSER_ALIASES),
+        help="tool calls in chat replies (default auto: from the chat template; qwen3_coder: qwen3_xml)",
     )  # fmt: skip
     s.add_argument(
         "--reasoning-parser", default="auto", choices=[n.value for n in ReasoningParserName],
         help="<think> reasoning as reasoning_content (default auto: from the chat template)",
     )  # fmt: skip
+    cli_flags.add_compat_args(s)
     for add in extra_args:
         add(s)
     e = sub.add_parser(
@@ -190,52 +200,13 @@ def build_parser(
     return parser
 
 
-def _str_list(values: list[str] | None, option: str) -> list[str] | None:
-    """The items of a list option: each value a JSON list or comma-separated (vLLM passes JSON)."""
-    if values is None:
-        return None
-    out: list[str] = []
-    for value in values:
-        if value.lstrip().startswith("["):
-            try:
-                items = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{option} {value!r}: not a JSON list ({e})") from None
-            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-                raise ConfigError(f"{option} {value!r}: must be a list of strings")
-        else:
-            items = [v.strip() for v in value.split(",")]
-        if not all(isinstance(i, str) and i.strip() for i in items):
-            # an empty entry is a slip (a trailing comma, an unset variable): never dropped quietly
-            raise ConfigError(f"{option} {value!r}: an empty entry")
-        out += items
-    return out
-
-
-def api_key_from(option: str | None, env: Mapping[str, str]) -> str | None:
-    """The API key of ``--api-key`` or ``$DELTASERVE_API_KEY``; None when neither is set. A key
-    given but empty (or unusable: ``config.check_api_key``) is a ``ConfigError``, never no key;
-    so are the two given with different keys (which one guards the server would be a guess)."""
-    from_env = env.get(API_KEY_ENV)
-    if option is not None:
-        check_api_key(option, "--api-key")
-    if from_env is not None:
-        check_api_key(from_env, f"${API_KEY_ENV}")
-    if option is not None and from_env is not None and option != from_env:
-        raise ConfigError(f"--api-key and ${API_KEY_ENV} are both set, to different keys: give one")
-    return option if option is not None else from_env
-
-
 def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The engine config keys the model argument and the shorthands set (only those given)."""
     models = {m for m in (args.model_tag, args.model) if m is not None}
     if len(models) > 1:
         raise ConfigError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ: give one")
     out: dict[str, object] = {"model.path": models.pop()} if models else {}
-    for dest, key in SHORTHANDS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            out[key] = value
+    out.update(cli_flags.engine_key_overrides(args, SHORTHANDS))
     if getattr(args, "in_process", False):
         if getattr(args, "api_server_count", 1) > 1:
             raise ConfigError("--api-server-count > 1 shares one engine core process: not with --in-process")
@@ -251,7 +222,7 @@ def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str] | N
     cors: dict[str, object] = {}
     for dest, option in (("allowed_origins", "--allowed-origins"), ("allowed_methods", "--allowed-methods"),
                          ("allowed_headers", "--allowed-headers")):  # fmt: skip
-        items = _str_list(getattr(args, dest), option)
+        items = str_list(getattr(args, dest), option)
         if items is not None:
             cors[dest] = items
     return ServerConfig(
@@ -266,9 +237,10 @@ def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str] | N
         max_connections=args.max_connections,
         api_key=api_key_from(args.api_key, env),
         allow_credentials=args.allow_credentials,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=cli_flags.tool_parser_name(args.tool_call_parser),
         reasoning_parser=args.reasoning_parser,
         **cors,  # type: ignore[arg-type]
+        **cli_flags.server_overrides(args),  # type: ignore[arg-type]
     )
 
 
@@ -357,6 +329,7 @@ def uvicorn_config(app: Any, config: ServerConfig, drain_timeout_s: float, *, ke
 
     from deltaserve.server.read_timeouts import protocol_class
 
+    cli_flags.uvicorn_logging(config.uvicorn_log_level)
     return uvicorn.Config(
         app,
         http=protocol_class(config.header_timeout_s, config.body_timeout_s),
@@ -366,6 +339,11 @@ def uvicorn_config(app: Any, config: ServerConfig, drain_timeout_s: float, *, ke
         timeout_graceful_shutdown=drain_timeout_s + DRAIN_GRACE_S,
         timeout_keep_alive=keep_alive_s,
         limit_concurrency=config.max_connections + PROBE_RESERVE if config.max_connections else None,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs,
+        root_path=config.root_path,
+        log_level=config.uvicorn_log_level,
     )
 
 
@@ -475,9 +453,9 @@ async def serve(
     app_hook: Callable[[Any], None] | None = None,
 ) -> int:
     """Start the engine, serve until a signal, drain, shut down. Returns the exit code
-    (``CORE_DIED_EXIT`` when a separate engine core process died). ``sock``: a listening socket
-    to serve on (else one is bound); ``address``: join that engine core process; ``app_hook``:
-    called with the app before it serves (a front end adds its header)."""
+    (``CORE_DIED_EXIT`` when a separate engine core process died). ``sock``: a bound socket to
+    serve on, made to listen once the engine has started (else one is bound then); ``address``:
+    join that engine core process; ``app_hook``: called with the app before it serves."""
     from deltaserve.server.app import create_app
 
     out = out or sys.stdout
@@ -496,6 +474,8 @@ async def serve(
         engine.on_core_death.append(core_died)
     try:
         sock = sock or bind_socket(server_config.host, server_config.port)
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.listen(2048)  # taken before the model loaded: clients were refused until now
         host, port = sock.getsockname()[:2]
         app = create_app(engine, server_config)
         if app_hook is not None:
@@ -503,7 +483,8 @@ async def serve(
         names = app.state.server.model_names
         shown = f"[{host}]" if ":" in host else host
         capacity = engine.model_info.capacity
-        print(f"deltaserve: serving {names[0]} at http://{shown}:{port}/v1 (OpenAI-compatible)", file=out)
+        url = f"{server_config.scheme}://{shown}:{port}/v1"
+        print(f"deltaserve: serving {names[0]} at {url} (OpenAI-compatible)", file=out)
         print(
             "deltaserve: capacity " + " ".join(f"{k}={v}" for k, v in capacity.items()), file=out, flush=True
         )
@@ -559,23 +540,38 @@ def main(
             file=sys.stderr,
         )
         return 2
-    if dispatch is not None:
-        code = dispatch(args, engine_config, server_config)
-        if code is not None:
-            return code
-    install_uvloop()
+    host, port = server_config.host, server_config.port
+    replicas = bool(getattr(args, "replicas", None))
+    sock = None
     try:
+        # the address first: one in use is found before the model loads (the front ends'
+        # supervisor takes it first too); not listening yet, so clients are refused, not held
+        if args.api_server_count == 1 or replicas:
+            sock = bind_socket(host, port, listen=False)
+        cli_flags.log_start(args, server_config)
+        if dispatch is not None:
+            if replicas and sock is not None:  # the cluster binds the address itself
+                sock.close()
+                sock = None
+            code = dispatch(args, engine_config, server_config)
+            if code is not None:
+                return code
+        install_uvloop()
         if args.api_server_count > 1:
             from deltaserve.server.front_ends import serve_front_ends
 
             return serve_front_ends(engine_config, server_config, args.api_server_count)
-        return asyncio.run(serve(engine_config, server_config))
+        return asyncio.run(serve(engine_config, server_config, sock=sock))
     except ConfigError as e:  # raised by the engine at start (e.g. no CUDA device)
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # the address is in use, ...
-        print(f"deltaserve: error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        line = address_error(e, host, port)
+        print(line or f"deltaserve: error: {e}", file=sys.stderr)
+        return 2 if line else 1
+    finally:
+        if sock is not None:
+            sock.close()
 
 
 def _export_main(args: argparse.Namespace) -> int:

@@ -6,6 +6,9 @@ Set from the command line (``deltaserve serve --host ... --port ...``) or built 
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
 from typing import Annotated
 
 import msgspec
@@ -13,6 +16,9 @@ import msgspec
 from deltaserve.engine.errors import ConfigError
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.tool_parsers import ToolParserName
+
+#: where ``deltaserve serve`` reads the API key when ``--api-key`` is not given
+API_KEY_ENV = "DELTASERVE_API_KEY"
 
 #: connections past ``max_connections`` on which the probes (``/health``, ``/metrics``,
 #: ``/version``) are still served; beyond that uvicorn answers every request 503
@@ -32,7 +38,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How the server listens and names its model.
 
     host / port
-        Where uvicorn listens (``127.0.0.1:8000``; port 0: any free port).
+        Where uvicorn listens (``127.0.0.1:8000`` here; ``deltaserve serve``'s default host is
+        ``0.0.0.0``, every interface, as vLLM's; port 0: any free port).
     served_model_names
         The names clients may send as ``model``; the first is reported by ``/v1/models`` and in
         responses. Default: the engine's ``model.path`` (``builtin:tiny-qwen3.5``). A request
@@ -79,6 +86,15 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reasoning_parser
         ``qwen3``: ``<think>`` text becomes ``reasoning_content``; ``none``: it stays content;
         ``auto``: ``qwen3`` if the chat template writes ``<think>``.
+    ssl_keyfile / ssl_certfile / ssl_ca_certs
+        TLS (vLLM's option names, passed to uvicorn): with ``ssl_certfile`` (PEM, the key in it
+        or in ``ssl_keyfile``) the server speaks https; ``ssl_ca_certs`` verifies client
+        certificates. A file that is not there, or a key without a certificate, is refused.
+    root_path
+        The path prefix a reverse proxy strips before forwarding (uvicorn's ``root_path``,
+        vLLM's ``--root-path``): "" or ``/prefix`` (no trailing ``/``).
+    uvicorn_log_level
+        uvicorn's own log level (``critical`` ... ``trace``); None: uvicorn's default.
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +113,15 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    root_path: str = ""
+    uvicorn_log_level: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
     def __repr__(self) -> str:  # the key must not reach a log line through a repr
         def shown(name: str) -> str:
@@ -132,6 +157,21 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not all(isinstance(n, str) and n for n in self.served_model_names):
             raise ConfigError(f"server.served_model_names = {self.served_model_names!r}: non-empty strings")
         self._check_access()
+        self._check_uvicorn()
+
+    def _check_uvicorn(self) -> None:
+        """TLS files, the root path and uvicorn's log level: refused here, before the model loads."""
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            value = getattr(self, name)
+            if value is not None and not os.path.isfile(value):
+                raise ConfigError(f"server.{name} = {value!r}: no such file (--{name.replace('_', '-')})")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ConfigError("server.ssl_keyfile without server.ssl_certfile: give --ssl-certfile too")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError(f"server.root_path = {self.root_path!r}: '' or '/prefix' (no trailing '/')")
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
+            raise ConfigError(f"server.uvicorn_log_level = {self.uvicorn_log_level!r}: one of {list(levels)}")
 
     def _check_access(self) -> None:
         """The key and CORS: refuse what would serve more openly than asked."""
@@ -159,3 +199,39 @@ def check_api_key(key: object, name: str) -> None:
         raise ConfigError(f"{name} has leading or trailing whitespace: no client could send it")
     if not (key.isascii() and key.isprintable()):
         raise ConfigError(f"{name} has characters an HTTP header cannot carry: printable ASCII only")
+
+
+def str_list(values: list[str] | None, option: str) -> list[str] | None:
+    """The items of a list option: each value a JSON list or comma-separated (vLLM passes JSON)."""
+    if values is None:
+        return None
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{option} {value!r}: not a JSON list ({e})") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ConfigError(f"{option} {value!r}: must be a list of strings")
+        else:
+            items = [v.strip() for v in value.split(",")]
+        if not all(isinstance(i, str) and i.strip() for i in items):
+            # an empty entry is a slip (a trailing comma, an unset variable): never dropped quietly
+            raise ConfigError(f"{option} {value!r}: an empty entry")
+        out += items
+    return out
+
+
+def api_key_from(option: str | None, env: Mapping[str, str]) -> str | None:
+    """The API key of ``--api-key`` or ``$DELTASERVE_API_KEY``; None when neither is set. A key
+    given but empty (or unusable: ``config.check_api_key``) is a ``ConfigError``, never no key;
+    so are the two given with different keys (which one guards the server would be a guess)."""
+    from_env = env.get(API_KEY_ENV)
+    if option is not None:
+        check_api_key(option, "--api-key")
+    if from_env is not None:
+        check_api_key(from_env, f"${API_KEY_ENV}")
+    if option is not None and from_env is not None and option != from_env:
+        raise ConfigError(f"--api-key and ${API_KEY_ENV} are both set, to different keys: give one")
+    return option if option is not None else from_env

@@ -204,18 +204,23 @@ def serve_front_ends(
     from deltaserve.server.cli import CORE_DIED_EXIT
 
     out = out or sys.stdout
-    handle = start_core(engine_config)
-    link = CoreLink(handle)
+    # the port first: one in use is an OSError here, before the core loads the model
+    sock, listen, port = _listening_socket(server_config)
+    try:
+        handle = start_core(engine_config)
+        link = CoreLink(handle)
+    except BaseException:
+        sock.close()
+        raise
     try:
         ready = link.wait_ready()
     except BaseException:
+        sock.close()
         link.shutdown(timeout_s=0.0)
         raise
     front: list[tuple[Any, int]] = []
-    sock: socket.socket | None = None
     code = 0
     try:
-        sock, listen, port = _listening_socket(server_config)
         host = sock.getsockname()[0]
         config = msgspec.structs.replace(server_config, port=port)
         for number in range(1, count + 1):
@@ -223,7 +228,7 @@ def serve_front_ends(
         shown = f"[{host}]" if ":" in host else host
         wait_listening(front, f"{shown}:{port}")
         print(
-            f"deltaserve: serving {ready.model_info.name} at http://{shown}:{port}/v1 (OpenAI-compatible; "
+            f"deltaserve: serving {ready.model_info.name} at {server_config.scheme}://{shown}:{port}/v1 (OpenAI-compatible; "
             f"{count} front ends, engine core pid {handle.pid})",
             file=out,
             flush=True,
@@ -243,8 +248,7 @@ def serve_front_ends(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        if sock is not None:
-            sock.close()
+        sock.close()
         link.shutdown()
     print("deltaserve: stopped", file=out, flush=True)
     return CORE_DIED_EXIT if code else 0

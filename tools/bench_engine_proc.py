@@ -57,7 +57,8 @@ def core_pid(server: int) -> int | None:
 
 
 def start_server(mode: str) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "deltaserve", "serve", "--port", "0", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "deltaserve", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd + ENGINE + MODE_FLAGS[mode], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     first = proc.stdout.readline()

@@ -46,7 +46,7 @@ BAD_BODIES = [
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "deltaserve", "serve", "--port", "0", "--log-level", "warning",
+    cmd = [sys.executable, "-m", "deltaserve", "serve", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
            "--set", "logging.stats_interval_s=0", "--max-body-bytes", "2000000", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None

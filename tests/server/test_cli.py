@@ -21,12 +21,12 @@ def test_parser_has_the_serve_command() -> None:
         ["serve", "--port", "0", "--set", "scheduler.policy=lpm", "--served-model-name", "m"]
     )
     assert args.command == "serve" and args.port == 0 and args.set == ["scheduler.policy=lpm"]
-    assert args.served_model_name == ["m"] and args.host == "127.0.0.1"
+    assert args.served_model_name == ["m"] and args.host == "0.0.0.0"  # vLLM's default
 
 
 def test_serve_drains_on_sigint_and_exits_0() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "deltaserve", "serve", "--port", "0", "--log-level", "warning",
+    cmd = [sys.executable, "-m", "deltaserve", "serve", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
            "--set", "cache.memory_bytes=67108864", "--set", "logging.stats_interval_s=60", "--drain-timeout", "30"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

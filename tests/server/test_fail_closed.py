@@ -73,7 +73,8 @@ def test_a_key_given_both_ways() -> None:
 def test_the_command_exits_2_on_an_empty_key_before_loading_the_model() -> None:
     env = {**os.environ, API_KEY_ENV: ""}
     # a model path that does not exist: reached only if the key check let the start go on
-    cmd = [sys.executable, "-m", "deltaserve", "serve", "/nonexistent/model", "--port", "0"]
+    cmd = [sys.executable, "-m", "deltaserve", "serve", "/nonexistent/model", "--host", "127.0.0.1",
+           "--port", "0"]  # fmt: skip
     t0 = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stderr

@@ -44,6 +44,8 @@ def start(
         "-m",
         "deltaserve",
         "serve",
+        "--host",
+        "127.0.0.1",
         "--port",
         "0",
         "--log-level",

@@ -39,6 +39,8 @@ def start(procs: list[subprocess.Popen[str]], *extra: str) -> tuple[subprocess.P
         "-m",
         "deltaserve",
         "serve",
+        "--host",
+        "127.0.0.1",
         "--port",
         "0",
         "--log-level",

@@ -17,7 +17,7 @@ KEY = "sk-env-key"
 
 def test_positional_model_names_and_key_from_the_environment() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DELTASERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "deltaserve", "serve", "builtin:tiny-qwen3.5", "--port", "0",
+    cmd = [sys.executable, "-m", "deltaserve", "serve", "builtin:tiny-qwen3.5", "--host", "127.0.0.1", "--port", "0",
            "--max-model-len", "320", "--log-level", "warning", "--set", "cache.memory_bytes=67108864",
            "--set", "logging.stats_interval_s=60", "--served-model-name", "tiny", "Qwen/tiny"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
