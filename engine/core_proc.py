@@ -160,7 +160,12 @@ class CoreLoop:
             self.core = EngineCore(self.config, detokenize=False)
             run_hook(self)
         except Exception as e:  # noqa: BLE001 - reported to the front end that waits for Ready
-            log.error("core_proc.start_failed", error=repr(e))
+            # a ConfigError is the user's to fix and the front end prints it (one line); logging
+            # it here too printed it twice. Anything else is ours: logged where it happened.
+            if isinstance(e, ConfigError):
+                log.debug("core_proc.start_failed", error=repr(e))
+            else:
+                log.error("core_proc.start_failed", error=repr(e))
             self._answer_start_failure(e)
             return 1
         self.core.on_grammar_ready = self._wake
