@@ -137,8 +137,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         for name, cls in _sections().items():
             if not isinstance(getattr(self, name), cls):
+                value = getattr(self, name)
                 raise ConfigError(
-                    f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
+                    f"{name} = {value!r}: expected a {cls.__name__}, got a {type(value).__name__}"
                 )
         self.validate()
 
