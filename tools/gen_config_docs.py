@@ -245,4 +245,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from deltaserve.engine.cli import run_tool
+
+    sys.exit(run_tool(main, "gen_config_docs"))
