@@ -210,6 +210,12 @@ class CoreLoop:
             self.ctx.term()
             os.close(self.wake_r)
             os.close(self.wake_w)
+            # the engine's objects were frozen at start (run): unfrozen, the collector frees them
+            # now, before the interpreter tears down the native modules they use (triton,
+            # xgrammar: each object still alive then is a "nanobind: leaked ..." line)
+            self.core = None
+            gc.unfreeze()
+            gc.collect()
             log.info("core_proc.stopped", pid=os.getpid())
 
     # ------------------------------------------------------------------ the loop
