@@ -88,8 +88,8 @@ def parse_bytes(value: object, key: str) -> int:
 
 
 def format_bytes(n: int) -> str:
-    """``n`` in the largest binary unit that shows it exactly (``268435456`` -> ``256MiB``), or
-    with one decimal when none does (``1.5GiB``... or plain bytes below 1 KiB)."""
+    """``n`` in the largest binary unit that shows it exactly (``268435456`` -> ``256MiB``), else
+    in the largest unit it reaches with one decimal (``1.3KiB``), else in bytes (``7B``)."""
     for unit, mult in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"

@@ -4,6 +4,7 @@ once, not once per process) and from the tools (no traceback, exit status 2)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.engine.byte_size import parse_bytes, size_fields
+from deltaserve.engine.byte_size import bytes_arg, format_bytes, parse_bytes, size_fields
 from deltaserve.engine.config import CacheConfig, ConfigError, EngineConfig, parse_override
 from deltaserve.engine.sizing import ModelShape, plan_capacity
 from deltaserve.server.config import ServerConfig
@@ -75,6 +76,20 @@ def test_bad_sizes_name_the_key_and_the_value(value: object, why: str) -> None:
         parse_bytes(value, "cache.disk_bytes")
     assert str(e.value).startswith(f"cache.disk_bytes = {value!r}: {why}")
     assert "\n" not in str(e.value)
+
+
+def test_sizes_print_in_the_unit_that_shows_them() -> None:
+    assert [format_bytes(n) for n in (256 * MiB, 16 * GiB, 917504, 1331, 7)] == [
+        "256MiB", "16GiB", "896KiB", "1.3KiB", "7B",
+    ]  # fmt: skip
+
+
+def test_a_tool_flag_takes_units() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache-bytes", type=bytes_arg)
+    assert parser.parse_args(["--cache-bytes", "1.5GiB"]).cache_bytes == 3 * GiB // 2
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'4XB': not a size"):
+        bytes_arg("4XB")
 
 
 def test_every_cache_size_key_is_a_size() -> None:
