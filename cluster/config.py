@@ -67,7 +67,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         def check(ok: bool, what: str) -> None:
             if not ok:
-                raise ConfigError(f"cluster.{what}")
+                raise ConfigError(f"cluster.{what}")  # one line: the key, the value, the limit
 
         check(
             isinstance(self.replicas, int) and self.replicas >= 1,
@@ -78,17 +78,21 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             f"max_replicas = {self.max_replicas}: 0 (fixed) or >= replicas ({self.replicas})",
         )
         check(self.router in ROUTERS, f"router = {self.router!r}: one of {ROUTERS}")
-        check(self.num_cpus >= 0 and self.num_gpus >= 0, "num_cpus / num_gpus must be >= 0")
-        check(self.max_ongoing_requests >= 1, "max_ongoing_requests must be >= 1")
-        check(
-            self.ingress_replicas >= 1 and self.ingress_num_cpus >= 0,
-            "ingress_replicas >= 1, ingress_num_cpus >= 0",
-        )
-        check(self.stats_period_s > 0 and self.health_check_period_s > 0, "periods must be > 0")
+        for name, least in (
+            ("num_cpus", 0),
+            ("num_gpus", 0),
+            ("max_ongoing_requests", 1),
+            ("ingress_replicas", 1),
+            ("ingress_num_cpus", 0),
+            ("max_retries", 0),
+            ("max_report_keys", 0),
+        ):
+            value = getattr(self, name)
+            check(value >= least, f"{name} = {value!r}: must be >= {least}")
+        for name in ("stats_period_s", "health_check_period_s"):
+            value = getattr(self, name)
+            check(value > 0, f"{name} = {value!r}: must be > 0")
         check(self.route_prefix.startswith("/"), f"route_prefix = {self.route_prefix!r}: must start with '/'")
-        check(
-            self.max_retries >= 0 and self.max_report_keys >= 0, "max_retries / max_report_keys must be >= 0"
-        )
         known = {
             "cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "load_cost_tokens",
             "kv_affinity", "max_predicted_keys", "prediction_ttl_s", "report_margin_s",

@@ -160,7 +160,12 @@ class CoreLoop:
             self.core = EngineCore(self.config, detokenize=False)
             run_hook(self)
         except Exception as e:  # noqa: BLE001 - reported to the front end that waits for Ready
-            log.error("core_proc.start_failed", error=repr(e))
+            # a ConfigError is the user's to fix and the front end prints it (one line); logging
+            # it here too printed it twice. Anything else is ours: logged where it happened.
+            if isinstance(e, ConfigError):
+                log.debug("core_proc.start_failed", error=repr(e))
+            else:
+                log.error("core_proc.start_failed", error=repr(e))
             self._answer_start_failure(e)
             return 1
         self.core.on_grammar_ready = self._wake
@@ -205,6 +210,12 @@ class CoreLoop:
             self.ctx.term()
             os.close(self.wake_r)
             os.close(self.wake_w)
+            # the engine's objects were frozen at start (run): unfrozen, the collector frees them
+            # now, before the interpreter tears down the native modules they use (triton,
+            # xgrammar: each object still alive then is a "nanobind: leaked ..." line)
+            self.core = None
+            gc.unfreeze()
+            gc.collect()
             log.info("core_proc.stopped", pid=os.getpid())
 
     # ------------------------------------------------------------------ the loop

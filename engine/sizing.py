@@ -44,6 +44,7 @@ from typing import Any
 
 from deltaserve.cache.arena import blocks_per_page
 from deltaserve.cache.manager import GDN_CHUNK_SIZE, CacheManager, CacheManagerConfig
+from deltaserve.engine.byte_size import format_bytes
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import ConfigError
 from deltaserve.scheduler.policy import make_policy
@@ -311,10 +312,14 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
         page_bytes = per_page * kv_block_bytes
         num_live = _live_slots(sc.max_num_seqs, shape, budget, warnings, slot_bytes=page_bytes)
         num_pages = max(budget - num_live * page_bytes, 0) // page_bytes
-        if num_pages < 1:
-            raise ConfigError(
-                f"cache budget {budget / MiB:.1f} MiB leaves no page of {page_bytes} bytes (one checkpoint "
-                f"or {per_page} KV blocks) after {num_live} live slots"
+        if num_pages < 1:  # one live slot and one page is the least that runs
+            raise _budget_too_small(
+                config,
+                budget_bytes,
+                budget,
+                2 * page_bytes,
+                f"one live GDN state and one cache page of {format_bytes(page_bytes)} "
+                f"(a page holds one checkpoint or {per_page} KV blocks of {bs} tokens)",
             )
         num_ckpt, num_blocks = num_pages, num_pages * per_page
         used = (num_live + num_pages) * page_bytes
@@ -323,7 +328,7 @@ def plan_capacity(config: EngineConfig, shape: ModelShape, *, budget_bytes: int 
         num_live = _live_slots(sc.max_num_seqs, shape, budget, warnings)
         rest = max(budget - num_live * shape.state_bytes, 0)
         num_ckpt = _checkpoint_slots(config, shape, rest)
-        num_blocks = _kv_blocks(config, shape, budget, rest, num_live, num_ckpt)
+        num_blocks = _kv_blocks(config, shape, budget, rest, num_live, num_ckpt, budget_bytes)
         used = num_live * shape.state_bytes + num_ckpt * shape.state_bytes
         used += num_blocks * kv_block_bytes if shape.has_attention else 0
     if used > budget * 1.001:
@@ -405,7 +410,13 @@ def _checkpoint_slots(config: EngineConfig, shape: ModelShape, rest: int) -> int
 
 
 def _kv_blocks(
-    config: EngineConfig, shape: ModelShape, budget: int, rest: int, num_live: int, num_ckpt: int
+    config: EngineConfig,
+    shape: ModelShape,
+    budget: int,
+    rest: int,
+    num_live: int,
+    num_ckpt: int,
+    budget_bytes_given: int | None = None,
 ) -> int:
     """KV blocks: explicit (``num_kv_blocks`` or ``kv_cache_bytes``), or what the checkpoints left.
     A model without attention keeps bookkeeping blocks with no memory behind them."""
@@ -417,12 +428,65 @@ def _kv_blocks(
     kv_block_bytes = shape.kv_bytes_per_token * cc.block_size
     kv_bytes = cc.kv_cache_bytes if cc.kv_cache_bytes is not None else rest - num_ckpt * shape.state_bytes
     num_blocks = kv_bytes // kv_block_bytes
-    if num_blocks < 1:
+    if num_blocks < 1 and cc.kv_cache_bytes is not None:
         raise ConfigError(
-            f"cache budget {budget / MiB:.1f} MiB leaves no room for a KV block of {kv_block_bytes} bytes "
-            f"after {num_live} live slots and {num_ckpt} checkpoint slots of {shape.state_bytes} bytes"
+            f"cache.kv_cache_bytes = {cc.kv_cache_bytes} is below the minimum {format_bytes(kv_block_bytes)} "
+            f"({kv_block_bytes} bytes: one KV block of {cc.block_size} tokens)"
+        )
+    if num_blocks < 1:
+        raise _budget_too_small(
+            config,
+            budget_bytes_given,
+            budget,
+            _least_budget(config, shape, budget),
+            f"one KV block of {format_bytes(kv_block_bytes)} beside {num_live} live GDN states and "
+            f"{num_ckpt} checkpoints of {format_bytes(shape.state_bytes)}",
         )
     return num_blocks
+
+
+def _budget_too_small(
+    config: EngineConfig, budget_bytes: int | None, budget: int, minimum: int, need: str
+) -> ConfigError:
+    """The one-line error for a cache budget below ``minimum``: it names the key that set the
+    budget (``cache.memory_bytes`` on the CPU, ``cache.gpu_memory_utilization`` on CUDA)."""
+    if budget_bytes is None:
+        value = config.cache.memory_bytes
+        shown = str(value) if value is not None else f"{format_bytes(DEFAULT_CPU_MEMORY_BYTES)} (the default)"
+        return ConfigError(
+            f"cache.memory_bytes = {shown} is below the minimum {format_bytes(minimum)} ({minimum} bytes) "
+            f"needed for {need}"
+        )
+    return ConfigError(
+        f"cache.gpu_memory_utilization = {config.cache.gpu_memory_utilization}: the cache budget it leaves "
+        f"after the weights and activations, {format_bytes(budget)}, is below the minimum "
+        f"{format_bytes(minimum)} needed for {need}; raise gpu_memory_utilization"
+    )
+
+
+def _fits(config: EngineConfig, shape: ModelShape, budget: int) -> bool:
+    """Whether a fixed split of ``budget`` leaves room for one KV block (``_kv_blocks``' test)."""
+    cc = config.cache
+    num_live = _live_slots(config.scheduler.max_num_seqs, shape, budget, [])
+    rest = max(budget - num_live * shape.state_bytes, 0)
+    num_ckpt = _checkpoint_slots(config, shape, rest)
+    return rest - num_ckpt * shape.state_bytes >= shape.kv_bytes_per_token * cc.block_size
+
+
+def _least_budget(config: EngineConfig, shape: ModelShape, budget: int) -> int:
+    """The smallest budget above ``budget`` whose fixed split fits, by bisection (live and
+    checkpoint slots grow with the budget, so the test is only nearly monotone: the answer is a
+    budget that fits with one byte less that does not)."""
+    lo, hi = budget, max(budget, 1) * 2
+    while not _fits(config, shape, hi) and hi < 1 << 50:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fits(config, shape, mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _max_model_len(config: EngineConfig, shape: ModelShape, num_blocks: int, warnings: list[str]) -> int:

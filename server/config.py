@@ -13,6 +13,7 @@ from typing import Annotated
 
 import msgspec
 
+from deltaserve.engine.byte_size import parse_bytes
 from deltaserve.engine.errors import ConfigError
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.tool_parsers import ToolParserName
@@ -55,7 +56,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         The largest request body read; a larger one is answered 413 before it is read (by its
         ``Content-Length``, or as soon as a chunked body passes the limit). 0: sized from the
         model, ``max(1 MiB, 32 bytes x max_model_len)`` (room for a full-length prompt as text or
-        token ids, with JSON escaping).
+        token ids, with JSON escaping). An int or a size with a unit (``"4MiB"``; docs/config.md).
     header_timeout_s / body_timeout_s
         A client must send a request's headers within ``header_timeout_s`` of connecting (or of
         its first byte on a kept-alive connection) and its body within ``body_timeout_s`` of the
@@ -131,6 +132,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return f"ServerConfig({fields})"
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_body_bytes, str):  # "4MiB": the engine's size parser and units
+            self.max_body_bytes = parse_bytes(self.max_body_bytes, "server.max_body_bytes")
         if not isinstance(self.host, str) or not self.host.strip():
             # an empty host binds every interface: never the result of an unset variable
             raise ConfigError(f"server.host = {self.host!r}: must name an address (0.0.0.0: every interface)")

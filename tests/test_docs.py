@@ -36,7 +36,8 @@ def test_type_rendering() -> None:
     text = DOC.read_text(encoding="utf-8")
     assert '| `dtype` | `"float32" \\| "bfloat16" \\| "float16" \\| "auto"` | `"auto"` |' in text
     assert "| `gpu_memory_utilization` | `float in (0, 1]` | `0.9` |" in text
-    assert "| `memory_bytes` | `int ≥ 1 \\| None` | *unset* |" in text
+    assert "| `memory_bytes` | `bytes ≥ 1 \\| None` | *unset* |" in text
+    assert '| `disk_bytes` | `bytes ≥ 1` | `"16GiB"` |' in text  # a size default as a file writes it
     assert "| `block_size` | `int in [1, 1024]` | `16` |" in text
     assert "Split rule" in text  # the [cache] docstring: how the memory budget is split
 

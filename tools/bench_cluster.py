@@ -142,4 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from deltaserve.engine.cli import run_tool
+
+    sys.exit(run_tool(main, "bench_cluster"))

@@ -162,4 +162,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from deltaserve.engine.cli import run_tool
+
+    run_tool(main, "bench_engine")

@@ -272,4 +272,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from deltaserve.engine.cli import run_tool
+
+    run_tool(main, "bench_grammar")

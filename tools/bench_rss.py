@@ -144,4 +144,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    from deltaserve.engine.cli import run_tool
+
+    run_tool(main, "bench_rss")

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
+from deltaserve.engine.byte_size import format_bytes, is_bytes_type
 from deltaserve.engine.config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,15 @@ A commented starting point: [`examples/serve.toml`](../examples/serve.toml).
 Types: `int ≥ 1` etc. are the accepted ranges; `A | None` means the key may be left out
 (there is no `null` in TOML: leave the key out, or pass `--set key=none`); enum values are
 listed as the strings the file takes.
+
+Sizes: a key of type `bytes` takes an integer or a string with a unit, in a file, in `--set`
+and in code (`CacheConfig(memory_bytes="4GiB")`): `KiB`, `MiB`, `GiB`, `TiB` (or `Ki`, `Mi`,
+`Gi`, `Ti`) are binary (powers of 1024); `KB`, `MB`, `GB`, `TB` (any case) are decimal
+(powers of 1000), as vLLM and disk vendors write them. A bare letter follows vLLM's
+`human_readable_int`: upper case `K`, `M`, `G`, `T` are binary (`4G` = 4 GiB, as in
+`docker --memory 4G`), lower case `k`, `m`, `g`, `t` decimal (`100k` = 100,000). `B` or no unit:
+bytes. A fraction is allowed with a unit (`1.5GiB`, rounded down to whole bytes); a negative or
+unknown size (`-1GiB`, `4XB`) is a `ConfigError` naming the key.
 """
 
 # Facts that follow from several keys (kept here, next to the tables they explain).
@@ -116,6 +126,8 @@ def _range(name: str, t: Any) -> str:
 def type_name(t: mi.Type) -> str:
     """A readable type with its constraints: ``int ≥ 1``, ``float in (0, 1]``, enum values."""
     if isinstance(t, mi.Metadata):
+        if (t.extra or {}).get("unit") == "bytes" and isinstance(t.type, mi.IntType):
+            return _range("bytes", t.type)
         return type_name(t.type)
     if isinstance(t, mi.UnionType):
         return " | ".join(type_name(a) for a in t.types)
@@ -198,6 +210,8 @@ def render() -> str:
         out.append("| key | type | default | meaning |\n|---|---|---|---|\n")
         for f in info.fields:
             default = _default(f)
+            if isinstance(default, int) and default > 0 and is_bytes_type(f.type):
+                default = format_bytes(default)  # shown as a file would write it: "256MiB"
             row = (
                 f"`{f.name}`",
                 f"`{type_name(f.type)}`",
@@ -231,4 +245,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from deltaserve.engine.cli import run_tool
+
+    sys.exit(run_tool(main, "gen_config_docs"))

@@ -290,4 +290,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from deltaserve.engine.cli import run_tool
+
+    raise SystemExit(run_tool(main, "gpu_check"))

@@ -305,4 +305,6 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
 
 
 if __name__ == "__main__":
-    main()
+    from deltaserve.engine.cli import run_tool
+
+    run_tool(main, "loadgen")

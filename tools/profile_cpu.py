@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
+from deltaserve.engine.byte_size import bytes_arg
 from deltaserve.logs import configure_logging
 from deltaserve.models.linear import linear
 
@@ -277,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps in the profiler trace")
     p.add_argument("--top", type=int, default=15, help="rows of each op table")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
-    p.add_argument("--cache-bytes", type=int, default=1024**3)
+    p.add_argument("--cache-bytes", type=bytes_arg, default=1024**3, help="bytes or a size: 1GiB")
     p.add_argument("--json", type=Path, help="also write the numbers here")
     return p.parse_args(argv)
 
@@ -324,4 +325,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from deltaserve.engine.cli import run_tool
+
+    run_tool(main, "profile_cpu")

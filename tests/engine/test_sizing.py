@@ -80,7 +80,10 @@ def test_models_without_gdn_or_without_attention() -> None:
 
 def test_no_room_for_a_single_kv_block_is_a_config_error() -> None:
     tiny_budget = cfg(**{"cache.memory_bytes": 1024, "scheduler.max_num_seqs": 1})
-    with pytest.raises(ConfigError, match=r"leaves no room for a KV block"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cache.memory_bytes = 1024 is below the minimum 64KiB \(65536 bytes\) needed for one KV block",
+    ):
         plan_capacity(
             tiny_budget, ModelShape(kv_bytes_per_token=4096, state_bytes=0, max_position_embeddings=64)
         )

@@ -129,7 +129,10 @@ BAD_CONFIGS: list[tuple[Any, str]] = [
     (lambda: ModelConfig(seed=2**64), r"model.seed = 18446744073709551616"),
     (lambda: LoggingConfig(stats_interval_s=math.nan), r"logging.stats_interval_s = nan"),
     (lambda: LoggingConfig(level="loud"), r"logging.level = 'loud': expected one of debug, info"),
-    (lambda: EngineConfig(cache={"block_size": 3}), r"cache must be a CacheConfig, got dict"),
+    (
+        lambda: EngineConfig(cache={"block_size": 3}),
+        r"cache = \{.block_size.: 3\}: expected a CacheConfig, got a dict",
+    ),
     (
         lambda: EngineConfig.load(None, {"logging.stats_interval_s": math.nan}),
         r"logging.stats_interval_s = nan",
