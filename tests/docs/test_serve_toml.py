@@ -64,7 +64,10 @@ def mismatches(text: str) -> list[str]:
             if not m or not hasattr(default, m.group(1)) or MARK in line:
                 continue
             want = _plain(getattr(default, m.group(1)))
-            shown = tomllib.loads(f"v = {m.group(2)}")["v"]
+            raw = tomllib.loads(f"v = {m.group(2)}")["v"]
+            # through the loader too: a size written "256MiB" is the default 268435456
+            one = EngineConfig.load(None, {f"{section}.{m.group(1)}": raw})
+            shown = _plain(getattr(getattr(one, section), m.group(1)))
             if want is not None and shown != want:
                 bad.append(f"[{section}] # {m.group(1)} = {shown!r}: the default is {want!r}")
     return bad
@@ -82,7 +85,8 @@ def test_the_check_catches_a_changed_default() -> None:
     text = EXAMPLE.read_text(encoding="utf-8")
     pinned = text.replace('core_process = "separate"', 'core_process = "in_process"')
     assert mismatches(pinned) == ["[engine] core_process = 'in_process': the default is 'separate'"]
-    commented = text.replace("# disk_bytes = 17179869184 ", "# disk_bytes = 107374182400")
+    commented = text.replace('# disk_bytes = "16GiB" ', '# disk_bytes = "100GiB"')
+    assert commented != text
     assert mismatches(commented) == ["[cache] # disk_bytes = 107374182400: the default is 17179869184"]
     marked = pinned.replace('core_process = "in_process"', 'core_process = "in_process"  # not the default')
     assert mismatches(marked) == []
