@@ -168,7 +168,18 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
 def test_serve_prints_a_too_small_budget_once_on_one_line() -> None:
     """The default placement (a separate core process) used to log the error in the core and print
     it in the front end: two lines, neither naming the key nor the minimum."""
-    run = _run(sys.executable, "-m", "deltaserve", "serve", "--host", "127.0.0.1", "--port", "0", "--set", "cache.memory_bytes=1")
+    run = _run(
+        sys.executable,
+        "-m",
+        "deltaserve",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--set",
+        "cache.memory_bytes=1",
+    )
     assert run.returncode == 2, run.stderr
     mentions = [line for line in run.stderr.splitlines() if "memory_bytes" in line or "ERROR" in line]
     assert len(mentions) == 1, run.stderr

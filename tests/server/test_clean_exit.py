@@ -33,7 +33,18 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
 
 def serve(procs: list[subprocess.Popen[str]], *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "deltaserve", "serve", "--host", "127.0.0.1", "--log-level", "info", *SETTINGS, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltaserve",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--log-level",
+        "info",
+        *SETTINGS,
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     procs.append(proc)
     return proc
