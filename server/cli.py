@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from deltaserve.engine.byte_size import bytes_arg
 from deltaserve.engine.errors import ConfigError
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.server import cli_flags
@@ -170,10 +171,10 @@ def build_parser(
     )  # fmt: skip
     s.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=bytes_arg,
         default=0,
         metavar="B",
-        help="request bodies over B bytes get 413 before they are read (default 0: max(1 MiB, 32 x max_model_len))",
+        help="request bodies over B bytes get 413 before they are read (bytes or 4MiB; default 0: max(1 MiB, 32 x max_model_len))",
     )
     s.add_argument("--log-level", default="info", help="deltaserve log level on stderr (default %(default)s)")
     # how chat replies are parsed (server/output_parser.py)

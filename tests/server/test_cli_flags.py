@@ -351,3 +351,11 @@ def test_the_model_card_recipe_serves() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_max_body_bytes_takes_units() -> None:
+    """The one size the command line takes directly reads units as the config does."""
+    args = build_parser().parse_args(["serve", "--max-body-bytes", "4MiB"])
+    assert server_config_from_args(args).max_body_bytes == 4 * 1024 * 1024
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-body-bytes", "4XB"])
