@@ -227,7 +227,9 @@ class OpenAIServer:
         processor = self.engine.input_processor
         if req.messages is not None:
             prompt: Any = messages_to_dicts(req.messages)
-            tokens = processor.tokenize(prompt, **template_extras(req.tools, req.chat_template_kwargs))
+            tokens = processor.tokenize(
+                prompt, **template_extras(req.tools, req.chat_template_kwargs, req.chat_template)
+            )
         elif req.prompt is not None:
             tokens = processor.tokenize(req.prompt)
         else:
@@ -266,7 +268,7 @@ class OpenAIServer:
             forced_fmt = ForcedToolChunks(rid, model, req.n, forced)
             return self._stream(rid, [stream], [tracker], forced_fmt, _include_usage(req))
         tools = [msgspec.to_builtins(t) for t in req.tools or []] if parse_tools else None
-        parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs)
+        parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs, req.chat_template)
         if req.stream:
             fmt = ChatChunks(
                 self.token_text, rid, model, req.n,
@@ -301,7 +303,8 @@ class OpenAIServer:
             params = msgspec.structs.replace(params, prompt_logprobs=req.prompt_logprobs)
         await compile_constraint(self.engine, constraint)
         prompt, extras = await self.tokenizer.ids_if_long(
-            messages_to_dicts(req.messages), template_extras(req.tools, req.chat_template_kwargs)
+            messages_to_dicts(req.messages),
+            template_extras(req.tools, req.chat_template_kwargs, req.chat_template),
         )
         stream = self.engine.generate(
             prompt,
