@@ -55,12 +55,12 @@ def check_model(config: EngineConfig) -> None:
     folder = model_folder(model.path, key="model.path")
     if folder is not None and not model.path.startswith(BUILTIN_PREFIX) and str(folder) != model.path:
         model.path = str(folder)  # a hub snapshot: the engine and the core process load this
-    if folder is not None and model.max_model_len is not None:
-        model_max = model_max_len(folder)
+    if model.max_model_len is not None:
+        model_max = model_max_len(folder if folder is not None else _builtin_folder(model.path))
         if model_max is not None and model.max_model_len > model_max:
             raise ConfigError(
                 f"model.max_model_len = {model.max_model_len}: above the model's maximum of {model_max} "
-                f"tokens (max_position_embeddings in {folder / 'config.json'}); use at most {model_max}"
+                f"tokens (max_position_embeddings in its config.json); use at most {model_max}"
             )
     sampling_defaults(model, folder)
     chat_template_text(model)
