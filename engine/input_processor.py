@@ -89,6 +89,21 @@ def check_name(field: str, value: object) -> None:
         ) from None
 
 
+#: the key under which a transformers tokenizer records that it gave its "Token indices sequence
+#: length is longer than the specified maximum sequence length ... will result in indexing
+#: errors" warning (it gives it once per tokenizer, when this key is not set)
+_LENGTH_WARNING_KEY = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def quiet_length_warning(tokenizer: Any) -> None:
+    """Mark ``tokenizer``'s too-long-sequence warning as given, so it is never logged: a prompt's
+    length is ``InputProcessor``'s to judge (``max_model_len``, ``PromptTooLongError``), and the
+    tokenizer's ``model_max_length`` is not ours. Its other warnings are untouched."""
+    given = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(given, dict):
+        given[_LENGTH_WARNING_KEY] = True
+
+
 def longest_token_chars(tokenizer: Any) -> int:
     """The longest vocabulary entry: no token covers more characters of text."""
     return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
@@ -113,6 +128,7 @@ class InputProcessor:
         sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        quiet_length_warning(tokenizer)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = int(max_model_len)
         self.vocab_size = int(vocab_size)
@@ -305,9 +321,7 @@ class InputProcessor:
 
     def _encode(self, text: str) -> list[int]:
         try:
-            # verbose=False: no "longer than the specified maximum sequence length" warning from
-            # transformers; the length is this class's to judge (max_model_len, typed errors)
-            return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
         except Exception as e:  # the tokenizer rejects this text
             raise InvalidRequestError(f"prompt could not be tokenized: {type(e).__name__}: {e}") from None
 

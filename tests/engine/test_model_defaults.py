@@ -238,22 +238,25 @@ def test_a_chat_template_file_that_cannot_be_read(tmp_path: Path) -> None:
 def test_a_long_prompt_logs_no_transformers_length_warning(
     tiny_loaded: LoadedModel, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from deltaserve.engine import EngineCore
+    import copy
 
-    core = EngineCore(make_config(**{"model.max_model_len": 64}), loaded=tiny_loaded)
-    tokenizer = core.input_processor.tokenizer
+    from deltaserve.engine.input_processor import InputProcessor
+
+    tokenizer = copy.deepcopy(tiny_loaded.tokenizer)
+    tokenizer.deprecation_warnings.clear()  # as loaded: it has warned of nothing yet
     tokenizer.model_max_length = 32  # below the prompt: transformers would warn
-    tokenizer.deprecation_warnings.clear()
+    processor = InputProcessor(tokenizer, max_model_len=64, vocab_size=1024, salt_parts=())
     caplog.set_level(logging.WARNING)
     long_prompt = " ".join(["x"] * 100)  # 199 tokens in 199 characters: tokenized, then refused
     with pytest.raises(PromptTooLongError, match=r"^prompt has 199 tokens; max_model_len is 64"):
-        core.make_request(long_prompt)
+        processor.process(RequestInput(prompt=long_prompt))
     err = capfd.readouterr().err
     assert "indexing errors" not in err and not any(
         "indexing errors" in r.getMessage() for r in caplog.records
     )
-    # the tokenizer itself is untouched (its other warnings are not silenced)
-    assert tokenizer.model_max_length == 32 and not tokenizer.deprecation_warnings
+    # only that warning is marked as given: model_max_length and the other warnings are untouched
+    assert tokenizer.model_max_length == 32
+    assert list(tokenizer.deprecation_warnings) == ["sequence-length-is-longer-than-the-specified-maximum"]
 
 
 @pytest.mark.parametrize("placement", [[], ["--in-process"]], ids=["separate", "in_process"])
