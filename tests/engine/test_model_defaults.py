@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -259,24 +262,39 @@ def test_a_long_prompt_logs_no_transformers_length_warning(
     assert list(tokenizer.deprecation_warnings) == ["sequence-length-is-longer-than-the-specified-maximum"]
 
 
-@pytest.mark.parametrize("placement", [[], ["--in-process"]], ids=["separate", "in_process"])
-@pytest.mark.parametrize("model", ["/no/such/dir", "Qwen/Qwen3.5-0.8B"])
-def test_serve_prints_one_line_for_a_bad_model(model: str, placement: list[str], tmp_path: Path) -> None:
-    """``deltaserve serve`` exits 2 with one line on stderr, before loading anything, in both
-    placements (no traceback: the check raises a ConfigError before the core starts)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+def _serve(args: list[str], hub_cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "deltaserve", "serve", model, *placement, "--port", "0"],
+    return subprocess.run(
+        [sys.executable, "-m", "deltaserve", "serve", *args, "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
+
+
+def test_a_hub_id_in_the_local_hub_cache_is_served_from_there(tmp_path: Path) -> None:
+    """Offline, a hub id found in the hub cache resolves to its snapshot folder (shown here by
+    the max_model_len check, which reads the snapshot's config.json before anything loads)."""
+    repo = tmp_path / "hub" / "models--Org--Tiny"
+    _model_copy(repo / "snapshots" / "0123abcd", RECOMMENDED)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    proc = _serve(["Org/Tiny", "--max-model-len", "9000", "--in-process"], tmp_path / "hub")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "deltaserve: error: model.max_model_len = 9000: above the model's maximum of 8192 tokens "
+        "(max_position_embeddings in its config.json); use at most 8192"
+    )
+
+
+@pytest.mark.parametrize("placement", [[], ["--in-process"]], ids=["separate", "in_process"])
+@pytest.mark.parametrize("model", ["/no/such/dir", "Qwen/Qwen3.5-0.8B"])
+def test_serve_prints_one_line_for_a_bad_model(model: str, placement: list[str], tmp_path: Path) -> None:
+    """``deltaserve serve`` exits 2 with one line on stderr, before loading anything, in both
+    placements (no traceback: the check raises a ConfigError before the core starts)."""
+    proc = _serve([model, *placement], tmp_path / "hub")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1, proc.stderr
