@@ -136,3 +136,24 @@ async def test_the_separate_core_process_uses_the_file_template(template_file: P
     async with EngineProcClient(cfg) as engine:
         assert engine.tokenizer.chat_template == FILE_TEMPLATE
         assert engine.input_processor.tokenize(MESSAGES) == _ids(engine, "USER: hi there\nASSISTANT:")
+
+
+async def test_a_request_template_renders_off_the_event_loop() -> None:
+    """The client's template is its code: rendered in the tokenizing thread whatever the
+    prompt's length, and the engine gets the token ids."""
+    from tests.server.test_scripted_engine import CharTokenizer, ScriptedEngine
+
+    engine = ScriptedEngine()
+    tokenizer = engine.input_processor.tokenizer
+    assert isinstance(tokenizer, CharTokenizer)
+    engine.script = ["done"]
+    async with (
+        BackgroundServer(create_app(engine)) as srv,
+        httpx.AsyncClient(base_url=srv.url, timeout=30) as http,
+    ):
+        r = await http.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template": "{{ x }}"})
+        assert r.status_code == 200, r.text
+    # token ids, not the messages: rendered and tokenized by the server's tokenizing thread (with
+    # its own copy of the tokenizer), not by the engine on the loop
+    prompt, _, kwargs = engine.calls[-1]
+    assert prompt == tokenizer.encode("<user>hi there") and "chat_template" not in kwargs
