@@ -45,7 +45,7 @@ from deltaserve.engine.grammar_wait import GrammarWait
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
 from deltaserve.engine.memory import Releaser, resident
-from deltaserve.engine.model_files import apply_chat_template_file, check_model, sampling_defaults
+from deltaserve.engine.model_files import check_model, sampling_defaults, with_chat_template
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.engine.overlap import Overlap
 from deltaserve.engine.request_state import RequestState
@@ -106,8 +106,7 @@ class EngineCore:
             ops=self.ops,
             tokenizer=config.model.tokenizer,
         )
-        self.tokenizer = self.loaded.tokenizer
-        apply_chat_template_file(self.tokenizer, config.model)
+        self.tokenizer = with_chat_template(self.loaded.tokenizer, config.model)
         # Detokenization runs in the step thread while `generate` tokenizes on the event-loop
         # thread; HF fast tokenizers mutate themselves while encoding ("Already borrowed"), so
         # each thread gets its own instance.

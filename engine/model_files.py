@@ -18,7 +18,8 @@ Contract:
   ``generation_config.json`` sets (``model.generation_config = "auto"``: the model folder's;
   a folder path: that folder's; ``"vllm"``: none, the built-in neutral defaults).
   ``InputProcessor`` applies them to the fields a request leaves unset.
-* ``chat_template_text(model)``: the text of ``model.chat_template`` (None when unset).
+* ``chat_template_text(model)``: the text of ``model.chat_template`` (None when unset);
+  ``with_chat_template(tokenizer, model)``: a copy of the tokenizer with that template.
 """
 
 from __future__ import annotations
@@ -231,12 +232,19 @@ def chat_template_text(model: ModelConfig) -> str | None:
     return text
 
 
-def apply_chat_template_file(tokenizer: Any, model: ModelConfig) -> None:
-    """Make ``model.chat_template``'s text ``tokenizer``'s template (nothing when unset): every
-    reader of the template (rendering, the server's parser probes) then sees the same one."""
+def with_chat_template(tokenizer: Any, model: ModelConfig) -> Any:
+    """``tokenizer``, or with ``model.chat_template`` set a copy of it whose template is that
+    file's text: every reader of the template (rendering, the server's parser probes) then sees
+    the same one, and a tokenizer shared with others (an engine built from a ``LoadedModel``
+    passed in) keeps its own."""
     text = chat_template_text(model)
-    if text is not None:
-        tokenizer.chat_template = text
+    if text is None:
+        return tokenizer
+    import copy
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = text
+    return tokenizer
 
 
 def log_sampling_defaults(model: ModelConfig) -> None:

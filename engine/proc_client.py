@@ -53,10 +53,10 @@ from deltaserve.engine.messages import (
     StepOutputs,
 )
 from deltaserve.engine.model_files import (
-    apply_chat_template_file,
     check_model,
     log_sampling_defaults,
     sampling_defaults,
+    with_chat_template,
 )
 from deltaserve.engine.proc_stream import Completion, ProcStream
 from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
@@ -173,8 +173,9 @@ class EngineProcClient(EngineClient[ProcStream]):
 
         from deltaserve.cluster.remote import load_tokenizer
 
-        tokenizer = load_tokenizer(str(self.config.model.tokenizer or self.config.model.path))
-        apply_chat_template_file(tokenizer, self.config.model)
+        tokenizer = with_chat_template(
+            load_tokenizer(str(self.config.model.tokenizer or self.config.model.path)), self.config.model
+        )
         ip = InputProcessor(
             tokenizer,
             max_model_len=ready.model_info.max_model_len,

@@ -67,8 +67,13 @@ async def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_the_file_template_renders_the_prompt(server: tuple[AsyncEngine, str]) -> None:
+async def test_the_file_template_renders_the_prompt(
+    server: tuple[AsyncEngine, str], tiny_loaded: LoadedModel
+) -> None:
     engine, url = server
+    # the engine's own copy: the LoadedModel it was built from (shared) keeps the model's template
+    assert engine.tokenizer.chat_template == FILE_TEMPLATE
+    assert tiny_loaded.tokenizer.chat_template != FILE_TEMPLATE
     want = _ids(engine, "USER: hi there\nASSISTANT:")
     assert engine.input_processor.tokenize(MESSAGES) == want
     got = await _post(url, "/tokenize", {"messages": MESSAGES})
