@@ -226,10 +226,14 @@ class OpenAIServer:
         self._check_model(req.model)
         processor = self.engine.input_processor
         if req.messages is not None:
-            prompt: Any = messages_to_dicts(req.messages)
-            tokens = processor.tokenize(
-                prompt, **template_extras(req.tools, req.chat_template_kwargs, req.chat_template)
+            # a long conversation or a request's own template: rendered in the tokenizing thread,
+            # which gives back token ids and no template arguments (as for a chat completion)
+            prompt, extras = await self.tokenizer.ids_if_long(
+                messages_to_dicts(req.messages),
+                template_extras(req.tools, req.chat_template_kwargs, req.chat_template),
             )
+            offloaded = bool(prompt) and all(isinstance(t, int) for t in prompt)  # messages are dicts
+            tokens = list(prompt) if offloaded else processor.tokenize(prompt, **extras)
         elif req.prompt is not None:
             tokens = processor.tokenize(req.prompt)
         else:

@@ -162,3 +162,16 @@ async def test_a_request_template_renders_off_the_event_loop() -> None:
     # its own copy of the tokenizer), not by the engine on the loop
     prompt, _, kwargs = engine.calls[-1]
     assert prompt == tokenizer.encode("<user>hi there") and "chat_template" not in kwargs
+    async with (
+        BackgroundServer(create_app(engine)) as srv,
+        httpx.AsyncClient(base_url=srv.url, timeout=30) as http,
+    ):
+        r = await http.post("/tokenize", json={"messages": MESSAGES, "chat_template": "{{ x }}"})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == tokenizer.encode("<user>hi there")
+        r = await http.post("/tokenize", json={"messages": [], "chat_template": "{{ x }}"})
+        assert r.status_code == 400, r.text  # no messages: an error, not an empty token list
+        assert (
+            r.json()["error"]["message"]
+            == "tools, chat_template and chat_template_kwargs apply to chat messages only"
+        )
