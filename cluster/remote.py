@@ -267,12 +267,15 @@ class RemoteEngine(EngineClient[RemoteStream]):
         """The input processor and model info from a replica's ``describe()`` and the tokenizer."""
         self.info = dict(info)
         self._model = ModelInfo(**{f: info[f] for f in ModelInfo.__struct_fields__ if f in info})
+        if info.get("chat_template"):  # the replica's model.chat_template
+            tokenizer.chat_template = info["chat_template"]
         self._input = InputProcessor(
             tokenizer,
             max_model_len=self._model.max_model_len,
             vocab_size=self._model.vocab_size,
             salt_parts=info["salt_parts"],
             max_token_chars=info["max_token_chars"],
+            sampling_defaults=info.get("sampling_defaults"),
         )
 
     async def shutdown(self) -> None:

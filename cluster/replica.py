@@ -180,6 +180,9 @@ class EngineReplica:
             "model_folder": str(core.loaded.path),
             "salt_parts": list(processor.salt_parts),
             "max_token_chars": processor.max_token_chars,
+            # the model's request defaults and the configured chat template: the ingress applies them
+            "sampling_defaults": dict(processor.sampling_defaults),
+            "chat_template": processor.tokenizer.chat_template if core.config.model.chat_template else None,
             "has_gdn": bool(core.spec.num_gdn_layers),
         }
 

@@ -42,6 +42,7 @@ from deltaserve.engine.core import EngineCore
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
 from deltaserve.engine.grammar import wait_compiled
 from deltaserve.engine.input_processor import InputProcessor
+from deltaserve.engine.model_files import log_sampling_defaults
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
 from deltaserve.logs import get_logger
@@ -180,6 +181,7 @@ class AsyncEngine(EngineClient[RequestStream]):
         loop = asyncio.get_running_loop()
         if self.core is None:
             self.core = await loop.run_in_executor(self._executor, EngineCore, self.config)
+        log_sampling_defaults(self.core.config.model)
         self._wakeup = asyncio.Event()
         # a parked request's grammar compiled (on a grammar worker): step again now
         self.core.on_grammar_ready = lambda: loop.call_soon_threadsafe(self._wake)

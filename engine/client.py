@@ -44,6 +44,7 @@ class RequestInput(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,12 +151,16 @@ class EngineClient(Protocol[_S_co]):
         cache_salt: str | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> _S_co:
         """Submit a request; iterate the returned stream for its ``RequestOutput`` deltas.
 
         ``prompt`` is a str, a list of token ids, or chat messages (``[{"role", "content"}]``,
         content a string or a list of text parts; rendered with the tokenizer's chat template,
-        which also gets ``tools`` and ``chat_template_kwargs``). ``priority`` matters to the
+        which also gets ``tools`` and ``chat_template_kwargs``; ``chat_template``, Jinja text,
+        renders this request instead). ``sampling_params`` fields left unset (temperature,
+        top_p, top_k, min_p, repetition_penalty) take the model's defaults
+        (``model.generation_config``); None: all of them. ``priority`` matters to the
         ``priority`` policy (lower first); ``cache_salt`` keeps tenants' cached prefixes apart.
         With ``SamplingParams.n > 1`` the stream carries ``n`` completions told apart by
         ``RequestOutput.index``. Raises ``InvalidRequestError`` / ``PromptTooLongError`` for bad
@@ -171,6 +176,7 @@ class EngineClient(Protocol[_S_co]):
                 cache_salt=cache_salt,
                 tools=tools,  # type: ignore[arg-type]
                 chat_template_kwargs=chat_template_kwargs,
+                chat_template=chat_template,
             )
         )
 

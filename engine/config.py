@@ -110,6 +110,24 @@ class ModelConfig(_Section):
     seed: Annotated[
         int, _doc("Seed of the random generator used by requests without their own seed.", ge=0, le=2**63 - 1)
     ] = 0
+    generation_config: Annotated[
+        str,
+        _doc(
+            "Where requests' sampling defaults come from (vLLM's --generation-config): `auto`, the "
+            "model folder's generation_config.json (its temperature, top_p, top_k, min_p and "
+            "repetition_penalty fill the fields a request leaves unset); `vllm`, none (the built-in "
+            "neutral defaults); or a folder holding a generation_config.json. `engine.sampling_defaults` "
+            "logs the values in use at start.",
+            min_length=1,
+        ),
+    ] = "auto"
+    chat_template: Annotated[
+        str | None,
+        _doc(
+            "A Jinja chat template file whose contents replace the tokenizer's template (vLLM's "
+            "--chat-template). Unset: the tokenizer's own. A request's own `chat_template` still wins."
+        ),
+    ] = None
 
     def check(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -45,6 +45,7 @@ from deltaserve.engine.grammar_wait import GrammarWait
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.input_processor import InputProcessor, Prompt
 from deltaserve.engine.memory import Releaser, resident
+from deltaserve.engine.model_files import check_model, sampling_defaults, with_chat_template
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.engine.overlap import Overlap
 from deltaserve.engine.request_state import RequestState
@@ -90,6 +91,9 @@ class EngineCore:
         # front end's to apply (engine/core_proc.py)
         self.detokenize = detokenize
         set_level(config.logging.level.value)
+        # the model path, max_model_len, generation_config and chat_template files: one-line
+        # ConfigErrors before anything slow (a hub id downloaded here pins model.path)
+        check_model(config)
         self.releaser = Releaser(config.engine.release_memory)
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -102,7 +106,7 @@ class EngineCore:
             ops=self.ops,
             tokenizer=config.model.tokenizer,
         )
-        self.tokenizer = self.loaded.tokenizer
+        self.tokenizer = with_chat_template(self.loaded.tokenizer, config.model)
         # Detokenization runs in the step thread while `generate` tokenizes on the event-loop
         # thread; HF fast tokenizers mutate themselves while encoding ("Already borrowed"), so
         # each thread gets its own instance.
@@ -140,6 +144,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             salt_parts=(str(self.loaded.path), config.model.dtype.value, config.cache.namespace),
+            sampling_defaults=sampling_defaults(config.model)[0],
         )
         self.max_token_chars = self.input_processor.max_token_chars
         self.model_info = model_info(config, self.loaded, self.capacity, self.cache.unit)

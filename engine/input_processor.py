@@ -3,7 +3,10 @@
 Built from a tokenizer and the engine's limits (``max_model_len``, ``vocab_size``, the longest
 vocabulary entry, the salt parts the cache hashes with), so the engine and a cluster ingress
 refuse the same input with the same typed errors (``InvalidRequestError``,
-``PromptTooLongError``). Every value a request carries is range-checked here: nothing accepted
+``PromptTooLongError``). It is the front door of every placement: the model's sampling defaults
+(``sampling_defaults``, from ``generation_config.json``) fill the ``SamplingParams`` fields a
+request left unset here and nowhere else, and a request's own ``chat_template`` replaces the
+tokenizer's for that request only. Every value a request carries is range-checked here: nothing accepted
 can fail a step later. Request-id uniqueness is not checked here: it is the engine's state.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import copy
 import itertools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.cache.hashing import make_salt
@@ -86,6 +89,21 @@ def check_name(field: str, value: object) -> None:
         ) from None
 
 
+#: the key under which a transformers tokenizer records that it gave its "Token indices sequence
+#: length is longer than the specified maximum sequence length ... will result in indexing
+#: errors" warning (it gives it once per tokenizer, when this key is not set)
+_LENGTH_WARNING_KEY = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def quiet_length_warning(tokenizer: Any) -> None:
+    """Mark ``tokenizer``'s too-long-sequence warning as given, so it is never logged: a prompt's
+    length is ``InputProcessor``'s to judge (``max_model_len``, ``PromptTooLongError``), and the
+    tokenizer's ``model_max_length`` is not ours. Its other warnings are untouched."""
+    given = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(given, dict):
+        given[_LENGTH_WARNING_KEY] = True
+
+
 def longest_token_chars(tokenizer: Any) -> int:
     """The longest vocabulary entry: no token covers more characters of text."""
     return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
@@ -107,8 +125,11 @@ class InputProcessor:
         vocab_size: int,
         salt_parts: Sequence[str],
         max_token_chars: int | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        quiet_length_warning(tokenizer)
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = int(max_model_len)
         self.vocab_size = int(vocab_size)
         self.salt_parts = tuple(salt_parts)
@@ -124,6 +145,7 @@ class InputProcessor:
             vocab_size=self.vocab_size,
             salt_parts=self.salt_parts,
             max_token_chars=self.max_token_chars,
+            sampling_defaults=self.sampling_defaults,
         )
 
     # ------------------------------------------------------------------ requests
@@ -136,6 +158,7 @@ class InputProcessor:
         params = inp.sampling_params if inp.sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = params.with_defaults(self.sampling_defaults)
         priority = inp.priority
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
             raise InvalidRequestError(
@@ -150,7 +173,12 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})"
                 )
-        ids = self.tokenize(inp.prompt, tools=inp.tools, chat_template_kwargs=inp.chat_template_kwargs)
+        ids = self.tokenize(
+            inp.prompt,
+            tools=inp.tools,
+            chat_template_kwargs=inp.chat_template_kwargs,
+            chat_template=inp.chat_template,
+        )
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (room for at least one "
@@ -174,6 +202,7 @@ class InputProcessor:
         *,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """Token ids of a str, a list of token ids, or chat messages; typed errors.
 
@@ -182,7 +211,8 @@ class InputProcessor:
         when the message carries ``tool_calls``; other keys (``tool_calls``, ``tool_call_id``,
         ``name``, ...) reach the chat template as they are. ``tools`` (function schemas) and
         ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``) are passed to the
-        template; they apply to chat messages only.
+        template; ``chat_template`` (Jinja text) renders instead of the tokenizer's template;
+        they apply to chat messages only.
 
         A text prompt that cannot fit in ``max_model_len`` tokens whatever the tokenizer does
         (longer than ``max_model_len`` x the longest vocabulary entry) is refused before it is
@@ -191,8 +221,16 @@ class InputProcessor:
         is_chat = (
             isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
         )
-        if (tools is not None or chat_template_kwargs is not None) and not is_chat:
-            raise InvalidRequestError("tools and chat_template_kwargs apply to chat messages only")
+        if (
+            tools is not None or chat_template_kwargs is not None or chat_template is not None
+        ) and not is_chat:
+            raise InvalidRequestError(
+                "tools, chat_template and chat_template_kwargs apply to chat messages only"
+            )
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise InvalidRequestError(
+                f"chat_template must be non-empty text, got {short_repr(chat_template)}"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -205,7 +243,7 @@ class InputProcessor:
         if len(prompt) == 0:
             raise InvalidRequestError("prompt is empty")
         if is_chat:
-            return self._encode(self._render_chat(prompt, tools, chat_template_kwargs))  # type: ignore[arg-type]
+            return self._encode(self._render_chat(prompt, tools, chat_template_kwargs, chat_template))  # type: ignore[arg-type]
         return self._token_ids(prompt)  # type: ignore[arg-type]
 
     def _token_ids(self, prompt: Sequence[int]) -> list[int]:
@@ -229,10 +267,13 @@ class InputProcessor:
         prompt: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None,
         chat_template_kwargs: dict[str, Any] | None,
+        chat_template: str | None = None,
     ) -> str:
-        """Chat messages rendered to text by the tokenizer's chat template."""
+        """Chat messages rendered to text by ``chat_template`` (None: the tokenizer's)."""
         messages = [self._chat_message(i, m) for i, m in enumerate(prompt)]
         kwargs = template_kwargs(tools, chat_template_kwargs)
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         extra_chars = len(repr(tools)) if tools else 0
         self._check_length(sum(len(m["content"]) for m in messages) + extra_chars, "messages")
         try:

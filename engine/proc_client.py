@@ -52,6 +52,12 @@ from deltaserve.engine.messages import (
     StartFailed,
     StepOutputs,
 )
+from deltaserve.engine.model_files import (
+    check_model,
+    log_sampling_defaults,
+    sampling_defaults,
+    with_chat_template,
+)
 from deltaserve.engine.proc_stream import Completion, ProcStream
 from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
 from deltaserve.logs import get_logger
@@ -110,6 +116,9 @@ class EngineProcClient(EngineClient[ProcStream]):
         import zmq
         import zmq.asyncio
 
+        # one-line ConfigErrors for the model path (a hub id may download), max_model_len and the
+        # model's files before the core process is spawned; a downloaded path is pinned here
+        await asyncio.get_running_loop().run_in_executor(None, check_model, self.config)
         if self.owner:
             self.handle = start_core(self.config)
             self.address = self.handle.address
@@ -164,14 +173,18 @@ class EngineProcClient(EngineClient[ProcStream]):
 
         from deltaserve.cluster.remote import load_tokenizer
 
-        tokenizer = load_tokenizer(str(self.config.model.tokenizer or self.config.model.path))
+        tokenizer = with_chat_template(
+            load_tokenizer(str(self.config.model.tokenizer or self.config.model.path)), self.config.model
+        )
         ip = InputProcessor(
             tokenizer,
             max_model_len=ready.model_info.max_model_len,
             vocab_size=ready.model_info.vocab_size,
             salt_parts=ready.salt_parts,
             max_token_chars=ready.max_token_chars,
+            sampling_defaults=sampling_defaults(self.config.model)[0],
         )
+        log_sampling_defaults(self.config.model)
         # detokenizing and tokenizing share no fast-tokenizer instance (their own mutable state)
         return ip, copy.deepcopy(tokenizer)
 

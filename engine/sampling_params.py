@@ -3,12 +3,20 @@
 One object flows by reference from ``generate`` to the sampler and the stop checker.
 Every field is range-checked here, so a value that passes can neither fail a step (and
 with it the other requests in the batch) nor make the sampler produce NaN.
+
+The fields the model may give defaults for (``MODEL_DEFAULT_FIELDS``: temperature, top_p,
+top_k, min_p, repetition_penalty) hold, when the caller leaves them unset, marker values equal
+to the neutral default (``1.0``, ``0`` ...) but told apart by identity: ``with_defaults``
+(called by ``InputProcessor``, the front door of every placement) fills exactly those from the
+model's ``generation_config.json``, so an explicit value, ``temperature=0`` or ``1.0`` included,
+always wins. The markers are never encoded (``omit_defaults``: a decoded struct gets them
+back) and pickle to themselves.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -29,7 +37,42 @@ MAX_LOGPROBS = 20  # OpenAI's bound on `top_logprobs` (vLLM's default max_logpro
 PENALTY_LIMIT = 2.0  # presence / frequency penalties live in [-2, 2] (OpenAI)
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _UnsetFloat(float):
+    """A float field left unset: its neutral value, recognised by identity (module docstring)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _unset, (_unset_name(self),)
+
+
+class _UnsetInt(int):
+    """An int field left unset: its neutral value, recognised by identity (module docstring)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _unset, (_unset_name(self),)
+
+
+#: the fields a model's generation_config.json may give defaults for, and their unset markers
+_UNSET: dict[str, float | int] = {
+    "temperature": _UnsetFloat(1.0),
+    "top_k": _UnsetInt(0),
+    "top_p": _UnsetFloat(1.0),
+    "min_p": _UnsetFloat(0.0),
+    "repetition_penalty": _UnsetFloat(1.0),
+}
+MODEL_DEFAULT_FIELDS = tuple(_UNSET)
+
+
+def _unset(name: str) -> float | int:
+    return _UNSET[name]
+
+
+def _unset_name(marker: object) -> str:
+    return next(name for name, m in _UNSET.items() if m is marker)
+
+
+class SamplingParams(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """How one request is decoded: keyword-only, validated on creation, then immutable.
 
     A value out of range raises ``InvalidRequestError`` naming the field and the value
@@ -101,13 +144,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         The constraint validates its spec when it is built.
 
     Integers must be ``int`` (``bool`` is not accepted as an integer, nor as a number);
-    floats must be finite.
+    floats must be finite. temperature, top_k, top_p, min_p and repetition_penalty left unset
+    take the model's defaults (``generation_config.json``, ``model.generation_config``) when
+    the engine takes the request; the defaults above are the values without one.
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = _UNSET["temperature"]
+    top_k: int = _UNSET["top_k"]
+    top_p: float = _UNSET["top_p"]
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
@@ -117,8 +162,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    repetition_penalty: float = _UNSET["repetition_penalty"]
+    min_p: float = _UNSET["min_p"]
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
 
@@ -130,6 +175,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             if not ok(value, self):
                 message = why if isinstance(why, str) else why(value)
                 raise InvalidRequestError(f"SamplingParams.{name}={_short_repr(value)}: {message}")
+
+    def is_unset(self, name: str) -> bool:
+        """Whether ``name`` (one of ``MODEL_DEFAULT_FIELDS``) was left unset by the caller."""
+        return getattr(self, name) is _UNSET[name]
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """These parameters with every field left unset that ``defaults`` names taken from it
+        (the model's defaults: ``engine/model_files.sampling_defaults``); set fields are kept."""
+        changes = {k: v for k, v in defaults.items() if self.is_unset(k)}
+        return msgspec.structs.replace(self, **changes) if changes else self
 
     @property
     def has_penalties(self) -> bool:

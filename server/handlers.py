@@ -226,8 +226,14 @@ class OpenAIServer:
         self._check_model(req.model)
         processor = self.engine.input_processor
         if req.messages is not None:
-            prompt: Any = messages_to_dicts(req.messages)
-            tokens = processor.tokenize(prompt, **template_extras(req.tools, req.chat_template_kwargs))
+            # a long conversation or a request's own template: rendered in the tokenizing thread,
+            # which gives back token ids and no template arguments (as for a chat completion)
+            prompt, extras = await self.tokenizer.ids_if_long(
+                messages_to_dicts(req.messages),
+                template_extras(req.tools, req.chat_template_kwargs, req.chat_template),
+            )
+            offloaded = bool(prompt) and all(isinstance(t, int) for t in prompt)  # messages are dicts
+            tokens = list(prompt) if offloaded else processor.tokenize(prompt, **extras)
         elif req.prompt is not None:
             tokens = processor.tokenize(req.prompt)
         else:
@@ -266,7 +272,7 @@ class OpenAIServer:
             forced_fmt = ForcedToolChunks(rid, model, req.n, forced)
             return self._stream(rid, [stream], [tracker], forced_fmt, _include_usage(req))
         tools = [msgspec.to_builtins(t) for t in req.tools or []] if parse_tools else None
-        parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs)
+        parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs, req.chat_template)
         if req.stream:
             fmt = ChatChunks(
                 self.token_text, rid, model, req.n,
@@ -301,7 +307,8 @@ class OpenAIServer:
             params = msgspec.structs.replace(params, prompt_logprobs=req.prompt_logprobs)
         await compile_constraint(self.engine, constraint)
         prompt, extras = await self.tokenizer.ids_if_long(
-            messages_to_dicts(req.messages), template_extras(req.tools, req.chat_template_kwargs)
+            messages_to_dicts(req.messages),
+            template_extras(req.tools, req.chat_template_kwargs, req.chat_template),
         )
         stream = self.engine.generate(
             prompt,

@@ -14,7 +14,8 @@ from deltaserve.server import protocol as p
 from deltaserve.server.errors import bad_request
 from deltaserve.server.unsupported import check_unsupported
 
-# optional sampling fields passed on only when the request sets them (else the engine's default)
+# optional sampling fields passed on only when the request sets them: unset, the engine applies the
+# model's default (generation_config.json) or its neutral one
 _OPTIONAL_SAMPLING = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
 )  # fmt: skip
@@ -103,13 +104,18 @@ def messages_to_dicts(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def template_extras(tools: list[p.Tool] | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """The chat-template arguments to pass to the engine: only those the request set."""
+def template_extras(
+    tools: list[p.Tool] | None, kwargs: dict[str, Any] | None, chat_template: str | None = None
+) -> dict[str, Any]:
+    """The chat-template arguments to pass to the engine: only those the request set
+    (``chat_template``: the request's own template text, rendering instead of the model's)."""
     extra: dict[str, Any] = {}
     if tools:
         extra["tools"] = [msgspec.to_builtins(t) for t in tools]
     if kwargs:
         extra["chat_template_kwargs"] = kwargs
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     return extra
 
 

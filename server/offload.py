@@ -5,7 +5,9 @@ stream the server is sending. A prompt longer than ``LONG_PROMPT_CHARS`` (its te
 messages' contents) is rendered and tokenized in one worker thread, with its own copy of the
 tokenizer (``InputProcessor.for_another_thread``), and reaches the engine as token ids, which
 build the same request. Shorter prompts stay on the loop: a thread hop would cost more than it
-saves.
+saves. A request that brings its own ``chat_template`` is rendered there too, whatever its
+length: the template is the client's code, and however long it takes to render (the Jinja
+sandbox bounds ``range``, not loops) it must not hold the event loop.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Tokenizer:
     async def ids_if_long(self, prompt: Any, extras: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """``(prompt, extras)`` as given, or for a long prompt ``(its token ids, {})`` (the
         template arguments are spent rendering it). Raises the input processor's typed errors."""
-        if prompt_chars(prompt) <= LONG_PROMPT_CHARS:
+        if prompt_chars(prompt) <= LONG_PROMPT_CHARS and "chat_template" not in extras:
             return prompt, extras
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-tokenize")

@@ -177,8 +177,10 @@ class ChatParsing:
         self.tool_parser = resolve_tool_parser(self.tool_parser, text)
         self.reasoning_parser = resolve_reasoning_parser(self.reasoning_parser, text)
 
-        def render(kwargs: dict[str, Any] | None) -> str:
+        def render(kwargs: dict[str, Any] | None, template: str | None) -> str:
             extra = {"add_generation_prompt": True, **(kwargs or {})}
+            if template is not None:  # the request's own template
+                extra["chat_template"] = template
             return str(tokenizer.apply_chat_template(_PROBE, tokenize=False, **extra))
 
         self._probe = ThinkProbe(render)
@@ -189,15 +191,18 @@ class ChatParsing:
         tools: Sequence[dict[str, Any]] | None,
         parse_tools: bool,
         template_kwargs: dict[str, Any] | None,
+        chat_template: str | None = None,
     ) -> Callable[[], OutputParser] | None:
         """A maker of one completion's parser, or None when nothing is parsed (the text is the
-        content, as generated)."""
+        content, as generated). ``chat_template``: the request's own template (None: the
+        model's), which the think probe renders. The parsers ``auto`` resolved to stay those
+        of the model's template."""
         self.resolve()
         tool_class = parser_class(self.tool_parser) if parse_tools else None
         opened: bool | None = None
         if self.reasoning_parser is ReasoningParserName.QWEN3:
             assert self._probe is not None
-            opened = self._probe.opens_think(template_kwargs)
+            opened = self._probe.opens_think(template_kwargs, chat_template)
         if tool_class is None and opened is None:
             return None
 

@@ -92,7 +92,6 @@ class _UnimplementedFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template: str | None = None
     documents: list[Any] | None = None
     # informational: accepted and ignored
     user: str | None = None
@@ -149,6 +148,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # Jinja text rendering this request instead of the model's
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -165,6 +165,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

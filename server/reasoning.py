@@ -55,19 +55,21 @@ def think_left_open(prompt: str) -> bool:
 
 class ThinkProbe:
     """Whether the template's generation prompt opens ``<think>``, for the request's
-    ``chat_template_kwargs``: the template is rendered once per distinct kwargs over a one-line
-    conversation (the generation prompt does not depend on the messages)."""
+    ``chat_template_kwargs`` and its own ``chat_template`` (None: the model's): the template is
+    rendered once per distinct (template, kwargs) over a one-line conversation (the generation
+    prompt does not depend on the messages). The key holds the template text itself, so two
+    templates never share an answer."""
 
-    def __init__(self, render: Callable[[dict[str, Any] | None], str]) -> None:
-        self.render = render  # kwargs -> the rendered probe conversation
-        self._seen: dict[bytes, bool] = {}
+    def __init__(self, render: Callable[[dict[str, Any] | None, str | None], str]) -> None:
+        self.render = render  # (kwargs, template) -> the rendered probe conversation
+        self._seen: dict[tuple[str | None, bytes], bool] = {}
 
-    def opens_think(self, kwargs: dict[str, Any] | None) -> bool:
-        key = msgspec.json.encode(kwargs)
+    def opens_think(self, kwargs: dict[str, Any] | None, template: str | None = None) -> bool:
+        key = (template, msgspec.json.encode(kwargs))
         opened = self._seen.get(key)
         if opened is None:
             try:
-                opened = think_left_open(self.render(kwargs))
+                opened = think_left_open(self.render(kwargs, template))
             except Exception as e:  # the request itself rendered: this cannot fail but must not 500
                 log.warning("server.think_probe_failed", error=str(e))
                 opened = False

@@ -54,7 +54,6 @@ FIELDS: tuple[Field, ...] = (
     Field("bad_words", Rule.REFUSED, _EMPTY),
     Field("add_generation_prompt", Rule.REFUSED, (True,)),
     Field("continue_final_message", Rule.REFUSED, (False,)),
-    Field("chat_template", Rule.REFUSED),
     Field("documents", Rule.REFUSED, _EMPTY),
     Field("user", Rule.IGNORED),
     Field("metadata", Rule.IGNORED),

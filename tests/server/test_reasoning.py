@@ -113,12 +113,13 @@ def qwen35_tokenizer() -> Any:
 def test_the_probe_follows_enable_thinking(qwen35_tokenizer: Any) -> None:
     renders: list[Any] = []
 
-    def render(kwargs: dict[str, Any] | None) -> str:
+    def render(kwargs: dict[str, Any] | None, template: str | None) -> str:
         renders.append(kwargs)
         msgs = [{"role": "user", "content": "hi"}]
+        extra = {"chat_template": template} if template is not None else {}
         return str(
             qwen35_tokenizer.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=True, **(kwargs or {})
+                msgs, tokenize=False, add_generation_prompt=True, **(kwargs or {}), **extra
             )
         )
 
@@ -128,11 +129,16 @@ def test_the_probe_follows_enable_thinking(qwen35_tokenizer: Any) -> None:
     assert probe.opens_think({"enable_thinking": True}) is True
     assert probe.opens_think({"enable_thinking": False}) is False
     assert renders == [None, {"enable_thinking": False}, {"enable_thinking": True}]  # once per kwargs
+    # a request's own template is probed on its own: the model's answer is not reused for it
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert probe.opens_think(None, plain) is False
+    assert probe.opens_think(None) is True
+    assert len(renders) == 4
     assert think_left_open("<think>\n") and not think_left_open("<think>\n\n</think>\n\n")
 
 
 def test_a_template_that_fails_the_probe_is_not_opened() -> None:
-    def render(kwargs: dict[str, Any] | None) -> str:
+    def render(kwargs: dict[str, Any] | None, template: str | None) -> str:
         raise RuntimeError("template error")
 
     assert ThinkProbe(render).opens_think({"x": 1}) is False

@@ -221,7 +221,6 @@ USING: dict[str, dict[str, Any]] = {
     "bad_words": {"bad_words": ["no"]},
     "add_generation_prompt": {"add_generation_prompt": False},
     "continue_final_message": {"continue_final_message": True},
-    "chat_template": {"chat_template": "{{ messages[0]['content'] }}"},
     "documents": {"documents": [{"title": "t", "text": "x"}]},
 }
 #: values that do not use a field: accepted, the output unchanged
