@@ -485,6 +485,8 @@ async def serve(
         shown = f"[{host}]" if ":" in host else host
         capacity = engine.model_info.capacity
         url = f"{server_config.scheme}://{shown}:{port}/v1"
+        if address is None:  # a front end joining a core: its supervisor warns once for all
+            cli_flags.warn_open_host(server_config)
         print(f"deltaserve: serving {names[0]} at {url} (OpenAI-compatible)", file=out)
         print(
             "deltaserve: capacity " + " ".join(f"{k}={v}" for k, v in capacity.items()), file=out, flush=True
@@ -549,7 +551,9 @@ def main(
         # supervisor takes it first too); not listening yet, so clients are refused, not held
         if args.api_server_count == 1 or replicas:
             sock = bind_socket(host, port, listen=False)
-        cli_flags.log_start(args, server_config)
+        cli_flags.log_start(args)
+        if replicas:  # the cluster prints its own address
+            cli_flags.warn_open_host(server_config)
         if dispatch is not None:
             if replicas and sock is not None:  # the cluster binds the address itself
                 sock.close()

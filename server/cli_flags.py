@@ -372,12 +372,17 @@ def uvicorn_logging(level: str | None) -> None:
     logger.setLevel(5 if level == "trace" else level.upper())  # uvicorn's TRACE is 5
 
 
-def log_start(args: argparse.Namespace, config: ServerConfig) -> None:
-    """One line for the vLLM / llama-server flags accepted with no effect, and a warning when
-    every client that reaches the port may use the model (vLLM's default, kept: not refused)."""
+def log_start(args: argparse.Namespace) -> None:
+    """One line for the vLLM / llama-server flags accepted with no effect."""
     accepted = accepted_flags(args)
     if accepted:
         log.info("serve.flags_accepted", flags=accepted, effect="none (docs/server.md: From vLLM)")
+
+
+def warn_open_host(config: ServerConfig) -> None:
+    """A warning when every client that reaches the port may use the model (vLLM's default,
+    kept: not refused). Given when the server starts listening, not before: a start that
+    fails (a bad model path, a budget too small) prints its one error line alone."""
     try:
         loopback = config.host == "localhost" or ipaddress.ip_address(config.host.strip("[]")).is_loopback
     except ValueError:  # a host name

@@ -39,6 +39,7 @@ from deltaserve.engine.core_proc import CoreHandle, start_core
 from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.messages import CoreMessage, Hello, Ready, Shutdown, StartFailed
 from deltaserve.logs import get_logger
+from deltaserve.server.cli_flags import warn_open_host
 from deltaserve.server.config import ServerConfig
 
 log = get_logger("deltaserve.server")
@@ -227,6 +228,7 @@ def serve_front_ends(
             front.append(start_front_end(engine_config, config, handle.address, listen, number))
         shown = f"[{host}]" if ":" in host else host
         wait_listening(front, f"{shown}:{port}")
+        warn_open_host(server_config)
         print(
             f"deltaserve: serving {ready.model_info.name} at {server_config.scheme}://{shown}:{port}/v1 (OpenAI-compatible; "
             f"{count} front ends, engine core pid {handle.pid})",

@@ -29,7 +29,16 @@ from deltaserve.server.cli import (
     engine_overrides,
     server_config_from_args,
 )
-from deltaserve.server.cli_flags import FLAGS, Arity, Kind, accepted_flags, docs_table, log_start, refusal
+from deltaserve.server.cli_flags import (
+    FLAGS,
+    Arity,
+    Kind,
+    accepted_flags,
+    docs_table,
+    log_start,
+    refusal,
+    warn_open_host,
+)
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.tool_parsers import ToolParserName
@@ -203,7 +212,8 @@ def test_an_open_host_without_a_key_is_served_with_one_warning(
     argv = ["--host", host, "--enable-auto-tool-choice"] + (["--api-key", key] if key else [])
     args = parse(*argv)
     with caplog.at_level(logging.INFO, logger="deltaserve"):
-        log_start(args, server_config_from_args(args, env={}))
+        log_start(args)
+        warn_open_host(server_config_from_args(args, env={}))
     events = [(r.levelname, r.event, r.fields) for r in caplog.records]  # type: ignore[attr-defined]
     assert events[0] == ("INFO", "serve.flags_accepted",
                          {"flags": ["--enable-auto-tool-choice"], "effect": "none (docs/server.md: From vLLM)"})  # fmt: skip
