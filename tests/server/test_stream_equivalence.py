@@ -10,10 +10,14 @@ reasoning concatenated, tool calls merged by index: id and name once, arguments
 concatenated), is the whole message, with the same finish reason, usage and token ids.
 
 The two runs are the same tokens because sampling is per request: a request's ``seed`` fixes
-its draws (prefix caching is off so that both runs compute the same logits the same way). The
-random weights never write ``<think>`` or ``<tool_call>``, so for the parsers' modes the
-sampling of a request whose seed has a script is replaced: its k-th token is the script's
-k-th (then EOS). Forced tool calls and ``response_format`` use the real, constrained sampling.
+its draws whatever it is batched with (the token ids are compared too). Logits computed in
+another batch differ in their last bits, so log-probabilities are compared within 1e-3 (and
+prefix caching is off, so both runs compute the whole prompt). The random weights never write
+``<think>`` or ``<tool_call>``, so for the parsers' modes the sampling of a request whose seed
+has a script is replaced: its k-th token is the script's k-th (then EOS). Forced tool calls
+and ``response_format`` use the real, constrained sampling. A mode's seeds run at once (the
+engine batches them), each whole and streamed at once; the default run gives each seed one of
+``CUTS``, the slow grid every cut to more seeds.
 """
 
 from __future__ import annotations
@@ -204,6 +208,9 @@ MODES: dict[str, tuple[str, str, dict[str, Any], Any]] = {
         lambda r: reply(r, think="no", calls="xml"),
     ),
     "chat-tools-required": ("xml", "chat", {"tools": TOOLS, "tool_choice": "required"}, None),
+    "chat-tools-required-one": (
+        "hermes", "chat", {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, None,
+    ),
     "chat-tools-named": (
         "hermes", "chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
         None,
@@ -226,8 +233,8 @@ MODES: dict[str, tuple[str, str, dict[str, Any], Any]] = {
 
 def _max_tokens(cut: float | int | None, length: int | None) -> int:
     """``cut`` as max_tokens for an output of ``length`` tokens (None: real sampling)."""
-    if cut is None:
-        return length or 60
+    if cut is None:  # (real sampling: enough for one forced call, written a character a token)
+        return length or 100
     if isinstance(cut, float):
         return max(1, int((length or 40) * cut))
     return cut
@@ -235,7 +242,8 @@ def _max_tokens(cut: float | int | None, length: int | None) -> int:
 
 async def _run(
     sampler: ScriptSampler, urls: dict[str, str], mode: str, k: int, cut: float | int | None
-) -> None:
+) -> set[str]:
+    """One case: the request whole and streamed, compared; the whole response's finish reasons."""
     server, endpoint, fields, make = MODES[mode]
     seed = k
     length = None
@@ -259,8 +267,10 @@ async def _run(
     label = f"{mode} seed={seed} body={body}"
     if endpoint == "chat":
         _check_chat(whole.json(), chunks, label, forced="tool_choice" in body)
+        return {c["finish_reason"] for c in whole.json()["choices"]}
     else:
         _check_completions(whole.json(), chunks, label)
+        return {c["finish_reason"] for c in whole.json()["choices"]}
 
 
 async def _events(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[str]:
@@ -381,7 +391,12 @@ async def test_stream_adds_up_to_the_whole_response(
 ) -> None:
     """``SEEDS`` seeds, each with one of the ``CUTS``, at once (the engine batches them)."""
     sampler, urls = servers
-    await asyncio.gather(*(_run(sampler, urls, mode, k, CUTS[k % len(CUTS)]) for k in range(SEEDS)))
+    runs = await asyncio.gather(*(_run(sampler, urls, mode, k, CUTS[k % len(CUTS)]) for k in range(SEEDS)))
+    reasons = set().union(*runs)
+    # the grid reaches what it is for: cut outputs, and calls made whole
+    assert "length" in reasons, reasons
+    if "tool_choice" in MODES[mode][2] or "tools-auto" in mode:
+        assert "tool_calls" in reasons, reasons
 
 
 @pytest.mark.slow
