@@ -356,6 +356,10 @@ def _check_chat(whole: dict[str, Any], chunks: list[dict[str, Any]], label: str,
             assert m["content"] is None and m.get("reasoning_content") is None, label
             assert c["finish_reason"] in ("tool_calls", "length"), label
             assert calls or c["finish_reason"] == "length", label  # no name generated yet
+            for t in calls:  # whole calls are JSON; a cut one is the JSON text generated so far
+                if c["finish_reason"] == "tool_calls":
+                    json.loads(t["function"]["arguments"])
+                assert t["function"]["name"] in ("get_weather", "add"), label
 
 
 def _check_completions(whole: dict[str, Any], chunks: list[dict[str, Any]], label: str) -> None:
