@@ -228,6 +228,7 @@ MODES: dict[str, tuple[str, str, dict[str, Any], Any]] = {
     "completions-plain": ("raw", "completions", {}, None),
     "completions-stop": ("raw", "completions", {"stop": ["e", "an"]}, None),
     "completions-logprobs-n2": ("raw", "completions", {"logprobs": 2, "n": 2}, None),
+    "completions-echo-logprobs": ("raw", "completions", {"echo": True, "logprobs": 1}, None),
 }  # fmt: skip
 
 
