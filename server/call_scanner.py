@@ -10,6 +10,11 @@ index and name), then pieces of its arguments, which concatenate to the object's
 Each character is read once: ``buf`` keeps only what may still be the start of the text looked
 for, and a name is kept as pieces until it ends. ``feed`` never raises: a name that does not
 decode as a JSON string (or decodes to a lone surrogate) is given as written.
+
+``ForcedCallParser`` is a forced call's output (a named function's arguments object, or the
+``"required"`` array) read as a tool-call parser: ``OutputParser`` runs it for a whole response
+and for a stream alike, so both give the same calls, a call cut by ``max_tokens`` included
+(its name once known, its arguments the JSON text generated so far).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from deltaserve.server.tool_parsers.base import utf8_safe
+from deltaserve.server.tool_parsers.base import CallDelta, Event, new_call_id, utf8_safe
 
 _ITEM = '{"name": "'
 _ARGS = '", "parameters": '
@@ -133,3 +138,41 @@ def _decode(name: str) -> str:
     except ValueError:
         return name
     return out if isinstance(out, str) and utf8_safe(out) else name
+
+
+class ForcedCallParser:
+    """The calls of a forced output, as ``CallDelta`` events (module docstring).
+
+    ``name`` set: the output is that function's arguments object, as generated; the call's
+    header comes with the first text (or at ``finish`` when none came), so a response always
+    has the call, its arguments possibly cut. ``name`` None (``tool_choice: "required"``): the
+    output is the array ``CallScanner`` reads; a call exists once its name has been generated.
+    The output holds nothing but calls: no event is content.
+    """
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self.scanner = CallScanner() if name is None else None
+        self.started = False  # (named) the header was given
+
+    def feed(self, text: str) -> list[Event]:
+        if self.scanner is not None:
+            return [
+                CallDelta(e.index, "", name=e.name, id=new_call_id()) if e.name is not None
+                else CallDelta(e.index, e.arguments)
+                for e in self.scanner.feed(text)
+            ]  # fmt: skip
+        out: list[Event] = []
+        if not self.started:
+            self.started = True
+            out.append(CallDelta(0, "", name=self.name, id=new_call_id()))
+        if text:
+            out.append(CallDelta(0, text))
+        return out
+
+    def finish(self) -> list[Event]:
+        return self.feed("") if self.scanner is None and not self.started else []
+
+    def salvage(self) -> list[Event]:
+        """``feed`` never raises (``CallScanner``): nothing is owed."""
+        return []

@@ -1,11 +1,13 @@
 """``/v1/chat/completions`` responses: the whole response, and the chunks of a stream.
 
-Reasoning and tool calls (when the request has tools and ``tool_choice`` is not ``none``) are
-parsed out of the text by ``output_parser.OutputParser``: the whole text for a whole response,
-piece by piece for a stream, where reasoning streams as ``delta.reasoning_content``, content as
-``delta.content``, and each call as ``tool_calls`` deltas (the first with its index, id, type
-and name, then pieces of its arguments). A completion that called a tool and stopped finishes
-with ``tool_calls``.
+Reasoning and tool calls (when the request has tools and ``tool_choice`` is not ``none``; a
+forced ``tool_choice``'s output is read by ``ChatParsing.forced``) are parsed out of the text
+by ``output_parser.OutputParser``: the whole text for a whole response, piece by piece for a
+stream, where reasoning streams as ``delta.reasoning_content``, content as ``delta.content``,
+and each call as ``tool_calls`` deltas (the first with its index, id, type and name, then
+pieces of its arguments). One parser for both is what makes a stream's deltas add up to the
+whole message, a completion cut by ``max_tokens`` included. A completion that called a tool and
+stopped finishes with ``tool_calls``; one cut short keeps ``length``.
 """
 
 from __future__ import annotations

@@ -241,9 +241,11 @@ class CompletionChunks:
         lp = None
         if out.logprobs:
             lp = completion_logprobs(self.token_text, out.logprobs, self.offsets[k][out.index])
+            # offsets count each token's own text, as the whole response's do (a token that ends
+            # inside a character, whose text waits in the detokenizer, still moves them)
+            self.offsets[k][out.index] += sum(len(t) for t in lp.tokens)
         if pre.logprobs is not None:
             lp = _join(pre.logprobs, lp, 0)
-        self.offsets[k][out.index] += len(out.text)
         if out.finished:
             tracker.count_finish(out.finish_reason)
             if out.finish_reason == "error":

@@ -35,14 +35,12 @@ from deltaserve.server.errors import APIError, bad_request, encode, translate_er
 from deltaserve.server.inputs import completion_prompts, messages_to_dicts, sampling_params, template_extras
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.offload import Tokenizer
-from deltaserve.server.output_parser import ChatParsing
+from deltaserve.server.output_parser import ChatParsing, OutputParser
 from deltaserve.server.sse import ChunkFormat, SSEResponse, UsageMode, run_or_disconnect, stream_frames
 from deltaserve.server.structured import (
-    ForcedToolChunks,
     ForcedTools,
     chat_constraint,
     compile_constraint,
-    forced_response,
     request_constraint,
 )
 from deltaserve.server.tracker import Tracker
@@ -268,11 +266,15 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = Tracker(self.metrics, req.n)
         parse_tools = bool(req.tools) and req.tool_choice != "none" and forced is None
-        if req.stream and forced is not None:
-            forced_fmt = ForcedToolChunks(rid, model, req.n, forced)
-            return self._stream(rid, [stream], [tracker], forced_fmt, _include_usage(req))
         tools = [msgspec.to_builtins(t) for t in req.tools or []] if parse_tools else None
-        parsing = self.parsing.for_request(tools, parse_tools, req.chat_template_kwargs, req.chat_template)
+        # one parser per completion turns its text (whole, streamed, or cut short) into the
+        # message, for a forced call too: a stream's deltas add up to the whole response
+        if forced is not None:
+            parsing: Callable[[], OutputParser] | None = ChatParsing.forced(forced.name)
+        else:
+            parsing = self.parsing.for_request(
+                tools, parse_tools, req.chat_template_kwargs, req.chat_template
+            )
         if req.stream:
             fmt = ChatChunks(
                 self.token_text, rid, model, req.n,
@@ -287,7 +289,7 @@ class OpenAIServer:
             if isinstance(stream, PromptStream) and 0 in stream.prompts and req.prompt_logprobs is not None:
                 entries = stream.prompts[0][1]
                 response.prompt_logprobs = vllm_prompt_logprobs(self.token_text, entries, req.prompt_logprobs)
-            return forced_response(response, forced) if forced is not None else response
+            return response
 
         return await self._answer(request, full(), [stream])
 

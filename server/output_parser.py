@@ -15,16 +15,19 @@ at the same point of a stream and of the whole text, so the two still agree.
 
 ``ChatParsing`` is the server's choice of parsers (``ServerConfig.tool_call_parser`` /
 ``reasoning_parser``; ``auto`` is resolved from the model's chat template on first use) and
-makes the parser of each completion of a request.
+makes the parser of each completion of a request; a forced ``tool_choice`` gets
+``ChatParsing.forced`` (``call_scanner.ForcedCallParser``), so a forced call, whole or cut by
+``max_tokens``, has one shape streamed and not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from deltaserve.logs import get_logger
+from deltaserve.server.call_scanner import ForcedCallParser
 from deltaserve.server.reasoning import (
     Qwen3ReasoningParser,
     ReasoningParserName,
@@ -33,7 +36,7 @@ from deltaserve.server.reasoning import (
 )
 from deltaserve.server.tool_parsers import (
     CallDelta,
-    ToolCallParser,
+    Event,
     ToolParserName,
     parser_class,
     resolve_tool_parser,
@@ -72,10 +75,21 @@ class ParsedMessage:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
+class CallParser(Protocol):
+    """What reads the calls out of the content: a ``ToolCallParser`` (auto tool choice) or a
+    ``ForcedCallParser`` (a forced call's constrained output)."""
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+    def salvage(self) -> list[Event]: ...
+
+
 class OutputParser:
     """The parsers of one completion (module docstring)."""
 
-    def __init__(self, reasoning: Qwen3ReasoningParser | None, tools: ToolCallParser | None) -> None:
+    def __init__(self, reasoning: Qwen3ReasoningParser | None, tools: CallParser | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.called = False  # a tool call was found
@@ -126,10 +140,12 @@ class OutputParser:
 
     def parse(self, text: str) -> ParsedMessage:
         """The whole completion ``text`` (a fresh parser: call once)."""
-        return collect(self.feed(text) + self.finish())
+        return collect(self.feed(text) + self.finish(), calls_only=isinstance(self.tools, ForcedCallParser))
 
 
-def collect(pieces: Sequence[Piece]) -> ParsedMessage:
+def collect(pieces: Sequence[Piece], calls_only: bool = False) -> ParsedMessage:
+    """The message of ``pieces``; ``calls_only``: the output holds nothing but calls (a forced
+    call), so its content is null even before a call was found (one cut before its name)."""
     content, reasoning, had_reasoning = "", "", False
     calls: dict[int, ParsedCall] = {}
     for piece in pieces:
@@ -141,7 +157,7 @@ def collect(pieces: Sequence[Piece]) -> ParsedMessage:
             call.arguments += piece.arguments
         else:
             content += piece
-    found = had_reasoning or bool(calls)
+    found = had_reasoning or bool(calls) or calls_only
     return ParsedMessage(
         content=content or (None if found else ""),
         reasoning=reasoning or None,
@@ -211,3 +227,10 @@ class ChatParsing:
             return OutputParser(reasoning, tool_class(tools) if tool_class is not None else None)
 
         return make
+
+    @staticmethod
+    def forced(name: str | None) -> Callable[[], OutputParser]:
+        """The parser maker of a forced call's output (``ForcedCallParser``: ``name`` the named
+        function, None for ``"required"``). No reasoning parser: the constraint holds from the
+        first token, so the whole output is the call's JSON."""
+        return lambda: OutputParser(None, ForcedCallParser(name))

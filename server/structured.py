@@ -11,18 +11,16 @@ Sources of a constraint (at most one per request; a second is a 400 naming it):
   request's tools, as vLLM builds it, with at most ``MAX_FORCED_CALLS`` items) or a named
   function (that function's parameters object).
 
-A forced tool call comes back as ``tool_calls`` with finish reason ``tool_calls``: whole, or
-streamed (each call's name first, then its arguments as they are generated). An invalid spec
-is a 400 whose ``param`` names the field.
+A forced tool call comes back as ``tool_calls`` (read by ``call_scanner.ForcedCallParser``, one
+parser for a whole response and a stream): finish reason ``tool_calls``, or ``length`` with the
+partial call (its name once generated, its arguments the JSON text so far) when ``max_tokens``
+cuts it; ``content`` is null. An invalid spec is a 400 whose ``param`` names the field.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +29,8 @@ import msgspec
 from deltaserve.engine.client import EngineClient
 from deltaserve.engine.constraint import Constraint, ConstraintKind
 from deltaserve.engine.errors import InvalidRequestError
-from deltaserve.engine.outputs import RequestOutput
 from deltaserve.server import protocol as p
-from deltaserve.server.call_scanner import CallScanner
-from deltaserve.server.errors import bad_request, engine_failure
-from deltaserve.server.sse import data_frame, error_frame
-from deltaserve.server.tracker import Choice, Tracker, usage
+from deltaserve.server.errors import bad_request
 
 #: the most calls a ``tool_choice: "required"`` output holds (bounded, like whitespace and integers,
 #: so that a weak model's array ends); ``parallel_tool_calls: false`` makes it 1
@@ -199,103 +193,6 @@ def tool_choice_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint, Fo
     return _make(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools.function.parameters"), ForcedTools(
         ForcedMode.REQUIRED
     )
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def forced_calls(forced: ForcedTools, text: str) -> list[p.ToolCall] | None:
-    """The tool calls of a completed forced output (None when it is not complete JSON: the
-    output was cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if forced.mode is ForcedMode.NAMED:  # the arguments as generated (what a stream sent)
-        assert forced.name is not None
-        return [p.ToolCall(id=_call_id(), function=p.FunctionCall(name=forced.name, arguments=text.strip()))]
-    if not isinstance(value, list):
-        return None
-    calls: list[p.ToolCall] = []
-    for e in CallScanner().feed(text):  # the arguments as generated (what a stream sent)
-        if e.name is not None:
-            calls.append(p.ToolCall(id=_call_id(), function=p.FunctionCall(name=e.name, arguments="")))
-        else:
-            calls[e.index].function.arguments += e.arguments
-    return calls
-
-
-def forced_response(resp: p.ChatCompletionResponse, forced: ForcedTools) -> p.ChatCompletionResponse:
-    """``resp`` (built without tool parsing) with each completed choice's output as tool calls."""
-    for c in resp.choices:
-        calls = forced_calls(forced, c.message.content or "") if c.finish_reason == "stop" else None
-        if calls:
-            c.message = p.ResponseMessage(content=None, tool_calls=calls)
-            c.finish_reason = "tool_calls"
-    return resp
-
-
-class ForcedToolChunks:
-    """A chat stream's ``ChunkFormat`` for a forced tool call: a role chunk, then tool-call
-    deltas as the output is generated (each call's name first, then its arguments in pieces),
-    then the finish chunk (``tool_calls`` when the output is complete)."""
-
-    def __init__(self, rid: str, model: str, n: int, forced: ForcedTools) -> None:
-        self.rid, self.model, self.created = rid, model, int(time.time())
-        self.forced = forced
-        self.started = [False] * n
-        self.texts = [""] * n
-        self.scanners = [CallScanner() for _ in range(n)] if forced.mode is ForcedMode.REQUIRED else []
-
-    def _chunk(self, choice: p.ChatChunkChoice) -> bytes:
-        return data_frame(
-            p.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[choice])
-        )
-
-    def _delta(self, i: int, call: p.DeltaToolCall) -> bytes:
-        return self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(tool_calls=[call])))
-
-    def frames(self, k: int, out: RequestOutput, choice: Choice, tracker: Tracker) -> Iterator[bytes]:
-        i = out.index
-        named = self.forced.mode is ForcedMode.NAMED
-        if not self.started[i]:
-            self.started[i] = True
-            yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant")))
-            if named:
-                fn = p.DeltaFunctionCall(name=self.forced.name, arguments="")
-                yield self._delta(i, p.DeltaToolCall(index=0, id=_call_id(), type="function", function=fn))
-        self.texts[i] += out.text
-        if named and out.text:
-            yield self._delta(i, p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=out.text)))
-        elif not named:
-            for e in self.scanners[i].feed(out.text):
-                if e.name is not None:
-                    fn = p.DeltaFunctionCall(name=e.name, arguments="")
-                    yield self._delta(
-                        i, p.DeltaToolCall(index=e.index, id=_call_id(), type="function", function=fn)
-                    )
-                else:
-                    fn = p.DeltaFunctionCall(arguments=e.arguments)
-                    yield self._delta(i, p.DeltaToolCall(index=e.index, function=fn))
-        if out.finished:
-            yield from self._finish(out, choice, tracker)
-
-    def _finish(self, out: RequestOutput, choice: Choice, tracker: Tracker) -> Iterator[bytes]:
-        i, reason = out.index, out.finish_reason
-        if reason == "error":
-            yield error_frame(engine_failure(choice.error))
-        if reason == "stop" and forced_calls(self.forced, self.texts[i]):
-            reason = "tool_calls"
-        tracker.count_finish(reason)
-        yield self._chunk(p.ChatChunkChoice(index=i, delta=p.DeltaMessage(), finish_reason=reason))
-
-    def usage_frame(self, trackers: list[Tracker]) -> bytes:
-        return data_frame(
-            p.ChatCompletionChunk(
-                id=self.rid, created=self.created, model=self.model, choices=[], usage=usage(trackers)
-            )
-        )
 
 
 def chat_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint | None, ForcedTools | None]:
