@@ -270,6 +270,11 @@ class EngineCore:
         self.counters["requests.aborted"] += 1
         return self._final_output(req, "abort", [], "")
 
+    @property
+    def step_count(self) -> int:
+        """Steps the scheduler has scheduled (a turn that scheduled none leaves it unchanged)."""
+        return self.scheduler.step_count
+
     def has_work(self) -> bool:
         return (
             self.scheduler.has_work()
