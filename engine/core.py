@@ -1,8 +1,9 @@
 """EngineCore: the synchronous engine — requests in, one step, outputs out.
 
-``AsyncEngine`` drives it from an asyncio loop (the step runs in an executor thread);
-tests drive it directly and call ``check_integrity()`` after every step. It is not
-thread-safe: its owner calls ``add_request``/``abort_request`` only between steps.
+The core loop (``engine/core_loop.py``) drives it, in ``AsyncEngine`` (the step on a worker
+thread) and in the core process (``engine/core_proc.py``); tests drive it directly and call
+``check_integrity()`` after every step. It is not thread-safe: its owner calls
+``add_request``/``abort_request`` only between steps.
 
 Nothing is lost: every admitted request ends with exactly one finished ``RequestOutput``
 (``stop``, ``length``, ``abort`` or ``error`` with a message), and every block and slot

@@ -79,19 +79,17 @@ class LoopPort(Protocol):
 
 
 class CoreLoop:
-    """The engine loop of one core (module docstring). ``steps`` and ``tokens`` count what it ran."""
+    """The engine loop of one core (module docstring)."""
 
     def __init__(self, core: LoopCore, port: LoopPort, stats_interval_s: float) -> None:
         self.core = core
         self.port = port
         self.stats_interval_s = stats_interval_s
-        self.steps = 0
-        self.tokens = 0  # outputs emitted by steps (one per sampled token, or a request's end)
         now = time.monotonic()
         self._last_log = now
         self._window_t0 = now  # the current stats window: since the last engine.stats line
         self._window_steps = 0
-        self._window_tokens = 0
+        self._window_tokens = 0  # outputs of the window's steps (a token each, or a request's end)
 
     async def run(self) -> None:
         core, port = self.core, self.port
@@ -117,8 +115,6 @@ class CoreLoop:
             steps_before = self.core.step_count
             outputs = await port.step()
             port.emit(outputs)
-            self.steps += 1
-            self.tokens += len(outputs)
             self._window_steps += 1
             self._window_tokens += len(outputs)
             self.maybe_log()
