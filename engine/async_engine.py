@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,6 +38,7 @@ from deltaserve.engine.client import AbortingStream, EngineClient, ModelInfo, Re
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.core import EngineCore
+from deltaserve.engine.core_loop import CoreLoop
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
 from deltaserve.engine.grammar import wait_compiled
 from deltaserve.engine.input_processor import InputProcessor
@@ -49,9 +49,6 @@ from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request
 
 log = get_logger("deltaserve.engine")
-
-#: how long the loop sleeps when requests wait but nothing could be scheduled
-_IDLE_RETRY_S = 0.05
 
 
 def _child_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -170,8 +167,6 @@ class AsyncEngine(EngineClient[RequestStream]):
         self._in_step = False  # a step runs in the worker: the scheduler/cache are not ours to read
         self._last_stats: dict[str, Any] = {}
         self._dead: BaseException | None = None
-        self._last_log = time.monotonic()
-        self._window = {"tokens": 0, "steps": 0, "t0": time.monotonic()}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> AsyncEngine:
@@ -463,55 +458,13 @@ class AsyncEngine(EngineClient[RequestStream]):
 
     async def _run(self) -> None:
         assert self.core is not None and self._wakeup is not None
-        core = self.core
-        idle = True
+        loop = CoreLoop(self.core, _LocalPort(self), self.config.logging.stats_interval_s)
         try:
-            while not self._closed:
-                self._apply_pending()
-                if not core.has_work():
-                    self._wakeup.clear()
-                    idle = True
-                    if self._pending_add or self._pending_abort or self._pending_checks:
-                        continue
-                    await self._idle(self.config.logging.stats_interval_s or None)
-                    continue
-                if idle:  # the first step after idle: let a burst of arrivals come in first
-                    idle = False
-                    window = core.burst_window()
-                    if window > 0:
-                        await asyncio.sleep(window)
-                        self._apply_pending()
-                        if not core.has_work():
-                            continue
-                steps_before = core.scheduler.step_count
-                self._in_step = True
-                try:
-                    self._step = self._executor.submit(core.step)
-                    outputs = await asyncio.wrap_future(self._step)
-                finally:
-                    self._in_step = False
-                self._last_stats = core.stats()
-                for out in outputs:
-                    self._route(out)
-                self._window["steps"] += 1
-                self._window["tokens"] += len(outputs)
-                self._maybe_log()
-                if core.scheduler.step_count == steps_before and not outputs:
-                    # requests wait but none could be scheduled (with async scheduling: nor was
-                    # a step in flight to finish): do not spin
-                    self._wakeup.clear()
-                    await self._idle(_IDLE_RETRY_S)
-                # Otherwise go straight on to the next step: consumers (an SSE writer, say)
-                # handle this step's outputs while it runs in the worker, not before it starts.
+            await loop.run()
         except BaseException as e:
             self._die(e)
             if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
                 raise  # keep the semantics of cancellation and interpreter exit
-
-    async def _idle(self, timeout: float | None) -> None:
-        assert self._wakeup is not None
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
 
     def _on_loop_done(self, task: asyncio.Task[None]) -> None:
         # covers a loop task cancelled before its body ever ran; retrieves the task's exception
@@ -548,23 +501,48 @@ class AsyncEngine(EngineClient[RequestStream]):
                 fut.set_exception(error)
         self._pending_checks = []
 
-    def _maybe_log(self) -> None:
-        interval = self.config.logging.stats_interval_s
-        now = time.monotonic()
-        if interval <= 0 or now - self._last_log < interval:
+
+class _LocalPort:
+    """The core loop's port in this process (``engine/core_loop.py``): inputs are the engine's
+    pending adds, aborts and integrity checks, applied on the event loop between steps; the
+    step runs on the engine's worker thread; outputs go to the streams."""
+
+    idle_period_s: float | None = None  # nothing to watch: an idle engine sleeps until woken
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def stopped(self) -> bool:
+        return self.engine._closed
+
+    def take(self) -> None:
+        self.engine._apply_pending()
+
+    async def wait(self, timeout: float | None) -> None:
+        e = self.engine
+        assert e._wakeup is not None
+        # cleared before the check: a wake-up after it is kept, one before it is applied now
+        e._wakeup.clear()
+        if e._closed or e._pending_add or e._pending_abort or e._pending_checks:
             return
-        dt = now - self._window["t0"]
-        s = self._last_stats  # taken right after this step
-        log.info(
-            "engine.stats",
-            gen_tok_s=round(self._window["tokens"] / dt, 1) if dt > 0 else 0.0,
-            steps_s=round(self._window["steps"] / dt, 2) if dt > 0 else 0.0,
-            running=s["scheduler.running"],
-            waiting=s["scheduler.waiting"],
-            kv_usage=round(s["kv.usage"], 3),
-            hit_rate=round(s["prefix_cache.hit_rate"], 3),
-            checkpoints=s["checkpoints.attached"],
-            preemptions=s["scheduler.preemptions"],
-        )
-        self._last_log = now
-        self._window = {"tokens": 0, "steps": 0, "t0": now}
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(e._wakeup.wait(), timeout=timeout)
+
+    async def step(self) -> list[RequestOutput]:
+        e = self.engine
+        assert e.core is not None
+        e._in_step = True
+        try:
+            e._step = e._executor.submit(e.core.step)
+            outputs = await asyncio.wrap_future(e._step)
+        finally:
+            e._in_step = False
+        e._last_stats = e.core.stats()
+        return outputs
+
+    def emit(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.engine._route(out)
+
+    def went_idle(self) -> None:
+        pass  # the streams have every output already; stats() reads the core directly

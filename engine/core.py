@@ -1,8 +1,9 @@
 """EngineCore: the synchronous engine — requests in, one step, outputs out.
 
-``AsyncEngine`` drives it from an asyncio loop (the step runs in an executor thread);
-tests drive it directly and call ``check_integrity()`` after every step. It is not
-thread-safe: its owner calls ``add_request``/``abort_request`` only between steps.
+The core loop (``engine/core_loop.py``) drives it, in ``AsyncEngine`` (the step on a worker
+thread) and in the core process (``engine/core_proc.py``); tests drive it directly and call
+``check_integrity()`` after every step. It is not thread-safe: its owner calls
+``add_request``/``abort_request`` only between steps.
 
 Nothing is lost: every admitted request ends with exactly one finished ``RequestOutput``
 (``stop``, ``length``, ``abort`` or ``error`` with a message), and every block and slot
@@ -12,7 +13,7 @@ Input is checked and tokenized by its ``InputProcessor``; construction helpers (
 dtype, capacity, the runner) are in ``engine/builder.py``. ``step()`` is the plain
 schedule → execute → update → outputs; with ``engine.async_scheduling`` it is the
 overlapped step of ``engine/overlap.py``, which ends requests and builds outputs with the
-helpers here.
+helpers here (its ``StepHost``: overlap.py never imports this module).
 """
 
 from __future__ import annotations
@@ -275,6 +276,11 @@ class EngineCore:
         self.counters["requests.aborted"] += 1
         return self._final_output(req, "abort", [], "")
 
+    @property
+    def step_count(self) -> int:
+        """Steps the scheduler has scheduled (a turn that scheduled none leaves it unchanged)."""
+        return self.scheduler.step_count
+
     def has_work(self) -> bool:
         return (
             self.scheduler.has_work()
@@ -340,7 +346,7 @@ class EngineCore:
             self.cache.wait_for_disk()  # nothing runs: a read from disk may let a request in
             return []
         # copies between the device and host tiers first; a failed load ends its request only
-        outputs = self._land(out, self.runner.transfer(out))
+        outputs = self.land(out, self.runner.transfer(out))
         if not out.seqs:  # a step of copies only
             self.scheduler.update(out, [])
             return outputs
@@ -348,23 +354,25 @@ class EngineCore:
         try:
             sampled = self.runner.execute(out, self.states)
         except Exception as e:  # one failed step ends only its own requests
-            return outputs + self._step_failed(out, e)
+            return outputs + self.step_failed(out, e)
         self.scheduler.observe_step(out, time.perf_counter() - started)  # the step-time model
         try:
             self.scheduler.update(out, sampled)
         except Exception as e:
-            return outputs + self._recover_failed_update(out, e)
+            return outputs + self.recover_failed_update(out, e)
         self.counters["tokens.computed"] += out.num_tokens
-        process = self._process_token
+        process = self.process_token
         for s, token in zip(out.seqs, sampled, strict=True):
             if token is not None:
                 try:
                     outputs.append(process(s.request, token))
                 except Exception as e:  # detokenizer / stop check of one request: that request ends
-                    outputs.append(self._output_failed(s.request, e))
+                    outputs.append(self.output_failed(s.request, e))
         return outputs
 
     # ------------------------------------------------------------------ ending requests
+    # (``land`` ... ``process_token``: the step's outcome helpers, which the overlapped step
+    # reaches through ``overlap.StepHost``; an owner of the engine has no use for them)
     def _end(self, req: Request, reason: str, *, publish_output: bool = True) -> None:
         """Finish ``req`` (its blocks and slots go back), or — while it is in the step on the
         forward worker, whose plan the cache still holds — as soon as that step is committed."""
@@ -375,29 +383,29 @@ class EngineCore:
         """``req`` has had its final output and ends when the step in flight is committed."""
         return self.overlap is not None and req in self.overlap.deferred
 
-    def _land(self, out: SchedulerOutput, failures: Sequence[Failure]) -> list[RequestOutput]:
+    def land(self, out: SchedulerOutput, failures: Sequence[Failure]) -> list[RequestOutput]:
         """The step's copies between tiers ran (``failures``: those that did not); a request
         whose load failed ends, and only it."""
         errors = {id(t.seq): e for t, e in failures}
         return [
-            self._fail(r, "host tier load failed", errors[id(r.cache)])
+            self.fail_request(r, "host tier load failed", errors[id(r.cache)])
             for r in self.scheduler.land(out, [t for t, _ in failures])
             if not self._ending(r)
         ]
 
-    def _step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+    def step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """Preparing or running a step raised: its plan is released and its requests end."""
         self.counters["steps.failed"] += 1
         log.error("step.failed", error=repr(error), requests=[s.request.request_id for s in out.seqs])
         failed = self.scheduler.fail_step(out)
-        return [self._fail(r, "model step failed", error, finish=False) for r in failed]
+        return [self.fail_request(r, "model step failed", error, finish=False) for r in failed]
 
-    def _output_failed(self, req: Request, error: Exception) -> RequestOutput:
+    def output_failed(self, req: Request, error: Exception) -> RequestOutput:
         """Detokenizing or stop-checking ``req``'s token raised: only that request ends."""
         log.error("request.output_failed", request_id=req.request_id, error=repr(error))
-        return self._fail(req, "output processing failed", error)
+        return self.fail_request(req, "output processing failed", error)
 
-    def _recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+    def recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """Publishing a step's results raised: end that step's requests, keep serving the rest.
 
         A commit that raises leaves every cache structure whole and its plan in flight holding
@@ -409,7 +417,7 @@ class EngineCore:
         if self.cache.in_flight(out.plan):
             self.cache.abort_step(out.plan)
         outputs = [
-            self._fail(s.request, "cache commit failed", error)
+            self.fail_request(s.request, "cache commit failed", error)
             for s in out.seqs
             # (async scheduling: a deferred request has had its final output; it ends below)
             if s.request.status is not RequestStatus.FINISHED and not self._ending(s.request)
@@ -419,14 +427,16 @@ class EngineCore:
         self.scheduler.check_integrity()  # holds: a failed commit leaves every part whole
         return outputs
 
-    def _fail(self, req: Request, what: str, error: BaseException, *, finish: bool = True) -> RequestOutput:
+    def fail_request(
+        self, req: Request, what: str, error: BaseException, *, finish: bool = True
+    ) -> RequestOutput:
         """End ``req`` with ``finish_reason="error"``, releasing its blocks and slots."""
         if finish:
             self._end(req, "error", publish_output=False)
         self.counters["requests.failed"] += 1
         return self._final_output(req, "error", [], "", error=f"{what}: {type(error).__name__}: {error}")
 
-    def _process_token(self, req: Request, token: int) -> RequestOutput:
+    def process_token(self, req: Request, token: int) -> RequestOutput:
         """Detokenize one new token of ``req`` (already in ``req.token_ids``), check its stop
         conditions, and build its output; a request that stops ends here."""
         self.counters["tokens.generated"] += 1

@@ -2,9 +2,10 @@
 of its own, serving front ends (``EngineProcClient``) over a ZeroMQ ROUTER socket.
 
 ``start_core(config)`` starts it (a fresh interpreter, never a fork: torch and CUDA do not
-survive one) and returns a ``CoreHandle``. The loop, single-threaded: take every message waiting (adds,
-aborts, hellos), run one step if there is work, send each front end one ``StepOutputs`` of
-token ids for the step (``engine/messages.py``); block on the socket when idle. Grammars compile
+survive one) and returns a ``CoreHandle``. Its loop is the core loop (``engine/core_loop.py``: burst
+window, back-off, stats lines, as in every placement), single-threaded here: take every message
+waiting (adds, aborts, hellos), run one step if there is work, send each front end one
+``StepOutputs`` of token ids for the step (``engine/messages.py``); block on the socket when idle. Grammars compile
 on the engine's grammar workers, never on this loop: a ``CompileConstraint`` is answered when its
 compile is done, and a request whose grammar is still compiling waits parked (``EngineCore``);
 a worker that finishes wakes the loop through a pipe.
@@ -21,7 +22,7 @@ that raises (a step's fault outside any one request) ends every open request wit
 
 Diagnostics and testing: ``CheckIntegrity`` runs ``EngineCore.check_integrity()`` between two
 steps. The environment variable ``DELTASERVE_CORE_HOOK=module:function`` (inherited from the
-process that starts the core) names a function called with the ``CoreLoop`` once the engine is
+process that starts the core) names a function called with the ``CoreServer`` once the engine is
 built, before it serves: the fault tests inject their faults into a real core process with it
 (tests/reliability/core_hooks.py). It is logged as a warning; a hook that fails to import or
 raises fails the start (``StartFailed``).
@@ -33,9 +34,11 @@ core cannot), a new start those of runs whose processes are all gone.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import importlib
+import math
 import os
 import signal
 import subprocess
@@ -50,6 +53,7 @@ import msgspec
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import trusted_decode
+from deltaserve.engine.core_loop import CoreLoop
 from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.ipc_files import new_address, pid_alive, remove_address
 from deltaserve.engine.messages import (
@@ -76,9 +80,7 @@ log = get_logger("deltaserve.engine")
 
 #: how often the core checks that its parent and its front ends are alive
 WATCH_INTERVAL_S = 0.5
-#: a step that scheduled nothing (requests wait for room): wait this long before the next
-IDLE_RETRY_S = 0.05
-#: ``module:function`` called with the ``CoreLoop`` before it serves (module docstring)
+#: ``module:function`` called with the ``CoreServer`` before it serves (module docstring)
 HOOK_ENV = "DELTASERVE_CORE_HOOK"
 
 
@@ -98,7 +100,7 @@ def to_delta(out: RequestOutput) -> TokenDelta:
     )
 
 
-def run_hook(loop: CoreLoop) -> None:
+def run_hook(loop: CoreServer) -> None:
     """Call the function ``DELTASERVE_CORE_HOOK`` names (if set) with ``loop``."""
     spec = os.environ.get(HOOK_ENV, "")
     if not spec:
@@ -118,8 +120,11 @@ class FrontEnd:
     requests: set[str] = field(default_factory=set)
 
 
-class CoreLoop:
-    """The loop of the core process (module docstring); ``run()`` returns the exit code."""
+class CoreServer:
+    """The core process (module docstring): the engine, its socket, its front ends; the port of
+    its core loop (``engine/core_loop.py``). ``run()`` returns the exit code."""
+
+    idle_period_s: float | None = WATCH_INTERVAL_S  # an idle core still watches its peers
 
     def __init__(self, config: EngineConfig, address: str, parent_pid: int) -> None:
         import zmq
@@ -218,39 +223,40 @@ class CoreLoop:
             gc.collect()
             log.info("core_proc.stopped", pid=os.getpid())
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the loop's port
     def _loop(self) -> None:
-        core = self.core
-        idle_sent = True
-        while not self.stop:
-            busy = core.has_work()
-            timeout_ms = 0 if busy else int(WATCH_INTERVAL_S * 1000)
-            if self._poll(timeout_ms):
-                self._receive()
-            if self.compiles:
-                self._answer_compiles()
-            self._watch()
-            if self.stop or not core.has_work():
-                if not idle_sent:  # went idle: the front ends see the last stats at once
-                    self._send([], stats=True)
-                    idle_sent = True
-                continue
-            if not busy:  # the first step after idle: let a burst of arrivals come in first
-                self._gather(core.burst_window())
-            idle_sent = False
-            steps_before = core.scheduler.step_count
-            outputs = core.step()
-            self._send(outputs, stats=False)
-            if core.scheduler.step_count == steps_before and not outputs:
-                # requests wait but none could be scheduled: do not spin
-                self._poll(int(IDLE_RETRY_S * 1000))
+        """The core loop (``engine/core_loop.py``) with this process as its port: on this one
+        thread, its waits are polls of the socket (the event loop never runs anything else)."""
+        loop = CoreLoop(self.core, self, self.config.logging.stats_interval_s)
+        asyncio.run(loop.run())
 
-    def _gather(self, seconds: float) -> None:
-        """Take the messages that arrive within ``seconds`` (none: return at once)."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0 and not self.stop:
-            if self._poll(max(1, int(left * 1000))):
-                self._receive()
+    def stopped(self) -> bool:
+        return self.stop
+
+    def take(self) -> None:
+        if self._poll(0):
+            self._receive()
+        self._chores()
+
+    async def wait(self, timeout: float | None) -> None:
+        if self._poll(-1 if timeout is None else max(1, math.ceil(timeout * 1000))):
+            self._receive()
+        self._chores()
+
+    async def step(self) -> list[RequestOutput]:
+        return self.core.step()
+
+    def emit(self, outputs: list[RequestOutput]) -> None:
+        self._send(outputs, stats=False)
+
+    def went_idle(self) -> None:
+        self._send([], stats=True)  # the front ends see the last stats at once
+
+    def _chores(self) -> None:
+        """Answer the compiles that are done; watch the parent and the front ends."""
+        if self.compiles:
+            self._answer_compiles()
+        self._watch()
 
     def _poll(self, timeout_ms: int) -> bool:
         """Wait up to ``timeout_ms`` for a message or a grammar worker's wake-up; whether a
@@ -417,7 +423,7 @@ def run_core(argv: list[str]) -> int:
     config = EngineConfig.from_dict(msgspec.json.decode(sys.stdin.buffer.read()))
     configure_logging(config.logging.level.value)
     try:
-        return CoreLoop(config, address, parent_pid).run()
+        return CoreServer(config, address, parent_pid).run()
     finally:
         remove_address(address)  # the core bound the socket: it removes it
 

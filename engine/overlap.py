@@ -33,7 +33,7 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.engine.host_pool import Failure
 from deltaserve.engine.model_runner import PreparedStep, StepResult
@@ -43,7 +43,12 @@ from deltaserve.scheduler.request import Request, RequestStatus, placeholder
 from deltaserve.scheduler.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from deltaserve.engine.core import EngineCore
+    from collections.abc import Sequence
+
+    from deltaserve.cache.manager import CacheManager
+    from deltaserve.engine.model_runner import ModelRunner
+    from deltaserve.engine.request_state import RequestState
+    from deltaserve.scheduler.scheduler import Scheduler
 
 log = get_logger("deltaserve.engine")
 
@@ -64,16 +69,38 @@ class InFlight:
     requests: set[Request]  # the step's requests, and those whose loads it carries (identity set)
 
 
+class StepHost(Protocol):
+    """What the overlapped step needs of its engine (``EngineCore``): the parts it works, and
+    the engine's way of ending requests and building outputs, which the plain step uses too,
+    so that both steps end requests alike."""
+
+    scheduler: Scheduler
+    cache: CacheManager
+    runner: ModelRunner
+    states: dict[str, RequestState]
+    counters: dict[str, int]
+
+    @property
+    def num_constrained(self) -> int: ...
+    def land(self, out: SchedulerOutput, failures: Sequence[Failure]) -> list[RequestOutput]: ...
+    def step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]: ...
+    def recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]: ...
+    def fail_request(
+        self, req: Request, what: str, error: BaseException, *, finish: bool = True
+    ) -> RequestOutput: ...
+    def process_token(self, req: Request, token: int) -> RequestOutput: ...
+    def output_failed(self, req: Request, error: Exception) -> RequestOutput: ...
+
+
 class Overlap:
     """The overlapped step of one ``EngineCore`` (module docstring): the step in flight, the
     requests whose end waits for it, and the worker thread that runs the forwards in order.
 
-    It works the core's scheduler, runner and output helpers (``_fail``, ``_process_token``,
-    ``_output_failed``, ``_land``, ``_step_failed``, ``_recover_failed_update``): the plain
-    step and this one end requests and build outputs the same way.
+    It works its host's scheduler, runner and cache and ends requests and builds outputs
+    through the host's helpers (``StepHost``): the plain step and this one do that the same way.
     """
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: StepHost) -> None:
         self.core = core
         self.flight: InFlight | None = None
         self.deferred: dict[Request, tuple[str, bool]] = {}  # request -> (reason, publish_output)
@@ -147,7 +174,7 @@ class Overlap:
         core, out = self.core, flight.out
         # the step's host-tier copies ran first on the worker (usually long done): land them,
         # and end the requests whose loads failed (they compute nothing in this step)
-        outputs += core._land(out, flight.transfers.result())
+        outputs += core.land(out, flight.transfers.result())
         placeholders: list[int | None] = [None] * len(out.seqs)
         if flight.prep is not None:
             for row, i in enumerate(flight.prep.sample_seq):
@@ -159,7 +186,7 @@ class Overlap:
             # the forward is running into slots this recovery may free: let it finish first
             with contextlib.suppress(Exception):
                 flight.future.result()
-            outputs += core._recover_failed_update(out, e)
+            outputs += core.recover_failed_update(out, e)
             if flight.future.exception() is not None:
                 self._discard_written(flight)
             self._worker_broken = False
@@ -178,7 +205,7 @@ class Overlap:
             try:
                 prep = core.runner.prepare(out, core.states, placeholder_step=prev.out.step if prev else -1)
             except Exception as e:
-                outputs += core._step_failed(out, e)  # (its copies, never run, are released)
+                outputs += core.step_failed(out, e)  # (its copies, never run, are released)
                 return None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-forward")
@@ -245,9 +272,9 @@ class Overlap:
             if logprobs is not None and logprobs[row] is not None:
                 core.states[req.request_id].logprobs.append(logprobs[row])  # type: ignore[arg-type]
             try:
-                outputs.append(core._process_token(req, token))
+                outputs.append(core.process_token(req, token))
             except Exception as e:  # detokenizer / stop check of one request: that request ends
-                outputs.append(core._output_failed(req, e))
+                outputs.append(core.output_failed(req, e))
 
     def _observe(self, out: SchedulerOutput, result: StepResult) -> None:
         """Report the step's time to the scheduler's step-time model. On the CPU the launch is
@@ -277,10 +304,10 @@ class Overlap:
             core.counters["steps.failed"] += 1
             for req in core.scheduler.fail_step(nxt.out):
                 if self.deferred.pop(req, None) is None:  # (a deferred one has had its output)
-                    outputs.append(core._fail(req, "model step failed", error, finish=False))
+                    outputs.append(core.fail_request(req, "model step failed", error, finish=False))
         for s in flight.out.seqs:
             if s.request.status is not RequestStatus.FINISHED:
-                outputs.append(core._fail(s.request, "model step failed", error))
+                outputs.append(core.fail_request(s.request, "model step failed", error))
         self.apply_deferred()
         self._discard_written(flight)
         self._worker_broken = False

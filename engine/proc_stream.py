@@ -13,15 +13,32 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from deltaserve.engine.client import AbortingStream
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.messages import AddRequest, TokenDelta
 from deltaserve.engine.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from deltaserve.engine.proc_client import EngineProcClient
+
+class StreamOwner(Protocol):
+    """What a stream asks of the client that made it (``EngineProcClient``)."""
+
+    def _send_adds(self, adds: list[AddRequest]) -> None:
+        """Send completions 1..n-1 to the core (completion 0 has its first token)."""
+        ...
+
+    def _abort_in_core(self, core_ids: list[str]) -> None:
+        """Abort these completions in the core (their later deltas are dropped)."""
+        ...
+
+    def _forget(self, core_id: str) -> None:
+        """A completion has ended: its core id is free."""
+        ...
+
+    def _abandon(self, stream: ProcStream) -> None:
+        """The stream was left before it finished: abort what is open."""
+        ...
 
 
 @dataclass(eq=False)
@@ -42,7 +59,7 @@ class ProcStream(AbortingStream):
 
     def __init__(
         self,
-        client: EngineProcClient,
+        client: StreamOwner,
         request_id: str,
         completions: list[Completion],
         later: list[AddRequest],

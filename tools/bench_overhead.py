@@ -93,8 +93,8 @@ def instrument(core: EngineCore, timers: Timers) -> None:
     runner.model.forward = timers.wrap("forward", runner.model.forward)  # type: ignore[method-assign]
     runner._copy_states = timers.wrap("forward", runner._copy_states)  # type: ignore[method-assign]
     cache.commit_step = timers.wrap("cache", cache.commit_step)  # type: ignore[method-assign]
-    process = core._process_token
-    core._process_token = timers.wrap("outputs", process)  # type: ignore[method-assign]
+    process = core.process_token
+    core.process_token = timers.wrap("outputs", process)  # type: ignore[method-assign]
     # the scheduler calls plan_step inside schedule(): count it as cache, not schedule
     plan = cache.plan_step
 
