@@ -43,6 +43,7 @@ from deltaserve.cache.admission import get_admission_policy
 from deltaserve.cache.arena import Arena
 from deltaserve.cache.block_pool import BlockPool, PagedBlockPool
 from deltaserve.cache.checkpoint_store import CheckpointStore
+from deltaserve.cache.disk_link import DiskLink
 from deltaserve.cache.disk_tier import DiskFetch, DiskTier
 from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import make_eviction
@@ -52,6 +53,7 @@ from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.shared_budget import SharedBudget
+from deltaserve.cache.tiering import Tiering
 from deltaserve.cache.types import (
     Capture,
     CaptureKind,
@@ -60,9 +62,7 @@ from deltaserve.cache.types import (
     SeqCache,
     StepItem,
     StepPlan,
-    Tier,
     Transfer,
-    TransferKind,
 )
 
 GDN_CHUNK_SIZE = 64
@@ -169,6 +169,7 @@ class CacheManager:
                 kv_block_bytes=config.kv_block_bytes if config.shared_pages > 0 else 0,
             ),
         )
+        self.disk_link = DiskLink()  # the disk tier's socket (``attach_disk``)
         self.host = HostTier(
             self.tree,
             self.eviction,
@@ -178,6 +179,7 @@ class CacheManager:
             page_blocks=config.host_page_blocks,
             kv_block_bytes=config.kv_block_bytes,
             checkpoint_bytes=config.checkpoint_bytes,
+            disk=self.disk_link,
         )
         self.budget: SharedBudget | None = None
         blocks: BlockPool | PagedBlockPool
@@ -210,10 +212,12 @@ class CacheManager:
             self.host,
             config.checkpoint_bytes,
             grow=self.budget.checkpoint_page if self.budget is not None else None,
+            on_skip=self.budget.ghost if self.budget is not None else None,
+            disk=self.disk_link,
         )
         if self.budget is not None:
+            # (the one circle: the budget frees checkpoint pages, the store grows by them)
             self.budget.ckpts = self.ckpts
-            self.ckpts.on_skip = self.budget.ghost
         self.slots = self.ckpts.slots
         self.load_queue = LoadQueue(
             self.tree, self.blocks, self.host, self.ckpts, config.host_load_bytes_per_step
@@ -221,9 +225,19 @@ class CacheManager:
         self._counters: dict[str, int] = dict.fromkeys(
             ("prefix_cache.queries", "prefix_cache.query_tokens", "prefix_cache.hit_tokens",
              "prefix_cache.hit_tokens_device", "prefix_cache.hit_tokens_host", "prefix_cache.hit_tokens_disk",
-             "checkpoints.restored", "checkpoints.duplicate", "kv.evicted_blocks"), 0)  # fmt: skip
-        self.disk: DiskTier | None = None  # the persistent tier (``attach_disk``)
+             "checkpoints.restored", "checkpoints.duplicate"), 0)  # fmt: skip
         self.active: dict[str, SeqCache] = {}
+        self.tiers = Tiering(
+            self.kv,
+            self.ckpts,
+            self.host,
+            self.disk_link,
+            self.load_queue,
+            self.eviction,
+            self.budget,
+            self.active,
+            has_gdn=self.has_gdn,
+        )
         self._inflight: StepPlan | None = None
         self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
 
@@ -239,21 +253,28 @@ class CacheManager:
         checkpoints are written through, evicted ones written back, hits read from it."""
         if not (self.enabled and self.has_gdn):
             raise ValueError("a disk tier needs prefix caching and a model with GDN layers")
-        self.disk = disk
-        self.ckpts.on_publish = disk.note_checkpoint
-        self.ckpts.on_drop = disk.write_back
-        self.host.on_drop = disk.write_back
+        self.disk_link.tier = disk
 
     def detach_disk(self) -> None:
         """Go on without the disk tier (it is being closed); fetches in flight are dropped."""
-        self.disk = None
-        self.ckpts.on_publish = self.ckpts.on_drop = self.host.on_drop = None
+        self.disk_link.tier = None
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier plugged in (``attach_disk``), if any."""
+        return self.disk_link.tier
 
     @property
     def counters(self) -> dict[str, int]:
         """Every part's event counters, summed (a fresh dict, in ``COUNTER_KEYS`` order)."""
         total = dict.fromkeys(COUNTER_KEYS, 0)
-        parts = [self._counters, self.ckpts.counters, self.load_queue.counters, self.host.counters]
+        parts = [
+            self._counters,
+            self.tiers.counters,
+            self.ckpts.counters,
+            self.load_queue.counters,
+            self.host.counters,
+        ]
         if self.budget is not None:
             parts.append(self.budget.counters)
         for part in parts:
@@ -329,20 +350,20 @@ class CacheManager:
             disk = None
         from_disk = disk.end_block - hit if disk is not None else 0
         on_host = [n for n in path[:hit] if n.block_id < 0]
-        if (on_host or from_disk) and not self._make_room(path[:hit], len(on_host) + from_disk):
+        if (on_host or from_disk) and not self.tiers.make_room(path[:hit], len(on_host) + from_disk):
             return None  # no device blocks to promote the hit into now: retry later
         self._matches.pop(request_id, None)
         seq = SeqCache(request_id, salt, prompt_len or len(token_ids), hashes=match.hashes)
-        self._promote(seq, on_host)
+        self.tiers.promote(seq, on_host)
         self.kv.pin_path(seq, path[:hit])
         seq.num_cached_tokens = hit * self.block_size
         seq.host_hit_tokens = len(on_host) * self.block_size
         if self.has_gdn:
             seq.state_slot = self.slots.allocate_live()
         if disk is not None:
-            self._load_from_disk(seq, disk, hit)
+            self.tiers.load_from_disk(seq, disk, hit)
         elif self.has_gdn and self.enabled and hit > 0:
-            self._pin_restore_source(seq, path[hit - 1])
+            self.tiers.pin_restore_source(seq, path[hit - 1])
         if self.has_gdn and self.enabled:
             seq.branch_boundary = self.kv.branch_boundary(match, token_ids, self.unit)
             self.kv.hold_inflight(seq, len(token_ids) // self.block_size)
@@ -352,22 +373,6 @@ class CacheManager:
         if self.disk is not None:
             self.disk.discard(request_id)  # used (its loads hold the bytes), or not needed now
         return seq
-
-    def _load_from_disk(self, seq: SeqCache, disk: DiskFetch, hit: int) -> None:
-        """``seq`` resumes at ``disk.end_block``: private blocks for the disk's KV after the
-        tree hit, loads of those blocks (by index in the block table: a block may move before
-        its load runs) and of the checkpoint into the live slot."""
-        assert self.disk is not None
-        end = disk.end_block
-        self.kv.grow(seq, end - hit)
-        for i in range(hit, end):
-            payload = disk.kv[i - disk.start_block]
-            seq.loads.append(Transfer(TransferKind.DISK_KV_LOAD, None, i, -1, seq, payload=payload))
-        seq.loads.append(
-            Transfer(TransferKind.DISK_STATE_LOAD, None, 0, seq.state_slot, seq, payload=disk.state)
-        )
-        seq.num_cached_tokens = end * self.block_size
-        seq.disk_hit_tokens = (end - hit) * self.block_size
 
     def wait_for_shared_prefix(self, match: PrefixMatch, token_ids: Sequence[int], min_tokens: int) -> bool:
         """Whether admitting the prompt now would recompute at least ``min_tokens`` past its hit
@@ -425,41 +430,6 @@ class CacheManager:
         if self.disk is not None:
             self.disk.forget(request_id)
 
-    def _promote(self, seq: SeqCache, on_host: list[Node]) -> None:
-        """Give each host node of ``seq``'s hit a device block and queue its load."""
-        for node in on_host:  # top-down: each one's parent is on the device already
-            self.tree.promote(node, self.blocks.allocate())
-            self.tree.set_moving(node, True)
-            seq.loads.append(Transfer(TransferKind.KV_LOAD, node, node.host_block, node.block_id, seq))
-
-    def _pin_restore_source(self, seq: SeqCache, node: Node) -> None:
-        """``seq`` resumes from ``node``'s checkpoint: a device one is copied in the first
-        step, a host one is loaded straight into the live slot."""
-        if node.checkpoint_slot is not None:
-            self.ckpts.pin_restore(seq, node)
-            return
-        self.ckpts.pin_source(node)
-        assert node.host_slot is not None
-        seq.loads.append(Transfer(TransferKind.STATE_LOAD, node, node.host_slot, seq.state_slot, seq))
-
-    def _make_room(self, path: Sequence[Node], need: int) -> bool:
-        """``need`` free device blocks, evicting leaves off ``path`` (pinned meanwhile, with
-        the checkpoint that ends it: making room may demote, and so evict on the host)."""
-        for node in path:
-            self.tree.pin(node)
-        if path:
-            self.tree.pin_checkpoint(path[-1])
-        try:
-            while self.blocks.num_free < need:
-                if not self._free_one_block():
-                    return False
-            return True
-        finally:
-            if path:
-                self.tree.unpin_checkpoint(path[-1])
-            for node in path:
-                self.tree.unpin(node)
-
     # ------------------------------------------------------------------ host tier
     def stage_loads(self, seq: SeqCache) -> bool:
         """Stage ``seq``'s pending loads into the next step (``LoadQueue.stage``)."""
@@ -467,7 +437,7 @@ class CacheManager:
 
     def has_transfers(self) -> bool:
         """Copies wait for a step (a step with no forward may run just for them)."""
-        return bool(self.load_queue.staged or self.host.saves or (self.disk is not None and self.disk.saves))
+        return self.tiers.has_transfers()
 
     def land_transfers(self, plan: StepPlan, failed: Collection[Transfer] = ()) -> list[SeqCache]:
         """The plan's copies ran; the requests whose loads failed (``LoadQueue.land``)."""
@@ -504,46 +474,9 @@ class CacheManager:
             self.budget.adjust(hit_tokens)
 
     # ------------------------------------------------------------------ KV blocks
-    def _free_one_block(self, admission: bool = False) -> bool:
-        """Free at least one device block (shared budget: ``SharedBudget.free_block``; it may
-        keep checkpoints back from KV while another request could give way instead)."""
-        if self.budget is not None:
-            return self.budget.free_block(force=len(self.active) <= 1, admission=admission)
-        node = self.eviction.kv_victim(self.ckpts.residents)
-        if node is None:
-            return False
-        self._evict_leaf(node)
-        return True
-
     def _evict_leaf(self, node: Node) -> None:
-        """Free ``node``'s device block: the leaf is demoted to the host when it is worth
-        keeping (a checkpoint, or host nodes below it) and the host has room, else dropped
-        with everything below it."""
-        self._counters["kv.evicted_blocks"] += 1
-        # without GDN layers every block ends a hit; with them only a checkpoint does
-        keeps = (
-            not self.has_gdn
-            or node.children
-            or node.checkpoint_slot is not None
-            or node.host_slot is not None
-        )
-        device_block = self.host.demote_kv(node) if keeps else None
-        if device_block is not None:
-            if node.checkpoint_slot is not None:  # it follows its KV to the host (or goes)
-                self.ckpts.evict(node)
-            self.blocks.free(device_block)
-            return
-        if self.disk is not None:  # the last tier above lets it go: keep it on disk
-            if node.checkpoint_slot is not None:
-                self.disk.write_back(node, Tier.DEVICE, node.checkpoint_slot)
-            elif node.host_slot is not None and not node.ckpt_moving:
-                self.disk.write_back(node, Tier.HOST, node.host_slot)
-        if node.checkpoint_slot is not None:
-            self.ckpts.drop(node)
-        self.host.drop_below(node)
-        if node.host_slot is not None:
-            self.host.drop_checkpoint(node)
-        self.kv.remove_leaf(node)
+        """(the shared budget's way to free a device KV leaf: ``Tiering.evict_leaf``)"""
+        self.tiers.evict_leaf(node)
 
     def allocate(self, seq: SeqCache, num_tokens: int, *, admission: bool = False) -> bool:
         """Make ``seq.block_table`` cover ``num_tokens`` tokens; False if impossible now.
@@ -554,7 +487,7 @@ class CacheManager:
         if need <= 0:
             return True
         while self.blocks.num_free < need:
-            if not self._free_one_block(admission):
+            if not self.tiers.free_one_block(admission):
                 return False
         self.kv.grow(seq, need)
         self.ckpts.compact()
@@ -569,17 +502,7 @@ class CacheManager:
         plan = StepPlan(items=items)
         self._inflight = plan
         self._plan_checkpoints(plan)
-        # last: staging captures may have demoted checkpoints and moved KV blocks
-        plan.saves, self.host.saves = self.host.saves, []
-        if self.budget is not None:
-            plan.moves = self.budget.take_moves()
-        plan.loads = self.load_queue.take()
-        if self.disk is not None:
-            self.disk.plan_writes()
-            plan.disk_saves = self.disk.take_saves()
-            for t in plan.loads:  # by index: the block may have moved since admission
-                if t.kind is TransferKind.DISK_KV_LOAD:
-                    t.dst = t.seq.block_table[t.src]  # type: ignore[union-attr]
+        self.tiers.plan_transfers(plan)  # last: staging may have demoted and moved
         return plan
 
     def _plan_checkpoints(self, plan: StepPlan) -> StepPlan:
@@ -685,25 +608,10 @@ class CacheManager:
             if node.parent is None:
                 continue  # gone with a block above it
             if node.block_id in blocks:
-                self._drop_subtree(node)
+                self.tiers.drop_subtree(node)
             else:
                 self.ckpts.drop(node)
         return len(nodes)
-
-    def _drop_subtree(self, top: Node) -> None:
-        """Drop ``top`` and everything below it, both tiers, deepest first (none pinned)."""
-        order = [top]
-        for node in order:
-            order.extend(node.children.values())
-        for node in reversed(order):
-            if node.block_id < 0:
-                self.host.remove(node)
-                continue
-            if node.checkpoint_slot is not None:
-                self.ckpts.drop(node)
-            if node.host_slot is not None:
-                self.host.drop_checkpoint(node)
-            self.kv.remove_leaf(node)
 
     def publish(self, seq: SeqCache, token_ids: Sequence[int], num_computed: int) -> None:
         """Insert the request's newly full, computed blocks into the tree (and pin them)."""
@@ -771,13 +679,4 @@ class CacheManager:
         self.ckpts.check_integrity(nodes, active, reserved, self.unit // self.block_size)
         if self.budget is not None:
             self.budget.check_integrity()
-        inflight = self._inflight
-        saves = inflight.saves if inflight is not None and not inflight.landed else []
-        self.host.check_integrity(nodes, active, saves)
-        for seq in active:
-            assert all(t.seq is seq for t in seq.loads), "a load queued on the wrong request"
-        staged = [t for seq in active for t in seq.loads if t.staged]
-        planned = self.load_queue.staged + (
-            inflight.loads if inflight is not None and not inflight.landed else []
-        )
-        assert sorted(map(id, staged)) == sorted(map(id, planned)), "staged loads drift"
+        self.tiers.check_integrity(nodes, active, self._inflight)
