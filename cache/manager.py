@@ -1,31 +1,28 @@
-"""The cache manager: a façade over the KV prefix index, the checkpoint store and the value
-model, with the request- and step-level contract the scheduler uses (DESIGN.md, "Cache model").
+"""The cache manager: the façade the scheduler and the engine use (DESIGN.md, "Cache model").
 
-* ``match`` finds a prompt's path and **joint hit** — the deepest boundary
-  ``b <= len(prompt) - 1`` with every block of ``[0, b)`` in the tree and a checkpoint at
-  ``b`` (void for a model without GDN layers) — once: the result is kept per request until
-  the index changes (``PrefixMatch.version``), so the policy's ordering, the scheduler's
-  chunking and ``admit`` share one match.
-* ``admit`` pins the matched path, takes a live state slot and pins the checkpoint to
-  restore from; ``record_query`` counts the request once (and lets the eviction strategy learn).
+Its parts, each wired in the constructor here: the KV prefix index (``prefix_index.py``),
+the checkpoint store (``checkpoint_store.py``), the value model (``eviction.py``), the host
+tier (``host_tier.py``), the socket of the disk tier (``disk_link.py``: ``attach_disk``),
+the one device budget (``shared_budget.py``), the load queue (``load_queue.py``), the moves
+between tiers (``tiering.py``) and admission (``admitter.py``).
+
+* ``admit_request``: one call admits a request from its match (``match``, computed once
+  and kept per request until the index changes): disk hit, shared-prefix wait, live slot,
+  pins, promotions and loads, first chunk's blocks, and its query counted once.
 * ``allocate`` grows a request's block table, evicting unpinned leaves when needed.
 * ``plan_step`` stages this step's captures (``planning.plan_captures``) under the per-step
   byte budget and the checkpoint slots: free ones, or the slot of a checkpoint worth less
-  (``eviction.py``); what does not fit is *skipped* (counted by reason), never failed.
-  ``commit_step`` publishes computed blocks and captured checkpoints after the step
-  succeeded; ``abort_step`` releases the reservations of a failed step.
+  (``eviction.py``); what does not fit is *skipped* (counted by reason), never failed; and
+  hands the step every copy between tiers due. ``commit_step`` publishes computed blocks
+  and captured checkpoints after the step succeeded; ``abort_step`` releases the
+  reservations of a failed step.
 * ``free`` ends a request (finish, abort, preemption, error): unpins, returns private
   blocks and slots, and on a normal finish publishes its output checkpoint.
 * ``check_integrity`` proves the accounting of each part (every block and slot in exactly
-  one state, ref counts = pins), across both tiers.
+  one state, ref counts = pins), across every tier.
 
-Host tier (``cache/host_tier.py``; off unless a host pool is configured). What the device
-evicts and is worth keeping is demoted (a *save*, planned when it is evicted and run at
-the start of the next step). A hit may combine device and host items: ``admit`` gives the
-hit's host KV blocks device blocks and queues their *loads* (and the restore from a host
-checkpoint) on the request; the scheduler stages them under the per-step byte budget
-(``stage_loads``) and the request computes only once all have landed
-(``land_transfers``), so nobody else's decode waits for them. A failed save drops its item;
+A hit's host or disk items are loaded before its request computes (``stage_loads``,
+``land_transfers``), so nobody else's decode waits for them; a failed save drops its item,
 a failed load ends only the request that needed it.
 
 Torch-free: plain ints and lists, so it is fuzzed by the thousand and replayed by the
@@ -34,27 +31,28 @@ simulator at full speed.
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 
 from deltaserve.cache.admission import get_admission_policy
+from deltaserve.cache.admitter import Admitter
 from deltaserve.cache.arena import Arena
 from deltaserve.cache.block_pool import BlockPool, PagedBlockPool
 from deltaserve.cache.checkpoint_store import CheckpointStore
 from deltaserve.cache.disk_link import DiskLink
-from deltaserve.cache.disk_tier import DiskFetch, DiskTier
+from deltaserve.cache.disk_tier import DiskTier
 from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import make_eviction
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.load_queue import LoadQueue
+from deltaserve.cache.manager_config import GDN_CHUNK_SIZE, CacheManagerConfig, checkpoint_unit
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.shared_budget import SharedBudget
 from deltaserve.cache.tiering import Tiering
 from deltaserve.cache.types import (
+    Admission,
+    AdmitStatus,
     Capture,
     CaptureKind,
     CheckpointGranularity,
@@ -64,22 +62,6 @@ from deltaserve.cache.types import (
     StepPlan,
     Transfer,
 )
-
-GDN_CHUNK_SIZE = 64
-
-
-def checkpoint_unit(
-    block_size: int,
-    has_gdn: bool = True,
-    granularity: CheckpointGranularity = CheckpointGranularity.BLOCK,
-    chunk_size: int = GDN_CHUNK_SIZE,
-) -> int:
-    """Tokens between two boundaries a hit (and a tail / branch / output capture) may sit on:
-    the block, or lcm(block, GDN chunk) with ``chunk`` granularity on a model with GDN layers."""
-    if has_gdn and granularity is CheckpointGranularity.CHUNK:
-        return math.lcm(block_size, chunk_size)
-    return block_size
-
 
 __all__ = [
     "GDN_CHUNK_SIZE",
@@ -91,37 +73,6 @@ __all__ = [
     "StepItem",
     "StepPlan",
 ]
-
-
-@dataclass
-class CacheManagerConfig:
-    block_size: int
-    num_kv_blocks: int
-    num_live_slots: int = 0
-    num_checkpoint_slots: int = 0
-    checkpoint_bytes: int = 0  # size of one checkpoint (all GDN layers)
-    staging_bytes: int | None = None  # per-step capture budget; None = unbounded
-    has_gdn: bool = True
-    checkpoint_interval: int = 0  # tokens; rounded up to lcm(block_size, gdn_chunk_size); 0 = off
-    checkpoint_policy: str = "default"
-    enable_prefix_caching: bool = True
-    gdn_chunk_size: int = GDN_CHUNK_SIZE
-    checkpoint_granularity: CheckpointGranularity = CheckpointGranularity.BLOCK
-    # value model (cache/value_eviction.py): prefill cost of d tokens = a*d + b*d^2/2, any unit
-    prefill_cost_per_token: float = 1.0  # a: GDN, MLP and projections (linear in tokens)
-    prefill_cost_per_token_pair: float = 1.0 / 65536  # b: full attention (per token pair)
-    # host tier (cache/host_tier.py): 0 = off
-    num_host_kv_blocks: int = 0
-    num_host_checkpoint_slots: int = 0
-    num_host_pages: int = 0  # one host budget (pages of one checkpoint's size); 0: the pair above
-    host_page_blocks: int = 0  # host blocks per host page (0: ceil(checkpoint_bytes / kv_block_bytes))
-    kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
-    host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
-    # one device budget (cache/arena.py): ``shared_pages`` pages of ``page_blocks`` KV blocks
-    # or one checkpoint each, after the live slots; 0 = the fixed pools above
-    shared_pages: int = 0
-    page_blocks: int = 0
-    headroom_blocks: int | None = None  # free KV kept when captures take KV pages; None: page_blocks // 2
 
 
 # ``stats()`` reports every part's counters in this order
@@ -239,7 +190,22 @@ class CacheManager:
             has_gdn=self.has_gdn,
         )
         self._inflight: StepPlan | None = None
-        self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
+        self.admitter = Admitter(
+            self.kv,
+            self.ckpts,
+            self.tiers,
+            self.disk_link,
+            self.budget,
+            self.active,
+            unit=self.unit,
+            has_gdn=self.has_gdn,
+            enabled=self.enabled,
+        )
+        # the admission steps, for callers that take them one by one (``cache/admitter.py``)
+        self.match = self.admitter.match
+        self.admit = self.admitter.admit
+        self.disk_fetch = self.admitter.disk_fetch
+        self.wait_for_shared_prefix = self.admitter.wait_for_shared_prefix
 
     def set_prefill_cost(self, per_token: float, per_token_pair: float) -> None:
         """The value model's prefill cost parameters (``CacheManagerConfig``), e.g. from the
@@ -286,30 +252,67 @@ class CacheManager:
     def extend_hashes(self, token_ids: Sequence[int], salt: bytes, hashes: list[int]) -> list[int]:
         return self.kv.extend_hashes(token_ids, salt, hashes)
 
-    def match(
+    # ------------------------------------------------------------------ admission
+    def admit_request(
         self,
+        request_id: str,
         token_ids: Sequence[int],
         salt: bytes,
-        hashes: list[int] | None = None,
+        match: PrefixMatch,
+        first_chunk: Callable[[int], int | None],
         *,
-        key: str | None = None,
-    ) -> PrefixMatch:
-        """The prompt's path and joint hit; with ``key`` (a request id) kept until the index changes."""
-        version = self.kv.version
-        if not self.enabled or len(token_ids) == 0:
-            return PrefixMatch([], 0, [], len(token_ids), version, self.block_size)
-        if key is not None:
-            m = self._matches.get(key)
-            if m is not None and m.version == version and m.num_tokens == len(token_ids):
-                return m
-            if self._matches and next(iter(self._matches.values())).version != version:
-                self._matches.clear()  # stale: the index moved on
-        m = self.kv.match(token_ids, salt, hashes if hashes is not None else [])
-        if key is not None:
-            self._matches[key] = m
-        return m
+        prompt_len: int,
+        hashes: list[int],
+        whole_prompt: bool = False,
+        wait_tokens: int = 0,
+        preempted_tokens: int | None = None,
+    ) -> Admission:
+        """Admit one request in one call, from its ``match`` (computed once, passed on):
 
-    # ------------------------------------------------------------------ admission
+        1. its disk hit beyond the match (``disk_fetch``); still being read: WAITING;
+        2. a prefix another request computes now (``wait_for_shared_prefix``, at least
+           ``wait_tokens`` past the hit): WAITING;
+        3. its first chunk, ``first_chunk(hit_tokens)``: the end, or None (NO_FIT);
+        4. its cache view (``admit``); no live slot or no room to promote its hit: NO_FIT;
+        5. a hit with copies to land: its loads staged (LOADING); else blocks for the first
+           chunk (ADMITTED; none: undone, NO_FIT: new requests never preempt running ones).
+
+        ``whole_prompt`` (a request that computes its whole prompt) skips 1 and 2. An
+        admission counts its query once: ``record_query`` on the first admission
+        (``preempted_tokens`` None), else ``note_recompute_hit``.
+        """
+        hit = match.hit_tokens
+        disk = None if whole_prompt else self.disk_fetch(request_id, token_ids, match)
+        if disk is not None and not disk.done:
+            return Admission(AdmitStatus.WAITING)  # the others go on meanwhile
+        if not whole_prompt and self.wait_for_shared_prefix(match, token_ids, wait_tokens):
+            return Admission(AdmitStatus.WAITING)  # resume from the other's checkpoint
+        end = first_chunk(hit)
+        if end is None:
+            return Admission(AdmitStatus.NO_FIT)
+        seq = self.admit(
+            request_id, token_ids, salt, prompt_len=prompt_len, hashes=hashes, match=match, disk=disk
+        )
+        if seq is None:
+            return Admission(AdmitStatus.NO_FIT)
+        # nothing changed since the match: admission found the same hit (or the disk's beyond it)
+        assert seq.num_cached_tokens == hit + seq.disk_hit_tokens
+        if seq.loads:
+            self._count_admission(seq, len(token_ids), preempted_tokens)
+            self.stage_loads(seq)
+            return Admission(AdmitStatus.LOADING, seq, seq.num_cached_tokens, seq.num_cached_tokens)
+        if not self.allocate(seq, end, admission=True):
+            self.free(seq, publish_output=False)
+            return Admission(AdmitStatus.NO_FIT)
+        self._count_admission(seq, len(token_ids), preempted_tokens)
+        return Admission(AdmitStatus.ADMITTED, seq, hit, end)
+
+    def _count_admission(self, seq: SeqCache, query_tokens: int, preempted_tokens: int | None) -> None:
+        if preempted_tokens is None:
+            self.record_query(query_tokens, seq.num_cached_tokens, seq)
+        else:  # a preemption's recompute, less what the cache serves it (never a gain)
+            self.note_recompute_hit(min(seq.num_cached_tokens, preempted_tokens))
+
     @property
     def num_free_live_slots(self) -> int:
         return self.slots.num_free_live if self.has_gdn else 1 << 30
@@ -319,105 +322,6 @@ class CacheManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= self.blocks.max_blocks
-
-    def admit(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        salt: bytes,
-        *,
-        prompt_len: int | None = None,
-        hashes: list[int] | None = None,
-        match: PrefixMatch | None = None,
-        disk: DiskFetch | None = None,
-    ) -> SeqCache | None:
-        """Start caching for a request; None when no live state slot is free. ``match``: the
-        request's ``match`` result (used when still current, else matched again). ``disk``:
-        its disk fetch (``disk_fetch``), used when it extends the hit: the request then loads
-        the disk's KV into private blocks and its checkpoint into the live slot.
-
-        Hit-rate stats are the caller's to record (``record_query``), once per request: an
-        admission may be undone (no KV for it yet) and retried on a later step.
-        """
-        if request_id in self.active:
-            raise RuntimeError(f"request {request_id!r} already admitted")
-        if self.has_gdn and self.slots.num_free_live == 0:
-            return None
-        if match is None or match.version != self.kv.version or match.num_tokens != len(token_ids):
-            match = self.match(token_ids, salt, hashes, key=request_id)
-        path, hit = match.path, match.hit_blocks
-        if disk is not None and (self.disk is None or not self.disk.usable(disk, hit)):
-            disk = None
-        from_disk = disk.end_block - hit if disk is not None else 0
-        on_host = [n for n in path[:hit] if n.block_id < 0]
-        if (on_host or from_disk) and not self.tiers.make_room(path[:hit], len(on_host) + from_disk):
-            return None  # no device blocks to promote the hit into now: retry later
-        self._matches.pop(request_id, None)
-        seq = SeqCache(request_id, salt, prompt_len or len(token_ids), hashes=match.hashes)
-        self.tiers.promote(seq, on_host)
-        self.kv.pin_path(seq, path[:hit])
-        seq.num_cached_tokens = hit * self.block_size
-        seq.host_hit_tokens = len(on_host) * self.block_size
-        if self.has_gdn:
-            seq.state_slot = self.slots.allocate_live()
-        if disk is not None:
-            self.tiers.load_from_disk(seq, disk, hit)
-        elif self.has_gdn and self.enabled and hit > 0:
-            self.tiers.pin_restore_source(seq, path[hit - 1])
-        if self.has_gdn and self.enabled:
-            seq.branch_boundary = self.kv.branch_boundary(match, token_ids, self.unit)
-            self.kv.hold_inflight(seq, len(token_ids) // self.block_size)
-        if seq.loads:
-            seq.load_since = time.monotonic()
-        self.active[request_id] = seq
-        if self.disk is not None:
-            self.disk.discard(request_id)  # used (its loads hold the bytes), or not needed now
-        return seq
-
-    def wait_for_shared_prefix(self, match: PrefixMatch, token_ids: Sequence[int], min_tokens: int) -> bool:
-        """Whether admitting the prompt now would recompute at least ``min_tokens`` past its hit
-        that another admitted request is computing right now (its prompt's blocks, cached as KV
-        only or not at all, that it has not published yet). If so, and a checkpoint fits without
-        displacing one (a free slot or page), that request is asked for a branch checkpoint where
-        the two prompts part (unless it has passed it), so this one resumes there a step or two
-        later instead of computing the shared prefix beside it; with the cache full it only
-        waits for the blocks (forced captures there displaced more valuable checkpoints: the
-        simulator's long-reuse trace lost 4 points to them). Ends when those blocks are
-        published or their request leaves: a wait is bounded by another request's progress."""
-        if not self.enabled or min_tokens <= 0:
-            return False
-        depth = self.kv.inflight_depth(match, token_ids)
-        boundary = depth * self.block_size // self.unit * self.unit
-        if depth == 0 or min(boundary, len(token_ids) - 1) - match.hit_tokens < min_tokens:
-            return False
-        key = match.hashes[depth - 1]
-        owner = self._computing(key, depth) if key in self.kv.inflight else None  # O(1) first
-        if owner is None:
-            return False
-        published = len(owner.nodes) * self.block_size
-        room = self.slots.num_free_checkpoint > 0 or (
-            self.budget is not None and self.budget.arena.num_free > 0
-        )
-        if self.has_gdn and room and (owner.branch_boundary <= published or owner.branch_boundary < boundary):
-            owner.branch_boundary = boundary  # (a deeper branch of its own, not yet reached, stays)
-        return True
-
-    def _computing(self, key: int, depth: int) -> SeqCache | None:
-        """The active request whose prompt holds block ``depth`` (chained hash ``key``: the
-        same prefix) and has not published it yet."""
-        for seq in self.active.values():
-            if seq.num_inflight >= depth and len(seq.nodes) < depth and seq.hashes[depth - 1] == key:
-                return seq
-        return None
-
-    def disk_fetch(self, request_id: str, token_ids: Sequence[int], match: PrefixMatch) -> DiskFetch | None:
-        """The request's disk hit beyond ``match`` (``DiskTier.fetch``): None when the disk
-        adds nothing; else being read (``done`` false: the request waits) or read."""
-        if self.disk is None or not match.hashes:
-            return None
-        return self.disk.fetch(
-            request_id, match.hashes, match.hit_blocks, (len(token_ids) - 1) // self.block_size
-        )
 
     def wait_for_disk(self, timeout: float = 0.005) -> None:
         """Block up to ``timeout`` seconds for a read from disk to finish (when nothing else
