@@ -15,6 +15,8 @@ from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.reuse import ReuseLearner
 from deltaserve.cache.state_pool import SlotState, StatePool
 from deltaserve.cache.types import (
+    Admission,
+    AdmitStatus,
     Capture,
     CaptureKind,
     CheckpointClass,
@@ -30,6 +32,8 @@ from deltaserve.cache.value_eviction import ValueEviction
 __all__ = [
     "ADMISSION_POLICIES",
     "EVICTION_POLICIES",
+    "Admission",
+    "AdmitStatus",
     "AdmissionPolicy",
     "BlockPool",
     "CacheManager",

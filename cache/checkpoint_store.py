@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from deltaserve.cache.disk_link import DiskLink
 from deltaserve.cache.eviction import CheckpointEviction, Want
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.prefix_index import PrefixIndex
@@ -38,6 +39,8 @@ class CheckpointStore:
         host: HostTier,
         checkpoint_bytes: int,
         grow: Callable[[], bool] | None = None,
+        on_skip: Callable[[int, int], None] | None = None,
+        disk: DiskLink | None = None,
     ) -> None:
         self.slots = StatePool(num_live, num_checkpoint)
         # shared budget: makes one more free slot out of bytes nobody values (a free page, free
@@ -45,16 +48,15 @@ class CheckpointStore:
         self.grow = grow
         # shared budget: a capture that found no room (key, depth in blocks), a "ghost" whose
         # later hits would have needed more checkpoint memory
-        self.on_skip: Callable[[int, int], None] | None = None
+        self.on_skip = on_skip
         self.kv = kv
         self.tree = kv.tree
         self.eviction = eviction
         self.host = host  # where evicted checkpoints go (when it takes them)
         self.checkpoint_bytes = checkpoint_bytes
-        # the disk tier's hooks (``cache/disk_tier.py``): a checkpoint published; a checkpoint
+        # the disk tier (``cache/disk_link.py``) hears of a checkpoint published, and of one
         # evicted from the device that the host did not take (slot detached, bytes intact)
-        self.on_publish: Callable[[Node], None] | None = None
-        self.on_drop: Callable[[Node, Tier, int], None] | None = None
+        self.disk = disk if disk is not None else DiskLink()
         self.attached: dict[int, Node] = {}  # slot -> node holding it
         self.trackers: dict[int, SeqCache] = {}  # tracking slot -> its decoding request
         self.counters: dict[str, int] = dict.fromkeys(
@@ -87,8 +89,7 @@ class CheckpointStore:
             self.slots.set_state(slot, state)
             raise
         self.counters["checkpoints.stored"] += 1
-        if self.on_publish is not None:
-            self.on_publish(node)
+        self.disk.note_checkpoint(node)
 
     def detach(self, node: Node) -> int:
         """Unpublish ``node``'s checkpoint; its slot stays in use (the caller's)."""
@@ -105,8 +106,8 @@ class CheckpointStore:
         """Evict ``node``'s checkpoint from the device: demoted to the host tier when it
         takes it (the save runs before this step reuses the slot), else dropped."""
         slot = self.detach(node)
-        if not self.host.demote_checkpoint(node, slot) and self.on_drop is not None:
-            self.on_drop(node, Tier.DEVICE, slot)
+        if not self.host.demote_checkpoint(node, slot):
+            self.disk.write_back(node, Tier.DEVICE, slot)
         self.slots.free_checkpoint(slot)
 
     # ------------------------------------------------------------------ slots

@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from deltaserve.cache.arena import blocks_per_page
 from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.disk_link import DiskLink
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import SeqCache, Tier, Transfer, TransferKind
@@ -169,6 +170,7 @@ class HostTier:
         checkpoint_bytes: int,
         num_pages: int = 0,
         page_blocks: int = 0,  # host blocks per page (0: checkpoint bytes over KV block bytes, rounded up)
+        disk: DiskLink | None = None,
     ) -> None:
         self.tree = tree
         self.eviction = eviction  # its ``worth`` ranks host checkpoints; lower goes first
@@ -188,9 +190,9 @@ class HostTier:
         self.attached: dict[int, Node] = {}  # host slot -> node holding it
         self.owner: dict[int, Node] = {}  # host block -> node holding it
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
-        # the disk tier's hook: a host checkpoint evicted (its bytes intact until the next
-        # step's copies), called before it goes
-        self.on_drop: Callable[[Node, Tier, int], None] | None = None
+        # the disk tier (``cache/disk_link.py``) hears of a host checkpoint evicted (its bytes
+        # intact until the next step's copies) before it goes
+        self.disk = disk if disk is not None else DiskLink()
         self.counters: dict[str, int] = dict.fromkeys(
             ("host.kv_demoted_blocks", "host.kv_evicted_blocks", "host.checkpoints_demoted",
              "host.checkpoints_evicted", "host.checkpoints_refused", "host.bytes_saved",
@@ -419,13 +421,14 @@ class HostTier:
     def _evict_checkpoints(self, nodes: list[Node], *, below: bool = False) -> None:
         """The host checkpoints of ``nodes`` (and, with ``below``, of the host nodes under
         them) are being evicted: the disk tier's hook sees each first."""
-        if self.on_drop is None:
+        disk = self.disk
+        if disk.tier is None:
             return
         stack = list(nodes)
         while stack:
             n = stack.pop()
             if n.host_slot is not None and not n.ckpt_moving:
-                self.on_drop(n, Tier.HOST, n.host_slot)
+                disk.write_back(n, Tier.HOST, n.host_slot)
             if below:
                 stack.extend(n.children.values())
 

@@ -1,31 +1,28 @@
-"""The cache manager: a façade over the KV prefix index, the checkpoint store and the value
-model, with the request- and step-level contract the scheduler uses (DESIGN.md, "Cache model").
+"""The cache manager: the façade the scheduler and the engine use (DESIGN.md, "Cache model").
 
-* ``match`` finds a prompt's path and **joint hit** — the deepest boundary
-  ``b <= len(prompt) - 1`` with every block of ``[0, b)`` in the tree and a checkpoint at
-  ``b`` (void for a model without GDN layers) — once: the result is kept per request until
-  the index changes (``PrefixMatch.version``), so the policy's ordering, the scheduler's
-  chunking and ``admit`` share one match.
-* ``admit`` pins the matched path, takes a live state slot and pins the checkpoint to
-  restore from; ``record_query`` counts the request once (and lets the eviction strategy learn).
+Its parts, each wired in the constructor here: the KV prefix index (``prefix_index.py``),
+the checkpoint store (``checkpoint_store.py``), the value model (``eviction.py``), the host
+tier (``host_tier.py``), the socket of the disk tier (``disk_link.py``: ``attach_disk``),
+the one device budget (``shared_budget.py``), the load queue (``load_queue.py``), the moves
+between tiers (``tiering.py``) and admission (``admitter.py``).
+
+* ``admit_request``: one call admits a request from its match (``match``, computed once
+  and kept per request until the index changes): disk hit, shared-prefix wait, live slot,
+  pins, promotions and loads, first chunk's blocks, and its query counted once.
 * ``allocate`` grows a request's block table, evicting unpinned leaves when needed.
 * ``plan_step`` stages this step's captures (``planning.plan_captures``) under the per-step
   byte budget and the checkpoint slots: free ones, or the slot of a checkpoint worth less
-  (``eviction.py``); what does not fit is *skipped* (counted by reason), never failed.
-  ``commit_step`` publishes computed blocks and captured checkpoints after the step
-  succeeded; ``abort_step`` releases the reservations of a failed step.
+  (``eviction.py``); what does not fit is *skipped* (counted by reason), never failed; and
+  hands the step every copy between tiers due. ``commit_step`` publishes computed blocks
+  and captured checkpoints after the step succeeded; ``abort_step`` releases the
+  reservations of a failed step.
 * ``free`` ends a request (finish, abort, preemption, error): unpins, returns private
   blocks and slots, and on a normal finish publishes its output checkpoint.
 * ``check_integrity`` proves the accounting of each part (every block and slot in exactly
-  one state, ref counts = pins), across both tiers.
+  one state, ref counts = pins), across every tier.
 
-Host tier (``cache/host_tier.py``; off unless a host pool is configured). What the device
-evicts and is worth keeping is demoted (a *save*, planned when it is evicted and run at
-the start of the next step). A hit may combine device and host items: ``admit`` gives the
-hit's host KV blocks device blocks and queues their *loads* (and the restore from a host
-checkpoint) on the request; the scheduler stages them under the per-step byte budget
-(``stage_loads``) and the request computes only once all have landed
-(``land_transfers``), so nobody else's decode waits for them. A failed save drops its item;
+A hit's host or disk items are loaded before its request computes (``stage_loads``,
+``land_transfers``), so nobody else's decode waits for them; a failed save drops its item,
 a failed load ends only the request that needed it.
 
 Torch-free: plain ints and lists, so it is fuzzed by the thousand and replayed by the
@@ -34,25 +31,28 @@ simulator at full speed.
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 
 from deltaserve.cache.admission import get_admission_policy
+from deltaserve.cache.admitter import Admitter
 from deltaserve.cache.arena import Arena
 from deltaserve.cache.block_pool import BlockPool, PagedBlockPool
 from deltaserve.cache.checkpoint_store import CheckpointStore
-from deltaserve.cache.disk_tier import DiskFetch, DiskTier
+from deltaserve.cache.disk_link import DiskLink
+from deltaserve.cache.disk_tier import DiskTier
 from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import make_eviction
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.load_queue import LoadQueue
+from deltaserve.cache.manager_config import GDN_CHUNK_SIZE, CacheManagerConfig, checkpoint_unit
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.shared_budget import SharedBudget
+from deltaserve.cache.tiering import Tiering
 from deltaserve.cache.types import (
+    Admission,
+    AdmitStatus,
     Capture,
     CaptureKind,
     CheckpointGranularity,
@@ -60,26 +60,8 @@ from deltaserve.cache.types import (
     SeqCache,
     StepItem,
     StepPlan,
-    Tier,
     Transfer,
-    TransferKind,
 )
-
-GDN_CHUNK_SIZE = 64
-
-
-def checkpoint_unit(
-    block_size: int,
-    has_gdn: bool = True,
-    granularity: CheckpointGranularity = CheckpointGranularity.BLOCK,
-    chunk_size: int = GDN_CHUNK_SIZE,
-) -> int:
-    """Tokens between two boundaries a hit (and a tail / branch / output capture) may sit on:
-    the block, or lcm(block, GDN chunk) with ``chunk`` granularity on a model with GDN layers."""
-    if has_gdn and granularity is CheckpointGranularity.CHUNK:
-        return math.lcm(block_size, chunk_size)
-    return block_size
-
 
 __all__ = [
     "GDN_CHUNK_SIZE",
@@ -91,37 +73,6 @@ __all__ = [
     "StepItem",
     "StepPlan",
 ]
-
-
-@dataclass
-class CacheManagerConfig:
-    block_size: int
-    num_kv_blocks: int
-    num_live_slots: int = 0
-    num_checkpoint_slots: int = 0
-    checkpoint_bytes: int = 0  # size of one checkpoint (all GDN layers)
-    staging_bytes: int | None = None  # per-step capture budget; None = unbounded
-    has_gdn: bool = True
-    checkpoint_interval: int = 0  # tokens; rounded up to lcm(block_size, gdn_chunk_size); 0 = off
-    checkpoint_policy: str = "default"
-    enable_prefix_caching: bool = True
-    gdn_chunk_size: int = GDN_CHUNK_SIZE
-    checkpoint_granularity: CheckpointGranularity = CheckpointGranularity.BLOCK
-    # value model (cache/value_eviction.py): prefill cost of d tokens = a*d + b*d^2/2, any unit
-    prefill_cost_per_token: float = 1.0  # a: GDN, MLP and projections (linear in tokens)
-    prefill_cost_per_token_pair: float = 1.0 / 65536  # b: full attention (per token pair)
-    # host tier (cache/host_tier.py): 0 = off
-    num_host_kv_blocks: int = 0
-    num_host_checkpoint_slots: int = 0
-    num_host_pages: int = 0  # one host budget (pages of one checkpoint's size); 0: the pair above
-    host_page_blocks: int = 0  # host blocks per host page (0: ceil(checkpoint_bytes / kv_block_bytes))
-    kv_block_bytes: int = 0  # one KV block over all attention layers (transfer accounting)
-    host_load_bytes_per_step: int | None = None  # loads staged per step; None = unbounded
-    # one device budget (cache/arena.py): ``shared_pages`` pages of ``page_blocks`` KV blocks
-    # or one checkpoint each, after the live slots; 0 = the fixed pools above
-    shared_pages: int = 0
-    page_blocks: int = 0
-    headroom_blocks: int | None = None  # free KV kept when captures take KV pages; None: page_blocks // 2
 
 
 # ``stats()`` reports every part's counters in this order
@@ -169,6 +120,7 @@ class CacheManager:
                 kv_block_bytes=config.kv_block_bytes if config.shared_pages > 0 else 0,
             ),
         )
+        self.disk_link = DiskLink()  # the disk tier's socket (``attach_disk``)
         self.host = HostTier(
             self.tree,
             self.eviction,
@@ -178,6 +130,7 @@ class CacheManager:
             page_blocks=config.host_page_blocks,
             kv_block_bytes=config.kv_block_bytes,
             checkpoint_bytes=config.checkpoint_bytes,
+            disk=self.disk_link,
         )
         self.budget: SharedBudget | None = None
         blocks: BlockPool | PagedBlockPool
@@ -210,10 +163,12 @@ class CacheManager:
             self.host,
             config.checkpoint_bytes,
             grow=self.budget.checkpoint_page if self.budget is not None else None,
+            on_skip=self.budget.ghost if self.budget is not None else None,
+            disk=self.disk_link,
         )
         if self.budget is not None:
+            # (the one circle: the budget frees checkpoint pages, the store grows by them)
             self.budget.ckpts = self.ckpts
-            self.ckpts.on_skip = self.budget.ghost
         self.slots = self.ckpts.slots
         self.load_queue = LoadQueue(
             self.tree, self.blocks, self.host, self.ckpts, config.host_load_bytes_per_step
@@ -221,11 +176,36 @@ class CacheManager:
         self._counters: dict[str, int] = dict.fromkeys(
             ("prefix_cache.queries", "prefix_cache.query_tokens", "prefix_cache.hit_tokens",
              "prefix_cache.hit_tokens_device", "prefix_cache.hit_tokens_host", "prefix_cache.hit_tokens_disk",
-             "checkpoints.restored", "checkpoints.duplicate", "kv.evicted_blocks"), 0)  # fmt: skip
-        self.disk: DiskTier | None = None  # the persistent tier (``attach_disk``)
+             "checkpoints.restored", "checkpoints.duplicate"), 0)  # fmt: skip
         self.active: dict[str, SeqCache] = {}
+        self.tiers = Tiering(
+            self.kv,
+            self.ckpts,
+            self.host,
+            self.disk_link,
+            self.load_queue,
+            self.eviction,
+            self.budget,
+            self.active,
+            has_gdn=self.has_gdn,
+        )
         self._inflight: StepPlan | None = None
-        self._matches: dict[str, PrefixMatch] = {}  # request id -> its match at the current version
+        self.admitter = Admitter(
+            self.kv,
+            self.ckpts,
+            self.tiers,
+            self.disk_link,
+            self.budget,
+            self.active,
+            unit=self.unit,
+            has_gdn=self.has_gdn,
+            enabled=self.enabled,
+        )
+        # the admission steps, for callers that take them one by one (``cache/admitter.py``)
+        self.match = self.admitter.match
+        self.admit = self.admitter.admit
+        self.disk_fetch = self.admitter.disk_fetch
+        self.wait_for_shared_prefix = self.admitter.wait_for_shared_prefix
 
     def set_prefill_cost(self, per_token: float, per_token_pair: float) -> None:
         """The value model's prefill cost parameters (``CacheManagerConfig``), e.g. from the
@@ -239,21 +219,28 @@ class CacheManager:
         checkpoints are written through, evicted ones written back, hits read from it."""
         if not (self.enabled and self.has_gdn):
             raise ValueError("a disk tier needs prefix caching and a model with GDN layers")
-        self.disk = disk
-        self.ckpts.on_publish = disk.note_checkpoint
-        self.ckpts.on_drop = disk.write_back
-        self.host.on_drop = disk.write_back
+        self.disk_link.tier = disk
 
     def detach_disk(self) -> None:
         """Go on without the disk tier (it is being closed); fetches in flight are dropped."""
-        self.disk = None
-        self.ckpts.on_publish = self.ckpts.on_drop = self.host.on_drop = None
+        self.disk_link.tier = None
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier plugged in (``attach_disk``), if any."""
+        return self.disk_link.tier
 
     @property
     def counters(self) -> dict[str, int]:
         """Every part's event counters, summed (a fresh dict, in ``COUNTER_KEYS`` order)."""
         total = dict.fromkeys(COUNTER_KEYS, 0)
-        parts = [self._counters, self.ckpts.counters, self.load_queue.counters, self.host.counters]
+        parts = [
+            self._counters,
+            self.tiers.counters,
+            self.ckpts.counters,
+            self.load_queue.counters,
+            self.host.counters,
+        ]
         if self.budget is not None:
             parts.append(self.budget.counters)
         for part in parts:
@@ -265,30 +252,67 @@ class CacheManager:
     def extend_hashes(self, token_ids: Sequence[int], salt: bytes, hashes: list[int]) -> list[int]:
         return self.kv.extend_hashes(token_ids, salt, hashes)
 
-    def match(
+    # ------------------------------------------------------------------ admission
+    def admit_request(
         self,
+        request_id: str,
         token_ids: Sequence[int],
         salt: bytes,
-        hashes: list[int] | None = None,
+        match: PrefixMatch,
+        first_chunk: Callable[[int], int | None],
         *,
-        key: str | None = None,
-    ) -> PrefixMatch:
-        """The prompt's path and joint hit; with ``key`` (a request id) kept until the index changes."""
-        version = self.kv.version
-        if not self.enabled or len(token_ids) == 0:
-            return PrefixMatch([], 0, [], len(token_ids), version, self.block_size)
-        if key is not None:
-            m = self._matches.get(key)
-            if m is not None and m.version == version and m.num_tokens == len(token_ids):
-                return m
-            if self._matches and next(iter(self._matches.values())).version != version:
-                self._matches.clear()  # stale: the index moved on
-        m = self.kv.match(token_ids, salt, hashes if hashes is not None else [])
-        if key is not None:
-            self._matches[key] = m
-        return m
+        prompt_len: int,
+        hashes: list[int],
+        whole_prompt: bool = False,
+        wait_tokens: int = 0,
+        preempted_tokens: int | None = None,
+    ) -> Admission:
+        """Admit one request in one call, from its ``match`` (computed once, passed on):
 
-    # ------------------------------------------------------------------ admission
+        1. its disk hit beyond the match (``disk_fetch``); still being read: WAITING;
+        2. a prefix another request computes now (``wait_for_shared_prefix``, at least
+           ``wait_tokens`` past the hit): WAITING;
+        3. its first chunk, ``first_chunk(hit_tokens)``: the end, or None (NO_FIT);
+        4. its cache view (``admit``); no live slot or no room to promote its hit: NO_FIT;
+        5. a hit with copies to land: its loads staged (LOADING); else blocks for the first
+           chunk (ADMITTED; none: undone, NO_FIT: new requests never preempt running ones).
+
+        ``whole_prompt`` (a request that computes its whole prompt) skips 1 and 2. An
+        admission counts its query once: ``record_query`` on the first admission
+        (``preempted_tokens`` None), else ``note_recompute_hit``.
+        """
+        hit = match.hit_tokens
+        disk = None if whole_prompt else self.disk_fetch(request_id, token_ids, match)
+        if disk is not None and not disk.done:
+            return Admission(AdmitStatus.WAITING)  # the others go on meanwhile
+        if not whole_prompt and self.wait_for_shared_prefix(match, token_ids, wait_tokens):
+            return Admission(AdmitStatus.WAITING)  # resume from the other's checkpoint
+        end = first_chunk(hit)
+        if end is None:
+            return Admission(AdmitStatus.NO_FIT)
+        seq = self.admit(
+            request_id, token_ids, salt, prompt_len=prompt_len, hashes=hashes, match=match, disk=disk
+        )
+        if seq is None:
+            return Admission(AdmitStatus.NO_FIT)
+        # nothing changed since the match: admission found the same hit (or the disk's beyond it)
+        assert seq.num_cached_tokens == hit + seq.disk_hit_tokens
+        if seq.loads:
+            self._count_admission(seq, len(token_ids), preempted_tokens)
+            self.stage_loads(seq)
+            return Admission(AdmitStatus.LOADING, seq, seq.num_cached_tokens, seq.num_cached_tokens)
+        if not self.allocate(seq, end, admission=True):
+            self.free(seq, publish_output=False)
+            return Admission(AdmitStatus.NO_FIT)
+        self._count_admission(seq, len(token_ids), preempted_tokens)
+        return Admission(AdmitStatus.ADMITTED, seq, hit, end)
+
+    def _count_admission(self, seq: SeqCache, query_tokens: int, preempted_tokens: int | None) -> None:
+        if preempted_tokens is None:
+            self.record_query(query_tokens, seq.num_cached_tokens, seq)
+        else:  # a preemption's recompute, less what the cache serves it (never a gain)
+            self.note_recompute_hit(min(seq.num_cached_tokens, preempted_tokens))
+
     @property
     def num_free_live_slots(self) -> int:
         return self.slots.num_free_live if self.has_gdn else 1 << 30
@@ -298,121 +322,6 @@ class CacheManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= self.blocks.max_blocks
-
-    def admit(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        salt: bytes,
-        *,
-        prompt_len: int | None = None,
-        hashes: list[int] | None = None,
-        match: PrefixMatch | None = None,
-        disk: DiskFetch | None = None,
-    ) -> SeqCache | None:
-        """Start caching for a request; None when no live state slot is free. ``match``: the
-        request's ``match`` result (used when still current, else matched again). ``disk``:
-        its disk fetch (``disk_fetch``), used when it extends the hit: the request then loads
-        the disk's KV into private blocks and its checkpoint into the live slot.
-
-        Hit-rate stats are the caller's to record (``record_query``), once per request: an
-        admission may be undone (no KV for it yet) and retried on a later step.
-        """
-        if request_id in self.active:
-            raise RuntimeError(f"request {request_id!r} already admitted")
-        if self.has_gdn and self.slots.num_free_live == 0:
-            return None
-        if match is None or match.version != self.kv.version or match.num_tokens != len(token_ids):
-            match = self.match(token_ids, salt, hashes, key=request_id)
-        path, hit = match.path, match.hit_blocks
-        if disk is not None and (self.disk is None or not self.disk.usable(disk, hit)):
-            disk = None
-        from_disk = disk.end_block - hit if disk is not None else 0
-        on_host = [n for n in path[:hit] if n.block_id < 0]
-        if (on_host or from_disk) and not self._make_room(path[:hit], len(on_host) + from_disk):
-            return None  # no device blocks to promote the hit into now: retry later
-        self._matches.pop(request_id, None)
-        seq = SeqCache(request_id, salt, prompt_len or len(token_ids), hashes=match.hashes)
-        self._promote(seq, on_host)
-        self.kv.pin_path(seq, path[:hit])
-        seq.num_cached_tokens = hit * self.block_size
-        seq.host_hit_tokens = len(on_host) * self.block_size
-        if self.has_gdn:
-            seq.state_slot = self.slots.allocate_live()
-        if disk is not None:
-            self._load_from_disk(seq, disk, hit)
-        elif self.has_gdn and self.enabled and hit > 0:
-            self._pin_restore_source(seq, path[hit - 1])
-        if self.has_gdn and self.enabled:
-            seq.branch_boundary = self.kv.branch_boundary(match, token_ids, self.unit)
-            self.kv.hold_inflight(seq, len(token_ids) // self.block_size)
-        if seq.loads:
-            seq.load_since = time.monotonic()
-        self.active[request_id] = seq
-        if self.disk is not None:
-            self.disk.discard(request_id)  # used (its loads hold the bytes), or not needed now
-        return seq
-
-    def _load_from_disk(self, seq: SeqCache, disk: DiskFetch, hit: int) -> None:
-        """``seq`` resumes at ``disk.end_block``: private blocks for the disk's KV after the
-        tree hit, loads of those blocks (by index in the block table: a block may move before
-        its load runs) and of the checkpoint into the live slot."""
-        assert self.disk is not None
-        end = disk.end_block
-        self.kv.grow(seq, end - hit)
-        for i in range(hit, end):
-            payload = disk.kv[i - disk.start_block]
-            seq.loads.append(Transfer(TransferKind.DISK_KV_LOAD, None, i, -1, seq, payload=payload))
-        seq.loads.append(
-            Transfer(TransferKind.DISK_STATE_LOAD, None, 0, seq.state_slot, seq, payload=disk.state)
-        )
-        seq.num_cached_tokens = end * self.block_size
-        seq.disk_hit_tokens = (end - hit) * self.block_size
-
-    def wait_for_shared_prefix(self, match: PrefixMatch, token_ids: Sequence[int], min_tokens: int) -> bool:
-        """Whether admitting the prompt now would recompute at least ``min_tokens`` past its hit
-        that another admitted request is computing right now (its prompt's blocks, cached as KV
-        only or not at all, that it has not published yet). If so, and a checkpoint fits without
-        displacing one (a free slot or page), that request is asked for a branch checkpoint where
-        the two prompts part (unless it has passed it), so this one resumes there a step or two
-        later instead of computing the shared prefix beside it; with the cache full it only
-        waits for the blocks (forced captures there displaced more valuable checkpoints: the
-        simulator's long-reuse trace lost 4 points to them). Ends when those blocks are
-        published or their request leaves: a wait is bounded by another request's progress."""
-        if not self.enabled or min_tokens <= 0:
-            return False
-        depth = self.kv.inflight_depth(match, token_ids)
-        boundary = depth * self.block_size // self.unit * self.unit
-        if depth == 0 or min(boundary, len(token_ids) - 1) - match.hit_tokens < min_tokens:
-            return False
-        key = match.hashes[depth - 1]
-        owner = self._computing(key, depth) if key in self.kv.inflight else None  # O(1) first
-        if owner is None:
-            return False
-        published = len(owner.nodes) * self.block_size
-        room = self.slots.num_free_checkpoint > 0 or (
-            self.budget is not None and self.budget.arena.num_free > 0
-        )
-        if self.has_gdn and room and (owner.branch_boundary <= published or owner.branch_boundary < boundary):
-            owner.branch_boundary = boundary  # (a deeper branch of its own, not yet reached, stays)
-        return True
-
-    def _computing(self, key: int, depth: int) -> SeqCache | None:
-        """The active request whose prompt holds block ``depth`` (chained hash ``key``: the
-        same prefix) and has not published it yet."""
-        for seq in self.active.values():
-            if seq.num_inflight >= depth and len(seq.nodes) < depth and seq.hashes[depth - 1] == key:
-                return seq
-        return None
-
-    def disk_fetch(self, request_id: str, token_ids: Sequence[int], match: PrefixMatch) -> DiskFetch | None:
-        """The request's disk hit beyond ``match`` (``DiskTier.fetch``): None when the disk
-        adds nothing; else being read (``done`` false: the request waits) or read."""
-        if self.disk is None or not match.hashes:
-            return None
-        return self.disk.fetch(
-            request_id, match.hashes, match.hit_blocks, (len(token_ids) - 1) // self.block_size
-        )
 
     def wait_for_disk(self, timeout: float = 0.005) -> None:
         """Block up to ``timeout`` seconds for a read from disk to finish (when nothing else
@@ -425,41 +334,6 @@ class CacheManager:
         if self.disk is not None:
             self.disk.forget(request_id)
 
-    def _promote(self, seq: SeqCache, on_host: list[Node]) -> None:
-        """Give each host node of ``seq``'s hit a device block and queue its load."""
-        for node in on_host:  # top-down: each one's parent is on the device already
-            self.tree.promote(node, self.blocks.allocate())
-            self.tree.set_moving(node, True)
-            seq.loads.append(Transfer(TransferKind.KV_LOAD, node, node.host_block, node.block_id, seq))
-
-    def _pin_restore_source(self, seq: SeqCache, node: Node) -> None:
-        """``seq`` resumes from ``node``'s checkpoint: a device one is copied in the first
-        step, a host one is loaded straight into the live slot."""
-        if node.checkpoint_slot is not None:
-            self.ckpts.pin_restore(seq, node)
-            return
-        self.ckpts.pin_source(node)
-        assert node.host_slot is not None
-        seq.loads.append(Transfer(TransferKind.STATE_LOAD, node, node.host_slot, seq.state_slot, seq))
-
-    def _make_room(self, path: Sequence[Node], need: int) -> bool:
-        """``need`` free device blocks, evicting leaves off ``path`` (pinned meanwhile, with
-        the checkpoint that ends it: making room may demote, and so evict on the host)."""
-        for node in path:
-            self.tree.pin(node)
-        if path:
-            self.tree.pin_checkpoint(path[-1])
-        try:
-            while self.blocks.num_free < need:
-                if not self._free_one_block():
-                    return False
-            return True
-        finally:
-            if path:
-                self.tree.unpin_checkpoint(path[-1])
-            for node in path:
-                self.tree.unpin(node)
-
     # ------------------------------------------------------------------ host tier
     def stage_loads(self, seq: SeqCache) -> bool:
         """Stage ``seq``'s pending loads into the next step (``LoadQueue.stage``)."""
@@ -467,7 +341,7 @@ class CacheManager:
 
     def has_transfers(self) -> bool:
         """Copies wait for a step (a step with no forward may run just for them)."""
-        return bool(self.load_queue.staged or self.host.saves or (self.disk is not None and self.disk.saves))
+        return self.tiers.has_transfers()
 
     def land_transfers(self, plan: StepPlan, failed: Collection[Transfer] = ()) -> list[SeqCache]:
         """The plan's copies ran; the requests whose loads failed (``LoadQueue.land``)."""
@@ -504,46 +378,9 @@ class CacheManager:
             self.budget.adjust(hit_tokens)
 
     # ------------------------------------------------------------------ KV blocks
-    def _free_one_block(self, admission: bool = False) -> bool:
-        """Free at least one device block (shared budget: ``SharedBudget.free_block``; it may
-        keep checkpoints back from KV while another request could give way instead)."""
-        if self.budget is not None:
-            return self.budget.free_block(force=len(self.active) <= 1, admission=admission)
-        node = self.eviction.kv_victim(self.ckpts.residents)
-        if node is None:
-            return False
-        self._evict_leaf(node)
-        return True
-
     def _evict_leaf(self, node: Node) -> None:
-        """Free ``node``'s device block: the leaf is demoted to the host when it is worth
-        keeping (a checkpoint, or host nodes below it) and the host has room, else dropped
-        with everything below it."""
-        self._counters["kv.evicted_blocks"] += 1
-        # without GDN layers every block ends a hit; with them only a checkpoint does
-        keeps = (
-            not self.has_gdn
-            or node.children
-            or node.checkpoint_slot is not None
-            or node.host_slot is not None
-        )
-        device_block = self.host.demote_kv(node) if keeps else None
-        if device_block is not None:
-            if node.checkpoint_slot is not None:  # it follows its KV to the host (or goes)
-                self.ckpts.evict(node)
-            self.blocks.free(device_block)
-            return
-        if self.disk is not None:  # the last tier above lets it go: keep it on disk
-            if node.checkpoint_slot is not None:
-                self.disk.write_back(node, Tier.DEVICE, node.checkpoint_slot)
-            elif node.host_slot is not None and not node.ckpt_moving:
-                self.disk.write_back(node, Tier.HOST, node.host_slot)
-        if node.checkpoint_slot is not None:
-            self.ckpts.drop(node)
-        self.host.drop_below(node)
-        if node.host_slot is not None:
-            self.host.drop_checkpoint(node)
-        self.kv.remove_leaf(node)
+        """(the shared budget's way to free a device KV leaf: ``Tiering.evict_leaf``)"""
+        self.tiers.evict_leaf(node)
 
     def allocate(self, seq: SeqCache, num_tokens: int, *, admission: bool = False) -> bool:
         """Make ``seq.block_table`` cover ``num_tokens`` tokens; False if impossible now.
@@ -554,7 +391,7 @@ class CacheManager:
         if need <= 0:
             return True
         while self.blocks.num_free < need:
-            if not self._free_one_block(admission):
+            if not self.tiers.free_one_block(admission):
                 return False
         self.kv.grow(seq, need)
         self.ckpts.compact()
@@ -569,17 +406,7 @@ class CacheManager:
         plan = StepPlan(items=items)
         self._inflight = plan
         self._plan_checkpoints(plan)
-        # last: staging captures may have demoted checkpoints and moved KV blocks
-        plan.saves, self.host.saves = self.host.saves, []
-        if self.budget is not None:
-            plan.moves = self.budget.take_moves()
-        plan.loads = self.load_queue.take()
-        if self.disk is not None:
-            self.disk.plan_writes()
-            plan.disk_saves = self.disk.take_saves()
-            for t in plan.loads:  # by index: the block may have moved since admission
-                if t.kind is TransferKind.DISK_KV_LOAD:
-                    t.dst = t.seq.block_table[t.src]  # type: ignore[union-attr]
+        self.tiers.plan_transfers(plan)  # last: staging may have demoted and moved
         return plan
 
     def _plan_checkpoints(self, plan: StepPlan) -> StepPlan:
@@ -685,25 +512,10 @@ class CacheManager:
             if node.parent is None:
                 continue  # gone with a block above it
             if node.block_id in blocks:
-                self._drop_subtree(node)
+                self.tiers.drop_subtree(node)
             else:
                 self.ckpts.drop(node)
         return len(nodes)
-
-    def _drop_subtree(self, top: Node) -> None:
-        """Drop ``top`` and everything below it, both tiers, deepest first (none pinned)."""
-        order = [top]
-        for node in order:
-            order.extend(node.children.values())
-        for node in reversed(order):
-            if node.block_id < 0:
-                self.host.remove(node)
-                continue
-            if node.checkpoint_slot is not None:
-                self.ckpts.drop(node)
-            if node.host_slot is not None:
-                self.host.drop_checkpoint(node)
-            self.kv.remove_leaf(node)
 
     def publish(self, seq: SeqCache, token_ids: Sequence[int], num_computed: int) -> None:
         """Insert the request's newly full, computed blocks into the tree (and pin them)."""
@@ -771,13 +583,4 @@ class CacheManager:
         self.ckpts.check_integrity(nodes, active, reserved, self.unit // self.block_size)
         if self.budget is not None:
             self.budget.check_integrity()
-        inflight = self._inflight
-        saves = inflight.saves if inflight is not None and not inflight.landed else []
-        self.host.check_integrity(nodes, active, saves)
-        for seq in active:
-            assert all(t.seq is seq for t in seq.loads), "a load queued on the wrong request"
-        staged = [t for seq in active for t in seq.loads if t.staged]
-        planned = self.load_queue.staged + (
-            inflight.loads if inflight is not None and not inflight.landed else []
-        )
-        assert sorted(map(id, staged)) == sorted(map(id, planned)), "staged loads drift"
+        self.tiers.check_integrity(nodes, active, self._inflight)

@@ -245,3 +245,23 @@ class StepPlan:
     # nothing waits for the disk
     disk_saves: list[DiskSave] = field(default_factory=list)
     landed: bool = False
+
+
+class AdmitStatus(enum.Enum):
+    """How one ``CacheManager.admit_request`` ended."""
+
+    ADMITTED = "admitted"  # blocks for its first chunk are allocated: it computes this step
+    LOADING = "loading"  # its hit has copies to land first (host or disk): it computes after
+    WAITING = "waiting"  # its disk hit is being read, or another request computes its prefix now
+    NO_FIT = "no_fit"  # not this step (no chunk, live slot or blocks for it); nothing held
+
+
+@dataclass(slots=True)
+class Admission:
+    """The result of one admission: ``seq`` (ADMITTED and LOADING) is the request's cache
+    view; its first chunk is ``[start, end)`` (``start``: the cached tokens; LOADING: empty)."""
+
+    status: AdmitStatus
+    seq: SeqCache | None = None
+    start: int = 0
+    end: int = 0

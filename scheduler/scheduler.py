@@ -30,42 +30,26 @@ others decode and prefill as usual. A step may carry only copies (no forward).
 finished step; ``fail_step`` releases one that raised. The scheduler
 never touches torch; the engine decides stop conditions and calls ``finish``.
 
-Policy faults stay local. The policy may be a user's ``module:Class``, so every call into
-it (``order_waiting``, ``preemption_victim``, ``stats``) is checked: a call that raises,
-an ordering with an object that is not a waiting request or with a request twice, a victim
-that was not among the candidates, or malformed stats, is a *policy error*. Each is counted
-(``scheduler.policy_errors``), logged once per (call, kind of fault) on the
-``deltaserve.scheduler`` logger, and that one call is answered by FCFS (arrival order;
-the latest arrival is the victim). An ordering that leaves waiting requests out is also a
-policy error but keeps what it did order: the omitted requests follow in FCFS order, so a
-policy can never starve the queue (returning ``[]`` forever admits in FCFS order).
-
-The fallback is per call, not a permanent switch: a policy that fails on one odd input
-(one request's field, one queue shape) keeps its guarantees (priorities, aging, cache
-affinity) on every other step, while a policy that always fails costs one exception per
-step, which is small beside a model step, and one log line in all. The counter tells an
-operator which case they are in.
+Every call into the policy is checked (``scheduler/policy_guard.py``): a faulty policy costs
+its own call an FCFS answer, never the engine.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.cache.types import PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
+from deltaserve.cache.types import AdmitStatus, PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
 from deltaserve.logs import get_logger
-from deltaserve.scheduler.policy import FCFSPolicy, PolicyContext, SchedulingPolicy
+from deltaserve.scheduler.policy import PolicyContext, SchedulingPolicy
+from deltaserve.scheduler.policy_guard import PolicyGuard
 from deltaserve.scheduler.request import Request, RequestStatus, is_placeholder
 from deltaserve.scheduler.step_budget import StepBudget
 
 log = get_logger("deltaserve.scheduler")
-
-_FALLBACK = FCFSPolicy()  # answers a policy call that failed
 
 #: prompt tokens a request that computes its whole prompt (prompt log-probabilities) computes
 #: per step, at most (at least one checkpoint unit): the runner keeps a ``[tokens, vocab]``
@@ -154,9 +138,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
-        self.policy_errors = 0
-        self._policy_faults_logged: set[tuple[str, str]] = set()
+        self.guard = PolicyGuard(policy)
         self._inflight: SchedulerOutput | None = None
+
+    @property
+    def policy_errors(self) -> int:
+        """Policy calls answered by FCFS because the policy failed (``PolicyGuard``)."""
+        return self.guard.errors
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -217,86 +205,6 @@ class Scheduler:
 
         return PolicyContext(step=self.step_count, now=time.monotonic(), cached_prefix=cached_prefix)
 
-    # ------------------------------------------------------------------ policy calls
-    def _policy_fault(
-        self, call: str, kind: str, fallback: str = "fcfs for this call", **details: Any
-    ) -> None:
-        """Count a policy error; log the first of each (call, kind)."""
-        self.policy_errors += 1
-        if (call, kind) in self._policy_faults_logged:
-            return
-        self._policy_faults_logged.add((call, kind))
-        log.error(
-            "scheduler.policy_error",
-            policy=type(self.policy).__module__ + ":" + type(self.policy).__qualname__,
-            call=call,
-            fault=kind,
-            fallback=fallback,
-            **details,
-        )
-
-    def _order_waiting(self, ctx: PolicyContext) -> list[Request]:
-        """The policy's admission order, checked (see the module docstring)."""
-        waiting = self.waiting
-        try:
-            # a copy: a policy that sorts or pops its argument cannot corrupt the queue
-            result = self.policy.order_waiting(list(waiting), ctx)
-        except Exception as exc:
-            self._policy_fault("order_waiting", "raised", error=_describe(exc))
-            return _FALLBACK.order_waiting(waiting, ctx)
-        try:
-            # more items than waiting requests means a duplicate or a stranger; the bound also
-            # keeps an endless iterator from hanging the loop
-            order = list(itertools.islice(result, len(waiting) + 1))
-        except Exception as exc:  # not iterable, or a generator that raised
-            self._policy_fault("order_waiting", "bad_result", result=_describe(result), error=_describe(exc))
-            return _FALLBACK.order_waiting(waiting, ctx)
-        known = {id(r) for r in waiting}
-        seen: set[int] = set()
-        for r in order:
-            if id(r) not in known:
-                self._policy_fault("order_waiting", "unknown_item", item=_describe(r))
-                return _FALLBACK.order_waiting(waiting, ctx)
-            if id(r) in seen:
-                self._policy_fault("order_waiting", "duplicate", request_id=r.request_id)
-                return _FALLBACK.order_waiting(waiting, ctx)
-            seen.add(id(r))
-        if len(order) < len(waiting):
-            self._policy_fault(
-                "order_waiting",
-                "omitted",
-                "omitted requests follow in fcfs order",
-                omitted=len(waiting) - len(order),
-            )
-            order += [r for r in _FALLBACK.order_waiting(waiting, ctx) if id(r) not in seen]
-        return order
-
-    def _preemption_victim(self, candidates: Sequence[Request], ctx: PolicyContext) -> Request:
-        """The policy's victim among ``candidates``, checked (see the module docstring)."""
-        try:
-            victim = self.policy.preemption_victim(list(candidates), ctx)
-        except Exception as exc:
-            self._policy_fault("preemption_victim", "raised", error=_describe(exc))
-            return _FALLBACK.preemption_victim(candidates, ctx)
-        if not any(victim is c for c in candidates):
-            self._policy_fault("preemption_victim", "not_a_candidate", victim=_describe(victim))
-            return _FALLBACK.preemption_victim(candidates, ctx)
-        return victim
-
-    def _policy_stats(self) -> dict[str, float]:
-        try:
-            items = list(self.policy.stats().items())
-        except Exception as exc:
-            self._policy_fault("stats", "raised", "no policy stats", error=_describe(exc))
-            return {}
-        out: dict[str, float] = {}
-        for k, v in items:
-            if isinstance(k, str) and isinstance(v, (int, float)):
-                out[k] = v
-            else:
-                self._policy_fault("stats", "bad_entry", "entry dropped", entry=_describe((k, v)))
-        return out
-
     # ------------------------------------------------------------------ scheduling
     def _chunk_end(self, start: int, target: int, budget: int) -> int:
         """End of a prefill chunk from ``start``: the target, or a unit boundary.
@@ -345,7 +253,7 @@ class Scheduler:
         assert req.cache is not None
         while not self.cache.allocate(req.cache, end):
             candidates = [r for r in self.running if id(r) not in scheduled]
-            victim = self._preemption_victim(candidates, ctx) if candidates else req
+            victim = self.guard.preemption_victim(candidates, ctx) if candidates else req
             self._preempt(victim)
             preempted.append(victim)
             if victim is req:
@@ -436,7 +344,7 @@ class Scheduler:
         this step does not count)."""
         completing = {id(p.request) for p in step.prefills if p.end == p.request.num_tokens}
         num_partial = sum(1 for r in self.running if not r.is_decoding and id(r) not in completing)
-        for req in self._order_waiting(step.ctx):
+        for req in self.guard.order_waiting(self.waiting, step.ctx):
             if len(self.running) >= self.max_num_seqs or step.budget <= 0:
                 break
             if self.cache.num_free_live_slots == 0:
@@ -449,50 +357,41 @@ class Scheduler:
             num_partial += partial
 
     def _admit(self, req: Request, step: _StepBuild, num_partial: int) -> int | None:
-        """Admit ``req`` with its first prefill chunk, or with its host-tier loads staged.
-        None when it does not fit now; else 1 if it stays partially prefilled after this
-        step, 0 if not."""
-        match = self._match(req)
-        hit = match.hit_tokens
-        disk = (
-            None if req.compute_whole_prompt else self.cache.disk_fetch(req.request_id, req.token_ids, match)
-        )
-        if disk is not None and not disk.done:
-            return 0  # its disk hit is being read: the others go on meanwhile
-        if not req.compute_whole_prompt and self.cache.wait_for_shared_prefix(
-            match, req.token_ids, self.shared_prefix_wait_tokens
-        ):
-            return 0  # another request is computing its prefix now: resume from its checkpoint
-        end = self._chunk_end(hit, req.num_tokens, self._piece_budget(req, step.budget))
-        if end == hit:
-            return None  # not even one chunk fits this step: keep the order, wait
-        if end < req.num_tokens and num_partial >= self.max_num_partial_prefills:
-            return None
-        seq = self.cache.admit(
+        """Admit ``req`` with its first prefill chunk, or with its host-tier loads staged
+        (one ``CacheManager.admit_request``). None when it does not fit now; else 1 if it
+        stays partially prefilled after this step, 0 if not."""
+
+        def first_chunk(hit: int) -> int | None:
+            end = self._chunk_end(hit, req.num_tokens, self._piece_budget(req, step.budget))
+            if end == hit:
+                return None  # not even one chunk fits this step: keep the order, wait
+            if end < req.num_tokens and num_partial >= self.max_num_partial_prefills:
+                return None
+            return end
+
+        a = self.cache.admit_request(
             req.request_id,
             req.token_ids,
             req.cache_salt,
+            self._match(req),
+            first_chunk,
             prompt_len=req.num_prompt_tokens,
             hashes=req.block_hashes,
-            match=match,
-            disk=disk,
+            whole_prompt=req.compute_whole_prompt,
+            wait_tokens=self.shared_prefix_wait_tokens,
+            preempted_tokens=None if req.num_cached_tokens < 0 else req.preempted_tokens,
         )
-        if seq is None:
+        if a.status is AdmitStatus.WAITING:
+            return 0  # a disk read or another request's prefix: the others go on meanwhile
+        if a.seq is None:
             return None
-        # nothing changed since the match: admission found the same hit (or the disk's beyond it)
-        assert seq.num_cached_tokens == hit + seq.disk_hit_tokens
-        if seq.loads:  # host- or disk-tier hit: it computes once its copies have landed
-            self._start(req, seq)
-            self.cache.stage_loads(seq)
+        self._start(req, a.seq)
+        if a.status is AdmitStatus.LOADING:  # it computes once its copies have landed
             return 0
-        if not self.cache.allocate(seq, end, admission=True):
-            self.cache.free(seq, publish_output=False)
-            return None  # new requests never preempt running ones
-        self._start(req, seq)
         step.scheduled.add(id(req))
-        step.prefills.append(ScheduledSeq(req, hit, end, False, end == req.num_tokens))
-        step.budget -= end - hit
-        return int(end < req.num_tokens)
+        step.prefills.append(ScheduledSeq(req, a.start, a.end, False, a.end == req.num_tokens))
+        step.budget -= a.end - a.start
+        return int(a.end < req.num_tokens)
 
     def _emit(self, step: _StepBuild) -> SchedulerOutput | None:
         """The step's output and cache plan (None: nothing to run)."""
@@ -517,15 +416,13 @@ class Scheduler:
         return out
 
     def _start(self, req: Request, seq: SeqCache) -> None:
-        """``req`` was admitted (``seq``: its cache view): it moves to the running list."""
+        """``req`` was admitted (``seq``: its cache view, its query counted by the cache): it
+        moves to the running list."""
         req.cache = seq
         req.num_computed_tokens = seq.num_cached_tokens
         if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
             req.num_cached_tokens = seq.num_cached_tokens
             req.scheduled_time = time.monotonic()
-            self.cache.record_query(req.num_tokens, seq.num_cached_tokens, seq)
-        else:  # a preemption's recompute, less what the cache serves it (never a gain)
-            self.cache.note_recompute_hit(min(seq.num_cached_tokens, req.preempted_tokens))
         req.status = RequestStatus.RUNNING
         self.waiting.remove(req)
         self.running.append(req)
@@ -603,7 +500,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, float]:
-        policy_stats = self._policy_stats()  # first: a fault in it is counted below
+        policy_stats = self.guard.stats()  # first: a fault in it is counted below
         now = time.monotonic()
         oldest = max((now - r.arrival_time for r in self.waiting), default=0.0)
         out: dict[str, float] = {
@@ -612,7 +509,7 @@ class Scheduler:
             "scheduler.preemptions": self.num_preemptions,
             "scheduler.oldest_waiting_s": oldest,
             "scheduler.steps": self.step_count,
-            "scheduler.policy_errors": self.policy_errors,
+            "scheduler.policy_errors": self.guard.errors,
         }
         out.update({f"scheduler.policy.{k}": v for k, v in policy_stats.items()})
         if self.step_budget is not None:
@@ -632,14 +529,3 @@ class Scheduler:
                 r.cache is not None
                 and len(r.cache.block_table) * self.cache.block_size >= r.num_computed_tokens
             )
-
-
-def _describe(value: object, limit: int = 200) -> str:
-    """A short, never-raising description of what a policy gave back or raised."""
-    if isinstance(value, Request):
-        return f"Request({value.request_id!r})"
-    try:
-        text = repr(value)
-    except Exception:
-        text = f"<{type(value).__name__} with a failing repr>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import deltaserve.scheduler.scheduler as scheduler_module
+import deltaserve.scheduler.policy_guard as policy_guard_module
 from deltaserve.scheduler import FCFSPolicy, PolicyContext, Request, Scheduler, SchedulingPolicy, make_policy
 from tests.scheduler.test_policies import make_scheduler
 
@@ -85,7 +85,7 @@ class Recorder:
 def capture_logs() -> Iterator[list[dict[str, Any]]]:
     recorder = Recorder()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(scheduler_module, "log", recorder)
+        mp.setattr(policy_guard_module, "log", recorder)
         yield recorder.events
 
 
