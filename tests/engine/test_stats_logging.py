@@ -124,6 +124,7 @@ async def test_core_process_logs_stats(capfd: pytest.CaptureFixture[str]) -> Non
     check(fields, lines())
 
 
+@pytest.mark.slow  # the separate core process is covered by the test above in the default run
 @pytest.mark.asyncio
 async def test_serve_logs_stats() -> None:
     """``deltaserve serve`` in its default placement (a separate core process) logs stats."""
