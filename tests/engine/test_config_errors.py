@@ -16,6 +16,7 @@ from deltaserve.engine.byte_size import bytes_arg, format_bytes, parse_bytes, si
 from deltaserve.engine.config import CacheConfig, ConfigError, EngineConfig, parse_override
 from deltaserve.engine.sizing import ModelShape, plan_capacity
 from deltaserve.server.config import ServerConfig
+from tests.serve_procs import SERVE
 
 REPO = Path(__file__).resolve().parents[2]
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -168,18 +169,7 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
 def test_serve_prints_a_too_small_budget_once_on_one_line() -> None:
     """The default placement (a separate core process) used to log the error in the core and print
     it in the front end: two lines, neither naming the key nor the minimum."""
-    run = _run(
-        sys.executable,
-        "-m",
-        "deltaserve",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--set",
-        "cache.memory_bytes=1",
-    )
+    run = _run(*SERVE, "--port", "0", "--set", "cache.memory_bytes=1")
     assert run.returncode == 2, run.stderr
     mentions = [line for line in run.stderr.splitlines() if "memory_bytes" in line or "ERROR" in line]
     assert len(mentions) == 1, run.stderr
@@ -189,8 +179,7 @@ def test_serve_prints_a_too_small_budget_once_on_one_line() -> None:
     assert (
         ": cache.memory_bytes = 1 is below the minimum 896KiB (917504 bytes) needed for one live GDN" in line
     )
-    quiet = _run(sys.executable, "-m", "deltaserve", "serve", "--host", "127.0.0.1", "--port", "0", "--set", "logging.level=warning",
-                 "--set", "cache.memory_bytes=1")  # fmt: skip
+    quiet = _run(*SERVE, "--port", "0", "--set", "logging.level=warning", "--set", "cache.memory_bytes=1")
     assert quiet.returncode == 2 and quiet.stderr.strip().splitlines() == [line], quiet.stderr
 
 

@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore, SamplingPar
 from deltaserve.engine.client import EngineClient
 from deltaserve.engine.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
+from tests.serve_procs import SERVE
 
 SETTINGS: dict[str, Any] = {
     "model.device": "cpu",
@@ -129,8 +129,7 @@ async def test_core_process_logs_stats(capfd: pytest.CaptureFixture[str]) -> Non
 async def test_serve_logs_stats() -> None:
     """``deltaserve serve`` in its default placement (a separate core process) logs stats."""
     settings = [a for k, v in SETTINGS.items() if k != "logging.level" for a in ("--set", f"{k}={v}")]
-    cmd = [sys.executable, "-m", "deltaserve", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--log-level", "info", *settings]  # fmt: skip
+    cmd = [*SERVE, "--port", "0", "--log-level", "info", *settings]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

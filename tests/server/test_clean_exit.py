@@ -6,48 +6,22 @@ no traceback. Also a server that cannot bind its port leaves no dump."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
-from collections.abc import Iterator
 
 import httpx
 import pytest
+
+from tests.serve_procs import popen_serve
 
 SETTINGS = ["--set", "cache.memory_bytes=64MiB", "--set", "logging.stats_interval_s=60",
             "--set", "scheduler.max_num_seqs=8"]  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-
-
 def serve(procs: list[subprocess.Popen[str]], *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "deltaserve",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--log-level",
-        "info",
-        *SETTINGS,
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    procs.append(proc)
-    return proc
+    return popen_serve(procs, "--log-level", "info", *SETTINGS, *extra)
 
 
 def teardown_noise(stderr: str) -> list[str]:

@@ -13,56 +13,25 @@ import stat
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from deltaserve.engine.ipc_files import RUN_DIR, pid_alive, remove_stale
+from tests.serve_procs import popen_serve, served_url
 
 SETTINGS = ["--set", "cache.memory_bytes=67108864", "--set", "logging.stats_interval_s=60", "--set",
             "scheduler.max_num_seqs=16"]  # fmt: skip
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-
-
 def start(
     procs: list[subprocess.Popen[str]], tmp: Path, *extra: str, expect_url: bool = True
 ) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "deltaserve",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--log-level",
-        "info",
-        *SETTINGS,
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    procs.append(proc)
-    if not expect_url:
-        return proc, ""
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    assert first.startswith("deltaserve: serving builtin:tiny-qwen3.5 at http://127.0.0.1:"), first + (
-        proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
+    proc = popen_serve(
+        procs, "--port", "0", "--log-level", "info", *SETTINGS, *extra, env={"TMPDIR": str(tmp)}
     )
-    return proc, first.split(" at ")[1].split()[0].removesuffix("/v1")
+    return proc, served_url(proc).removesuffix("/v1") if expect_url else ""
 
 
 def dead_pid() -> int:

@@ -8,54 +8,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from deltaserve.engine.core_proc import pid_alive
+from tests.serve_procs import popen_serve, served_url
 
 SETTINGS = ["--set", "cache.memory_bytes=67108864", "--set", "logging.stats_interval_s=60", "--set",
             "scheduler.max_num_seqs=16"]  # fmt: skip
 
 
-@pytest.fixture
-def run_server() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-
-
 def start(procs: list[subprocess.Popen[str]], *extra: str) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "deltaserve",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--log-level",
-        "info",
-        *SETTINGS,
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    procs.append(proc)
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    assert first.startswith("deltaserve: serving builtin:tiny-qwen3.5 at http://127.0.0.1:"), first + (
-        proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
-    )
-    return proc, first.split(" at ")[1].split()[0]
+    proc = popen_serve(procs, "--port", "0", "--log-level", "info", *SETTINGS, *extra)
+    return proc, served_url(proc)
 
 
 def core_pids(stderr: str) -> set[int]:
@@ -81,8 +49,8 @@ def stream_with_signal(url: str, proc: subprocess.Popen[str], sig: int) -> list[
     return [json.loads(d) for d in data[:-1]]
 
 
-def test_sigterm_drains_through_front_end_and_core_and_exits_0(run_server: list) -> None:
-    proc, url = start(run_server, "--engine-process", "--drain-timeout", "30")
+def test_sigterm_drains_through_front_end_and_core_and_exits_0(procs: list) -> None:
+    proc, url = start(procs, "--engine-process", "--drain-timeout", "30")
     chunks = stream_with_signal(url, proc, signal.SIGTERM)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # drained, not cut
     assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 20
@@ -92,8 +60,8 @@ def test_sigterm_drains_through_front_end_and_core_and_exits_0(run_server: list)
     assert "core_proc.stopped" in err and not pid_alive(core)
 
 
-def test_a_killed_core_makes_the_server_exit_1(run_server: list) -> None:
-    proc, url = start(run_server, "--engine-process")
+def test_a_killed_core_makes_the_server_exit_1(procs: list) -> None:
+    proc, url = start(procs, "--engine-process")
     with httpx.Client(base_url=url.removesuffix("/v1"), timeout=30) as http:
         assert http.get("/health").status_code == 200
     pid = int(
@@ -107,8 +75,8 @@ def test_a_killed_core_makes_the_server_exit_1(run_server: list) -> None:
 
 
 @pytest.mark.slow  # three processes load: about 25 s on a 2-core CPU
-def test_two_front_ends_share_one_core_and_drain_on_sigterm(run_server: list) -> None:
-    proc, url = start(run_server, "--api-server-count", "2")
+def test_two_front_ends_share_one_core_and_drain_on_sigterm(procs: list) -> None:
+    proc, url = start(procs, "--api-server-count", "2")
 
     def one(i: int) -> str:
         body = {"prompt": f"Request {i}", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
