@@ -31,10 +31,8 @@ import pytest_asyncio
 
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore
 from deltaserve.models import LoadedModel
-from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
-from deltaserve.server.config import ServerConfig
 from deltaserve.tools.workloads.registry import WORKLOADS
+from tests.server.conftest import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -152,12 +150,8 @@ def test_config_blocks_load(tmp_path: Path) -> None:
 async def server_url(tiny_model: LoadedModel) -> AsyncIterator[str]:
     config = EngineConfig.load(None, {"cache.memory_bytes": 128 * 1024**2, "logging.stats_interval_s": 60.0})
     engine = AsyncEngine(core=EngineCore(config, loaded=tiny_model))
-    await engine.start()
-    try:
-        async with BackgroundServer(create_app(engine, ServerConfig(served_model_names=[MODEL]))) as srv:
-            yield srv.url
-    finally:
-        await engine.shutdown()
+    async with serving(engine) as srv:
+        yield srv.url
 
 
 def commands(code: str) -> list[str]:

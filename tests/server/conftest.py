@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,19 @@ from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
 
 MODEL = "builtin:tiny-qwen3.5"
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: Any, config: ServerConfig | None = None) -> AsyncIterator[BackgroundServer]:
+    """``engine`` started and served on 127.0.0.1 (a free port) for the block, then shut down."""
+    await engine.start()
+    try:
+        async with BackgroundServer(
+            create_app(engine, config or ServerConfig(served_model_names=[MODEL]))
+        ) as srv:
+            yield srv
+    finally:
+        await engine.shutdown()
 
 
 def server_engine_config(**dotted: Any) -> EngineConfig:

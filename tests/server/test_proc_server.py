@@ -22,7 +22,7 @@ from deltaserve.models import LoadedModel
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
-from tests.server.conftest import MODEL, server_engine_config
+from tests.server.conftest import MODEL, server_engine_config, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -40,23 +40,15 @@ def client_of(url: str) -> Any:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def proc_served() -> AsyncIterator[tuple[EngineProcClient, BackgroundServer]]:
     engine = EngineProcClient(config())
-    await engine.start()
-    try:
-        async with BackgroundServer(create_app(engine, ServerConfig(served_model_names=[MODEL]))) as srv:
-            yield engine, srv
-    finally:
-        await engine.shutdown()
+    async with serving(engine) as srv:
+        yield engine, srv
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def local_url(tiny_loaded: LoadedModel) -> AsyncIterator[str]:
     engine = AsyncEngine(core=EngineCore(config(), loaded=tiny_loaded))
-    await engine.start()
-    try:
-        async with BackgroundServer(create_app(engine, ServerConfig(served_model_names=[MODEL]))) as srv:
-            yield srv.url
-    finally:
-        await engine.shutdown()
+    async with serving(engine) as srv:
+        yield srv.url
 
 
 async def idle_stats(engine: EngineProcClient, timeout: float = 20.0) -> dict[str, Any]:

@@ -19,10 +19,7 @@ import pytest_asyncio
 from deltaserve.engine import AsyncEngine, EngineCore
 from deltaserve.engine.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
-from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
-from deltaserve.server.config import ServerConfig
-from tests.server.conftest import MODEL, server_engine_config
+from tests.server.conftest import MODEL, server_engine_config, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -106,12 +103,8 @@ async def url(request: Any, tiny_loaded: LoadedModel) -> AsyncIterator[str]:
         engine: Any = EngineProcClient(_config())
     else:
         engine = AsyncEngine(core=EngineCore(_config(), loaded=tiny_loaded))
-    await engine.start()
-    try:
-        async with BackgroundServer(create_app(engine, ServerConfig(served_model_names=[MODEL]))) as srv:
-            yield srv.url
-    finally:
-        await engine.shutdown()
+    async with serving(engine) as srv:
+        yield srv.url
 
 
 async def _stream_gaps(client: httpx.AsyncClient, started: asyncio.Event, done: asyncio.Event) -> list[float]:
