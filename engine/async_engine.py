@@ -176,7 +176,7 @@ class AsyncEngine(EngineClient[RequestStream]):
         loop = asyncio.get_running_loop()
         if self.core is None:
             self.core = await loop.run_in_executor(self._executor, EngineCore, self.config)
-        log_sampling_defaults(self.core.config.model)
+        log_sampling_defaults(self.core.config.model, *self.core.sampling_defaults)
         self._wakeup = asyncio.Event()
         # a parked request's grammar compiled (on a grammar worker): step again now
         self.core.on_grammar_ready = lambda: loop.call_soon_threadsafe(self._wake)

@@ -140,12 +140,14 @@ class EngineCore:
         # called (on a grammar worker) when a parked request's compile finishes: the owner of the
         # loop wakes it (AsyncEngine, the core process)
         self.on_grammar_ready: Callable[[], None] | None = None
+        #: the model's request defaults and their source (``model_files.sampling_defaults``)
+        self.sampling_defaults = sampling_defaults(config.model)
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             salt_parts=(str(self.loaded.path), config.model.dtype.value, config.cache.namespace),
-            sampling_defaults=sampling_defaults(config.model)[0],
+            sampling_defaults=self.sampling_defaults[0],
         )
         self.max_token_chars = self.input_processor.max_token_chars
         self.model_info = model_info(config, self.loaded, self.capacity, self.cache.unit)

@@ -247,12 +247,11 @@ def with_chat_template(tokenizer: Any, model: ModelConfig) -> Any:
     return tokenizer
 
 
-def log_sampling_defaults(model: ModelConfig) -> None:
-    """Log ``engine.sampling_defaults``: the request defaults in use and their source (once, by
-    the front end that applies them)."""
+def log_sampling_defaults(model: ModelConfig, defaults: dict[str, Any], source: str) -> None:
+    """Log ``engine.sampling_defaults``: the request defaults in use (``sampling_defaults``'s
+    answer) and their source, once, by the front end that applies them."""
     from deltaserve.logs import get_logger
 
-    defaults, source = sampling_defaults(model)
     get_logger("deltaserve.engine").info(
         "engine.sampling_defaults", generation_config=model.generation_config, source=source, **defaults
     )

@@ -176,15 +176,16 @@ class EngineProcClient(EngineClient[ProcStream]):
         tokenizer = with_chat_template(
             load_tokenizer(str(self.config.model.tokenizer or self.config.model.path)), self.config.model
         )
+        defaults, source = sampling_defaults(self.config.model)
         ip = InputProcessor(
             tokenizer,
             max_model_len=ready.model_info.max_model_len,
             vocab_size=ready.model_info.vocab_size,
             salt_parts=ready.salt_parts,
             max_token_chars=ready.max_token_chars,
-            sampling_defaults=sampling_defaults(self.config.model)[0],
+            sampling_defaults=defaults,
         )
-        log_sampling_defaults(self.config.model)
+        log_sampling_defaults(self.config.model, defaults, source)
         # detokenizing and tokenizing share no fast-tokenizer instance (their own mutable state)
         return ip, copy.deepcopy(tokenizer)
 
