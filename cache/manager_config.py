@@ -1,6 +1,6 @@
 """The cache manager's configuration and the checkpoint unit (``cache/manager.py``).
 
-``CacheManagerConfig`` is plain numbers (the engine sizes them, ``engine/sizing.py``; the
+``CacheManagerConfig`` is plain numbers (the engine sizes them, ``engine/core/sizing.py``; the
 simulator sets them directly). ``checkpoint_unit`` is the grid a hit, a tail, a branch or an
 output capture sits on. Torch-free.
 """

@@ -1,6 +1,6 @@
 """The ingress side: an ``EngineClient`` over the engine deployment's ``DeploymentHandle``.
 
-``RemoteEngine`` implements ``deltaserve.engine.client.EngineClient``, so
+``RemoteEngine`` implements ``deltaserve.engine.front.client.EngineClient``, so
 ``deltaserve.server.app.create_app(RemoteEngine(...))`` serves every endpoint of the
 single-engine server (chat, completions, streaming, ``n``, logprobs, tools, tokenize, errors)
 unchanged, with each request's work done on a replica chosen by the router.
@@ -30,10 +30,10 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from deltaserve.cluster.affinity import RouteHint, route_keys
-from deltaserve.engine.client import AbortingStream, EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.errors import DeltaServeError, EngineDeadError
-from deltaserve.engine.input_processor import InputProcessor
+from deltaserve.engine.front.client import AbortingStream, EngineClient, ModelInfo, RequestInput, not_started
+from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request

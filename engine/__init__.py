@@ -1,6 +1,6 @@
 """deltaserve public API: ``AsyncEngine``, ``EngineConfig``, ``SamplingParams``, ``RequestOutput``.
 
-The front-end seam (``engine/client.py``): ``EngineClient`` (what ``AsyncEngine``,
+The front-end seam (``engine/front/client.py``): ``EngineClient`` (what ``AsyncEngine``,
 ``EngineProcClient`` (the core in its own process) and the cluster's ``RemoteEngine`` implement), ``RequestInput``, ``ModelInfo``; ``InputProcessor``
 validates and tokenizes. Torch-heavy names (``AsyncEngine``, ``EngineCore``) load on first
 use, so torch-free tools (the cache simulator) can import ``engine.config``, ``engine.cli``
@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import Constraint, ConstraintKind
 from deltaserve.engine.errors import (
@@ -24,21 +23,22 @@ from deltaserve.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from deltaserve.engine.front.client import EngineClient, ModelInfo, RequestInput
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deltaserve.engine.async_engine import AsyncEngine, install_uvloop
-    from deltaserve.engine.core import EngineCore
-    from deltaserve.engine.input_processor import InputProcessor
-    from deltaserve.engine.proc_client import EngineProcClient
+    from deltaserve.engine.core.engine_core import EngineCore
+    from deltaserve.engine.front.async_engine import AsyncEngine, install_uvloop
+    from deltaserve.engine.front.input_processor import InputProcessor
+    from deltaserve.engine.front.proc_client import EngineProcClient
 
 _LAZY = {
-    "AsyncEngine": "deltaserve.engine.async_engine",
-    "install_uvloop": "deltaserve.engine.async_engine",
-    "EngineCore": "deltaserve.engine.core",
-    "EngineProcClient": "deltaserve.engine.proc_client",
-    "InputProcessor": "deltaserve.engine.input_processor",
+    "AsyncEngine": "deltaserve.engine.front.async_engine",
+    "install_uvloop": "deltaserve.engine.front.async_engine",
+    "EngineCore": "deltaserve.engine.core.engine_core",
+    "EngineProcClient": "deltaserve.engine.front.proc_client",
+    "InputProcessor": "deltaserve.engine.front.input_processor",
 }
 
 

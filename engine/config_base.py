@@ -53,7 +53,7 @@ class CoreProcess(str, enum.Enum):
     """Where ``deltaserve serve`` runs the engine core (``engine.core_process``)."""
 
     IN_PROCESS = "in_process"  # AsyncEngine: the step thread shares the server's process (and GIL)
-    SEPARATE = "separate"  # EngineProcClient: the core in a process of its own (engine/core_proc.py)
+    SEPARATE = "separate"  # EngineProcClient: the core in a process of its own (engine/core/core_proc.py)
 
 
 class LogLevel(str, enum.Enum):

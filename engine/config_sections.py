@@ -33,7 +33,7 @@ from deltaserve.scheduler.policy import make_policy, resolve_policy_class
 class CacheConfig(_Section):
     """``[cache]``: the memory budget and how it is split; the prefix cache's behaviour.
 
-    Split rule (``deltaserve.engine.sizing.plan_capacity``): the budget is
+    Split rule (``deltaserve.engine.core.sizing.plan_capacity``): the budget is
     ``memory_bytes`` on the CPU, or ``gpu_memory_utilization`` x device memory minus the
     weights and the measured activation peak on CUDA. Live GDN state slots come first
     (one per ``scheduler.max_num_seqs``; at most half the budget: beyond that the number

@@ -6,7 +6,7 @@ own worker threads (``compile_async``: a future; one compile per constraint in f
 many requests ask), never on a loop that serves other requests: xgrammar releases the GIL
 while it compiles. A front end asks first and waits at most ``compile_timeout_s``
 (``EngineClient.compile_constraint``: a 400 when it runs out); the core parks a request whose
-grammar is still compiling and admits it once it is ready (``engine/grammar_wait.py``). A
+grammar is still compiling and admits it once it is ready (``engine/core/grammar_wait.py``). A
 compile cannot be interrupted: one that outlives its deadline finishes on its worker and is
 cached. At interpreter exit the compiles in flight are waited for (an ``atexit`` hook; the
 limits of ``engine/constraint.py`` keep them to seconds): CPython ends a daemon thread that

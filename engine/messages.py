@@ -1,6 +1,6 @@
 """The messages between a front end (``EngineProcClient``) and the engine-core process.
 
-msgspec structs, msgpack-encoded, one ZeroMQ frame each (``engine/core_proc.py``). A front end
+msgspec structs, msgpack-encoded, one ZeroMQ frame each (``engine/core/core_proc.py``). A front end
 sends ``Hello`` first (its pid: the core aborts its requests if it dies), then ``AddRequest`` /
 ``AbortRequests`` / ``GetStats`` / ``CompileConstraint`` / ``CheckIntegrity``, and ``Shutdown``
 when it owns the core. The core answers ``Hello`` with ``Ready`` (or ``StartFailed``),
@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from deltaserve.engine.client import ModelInfo
 from deltaserve.engine.constraint import Constraint
+from deltaserve.engine.front.client import ModelInfo
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.sampling_params import SamplingParams
 

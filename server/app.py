@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from deltaserve.engine.client import EngineClient
+from deltaserve.engine.front.client import EngineClient
 from deltaserve.logs import get_logger
 from deltaserve.server.auth import OPEN_PATHS, BearerAuth, route_path
 from deltaserve.server.config import ServerConfig

@@ -436,7 +436,7 @@ def build_engine(engine_config: Any, address: str | None = None) -> Any:
     from deltaserve.engine.config import CoreProcess
 
     if address is not None or engine_config.engine.core_process is CoreProcess.SEPARATE:
-        from deltaserve.engine.proc_client import EngineProcClient
+        from deltaserve.engine.front.proc_client import EngineProcClient
 
         return EngineProcClient(engine_config, address=address)
     from deltaserve.engine import AsyncEngine

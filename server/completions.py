@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from deltaserve.engine.client import OutputStream
+from deltaserve.engine.front.client import OutputStream
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
 from deltaserve.server import protocol as p
 from deltaserve.server.errors import engine_failure

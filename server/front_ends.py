@@ -1,7 +1,7 @@
 """``deltaserve serve --api-server-count N``: N front-end processes around one engine core process.
 
 The supervisor (this module's ``serve_front_ends``, in the ``deltaserve serve`` process) starts
-the core (``engine/core_proc.py``), waits until it is ready, takes the port and starts N front
+the core (``engine/core/core_proc.py``), waits until it is ready, takes the port and starts N front
 ends (``python -m deltaserve.server.front_ends``), each serving HTTP with an ``EngineProcClient``
 joined to the core, and prints the URL once every front end listens.
 
@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.core_proc import CoreHandle, start_core
+from deltaserve.engine.core.core_proc import CoreHandle, start_core
 from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.messages import CoreMessage, Hello, Ready, Shutdown, StartFailed
 from deltaserve.logs import get_logger

@@ -19,8 +19,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deltaserve.engine.client import EngineClient, OutputStream
 from deltaserve.engine.errors import EngineDeadError
+from deltaserve.engine.front.client import EngineClient, OutputStream
 from deltaserve.server import protocol as p
 from deltaserve.server.chat import ChatChunks, chat_response
 from deltaserve.server.completions import (

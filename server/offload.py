@@ -16,8 +16,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from deltaserve.engine.client import EngineClient
-from deltaserve.engine.input_processor import InputProcessor
+from deltaserve.engine.front.client import EngineClient
+from deltaserve.engine.front.input_processor import InputProcessor
 
 #: prompts longer than this (characters) are tokenized in the worker thread
 LONG_PROMPT_CHARS = 8192

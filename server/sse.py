@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from deltaserve.engine.client import OutputStream
+from deltaserve.engine.front.client import OutputStream
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.logs import get_logger
 from deltaserve.server.errors import APIError, encode, translate_error

@@ -26,9 +26,9 @@ from typing import Any
 
 import msgspec
 
-from deltaserve.engine.client import EngineClient
 from deltaserve.engine.constraint import Constraint, ConstraintKind
 from deltaserve.engine.errors import InvalidRequestError
+from deltaserve.engine.front.client import EngineClient
 from deltaserve.server import protocol as p
 from deltaserve.server.errors import bad_request
 

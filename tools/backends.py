@@ -263,7 +263,7 @@ class HFBackend:
 
         self.torch = torch
         self.path = model_path
-        from deltaserve.engine.builder import choose_device, resolve_dtype  # the engine's own tables
+        from deltaserve.engine.core.builder import choose_device, resolve_dtype  # the engine's own tables
 
         device = str(choose_device(device)[0])  # "auto" as the engine resolves it
         self.device = device

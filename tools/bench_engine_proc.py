@@ -51,7 +51,7 @@ def core_pid(server: int) -> int | None:
     for pid in [server, *children(server)]:
         for child in children(pid):
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"deltaserve.engine.core_proc" in f.read():
+                if b"deltaserve.engine.core.core_proc" in f.read():
                     return child
     return None
 

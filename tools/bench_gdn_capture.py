@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deltaserve.engine.memory import keep_freed_memory
+from deltaserve.engine.runner.memory import keep_freed_memory
 from deltaserve.kernels.gdn import chunk_gated_delta_rule
 
 HEADS, DIM = 16, 128

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from deltaserve.engine.memory import Resident, resident
+from deltaserve.engine.runner.memory import Resident, resident
 from deltaserve.logs import configure_logging, get_logger
 
 log = get_logger("deltaserve.bench_rss")

@@ -25,7 +25,7 @@ from deltaserve.cache.admission import ADMISSION_POLICIES
 from deltaserve.cache.arena import PageUse, blocks_per_page
 from deltaserve.cache.manager import checkpoint_unit
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.sizing import Capacity, build_scheduler
+from deltaserve.engine.core.sizing import Capacity, build_scheduler
 from deltaserve.scheduler import Request
 from deltaserve.tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn
 from deltaserve.tools.sim_disk import SimDiskTier, SimStore

@@ -16,8 +16,8 @@ from ray import exceptions as rx  # noqa: E402
 from deltaserve.cluster.affinity import route_keys  # noqa: E402
 from deltaserve.cluster.remote import RemoteEngine, is_replica_failure, load_tokenizer  # noqa: E402
 from deltaserve.engine import EngineConfig, SamplingParams  # noqa: E402
-from deltaserve.engine.client import RequestInput  # noqa: E402
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError  # noqa: E402
+from deltaserve.engine.front.client import RequestInput  # noqa: E402
 from deltaserve.engine.outputs import RequestOutput  # noqa: E402
 
 INFO = {
@@ -189,7 +189,7 @@ async def test_leaving_early_cancels_the_remote_call(tokenizer: Any) -> None:
 
 
 async def test_abort_ends_the_stream_with_abort_and_cancels_the_call(tokenizer: Any) -> None:
-    from deltaserve.engine.client import EngineClient
+    from deltaserve.engine.front.client import EngineClient
 
     assert isinstance(RemoteEngine(FakeHandle(), EngineConfig()), EngineClient)  # (not started)
     eng, handle = engine(tokenizer, [{"accepted": "r1", "request_id": "q"}, [out([1])], [out([2])]])

@@ -10,9 +10,9 @@ import torch
 
 from deltaserve.cache.types import StepPlan, Transfer, TransferKind
 from deltaserve.engine import ConfigError
-from deltaserve.engine.builder import model_shape
-from deltaserve.engine.model_runner import ModelRunner, RunnerSizes
-from deltaserve.engine.sizing import ModelShape, build_cache_manager, plan_capacity
+from deltaserve.engine.core.builder import model_shape
+from deltaserve.engine.core.sizing import ModelShape, build_cache_manager, plan_capacity
+from deltaserve.engine.runner.model_runner import ModelRunner, RunnerSizes
 from deltaserve.kernels import REFERENCE_OPS
 from deltaserve.models import BatchMetadata, LoadedModel
 from tests.engine.test_sizing import QWEN35_08B, MiB, cfg

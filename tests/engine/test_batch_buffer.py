@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deltaserve.engine.batch_buffer import BatchBuffer
-from deltaserve.engine.model_runner import _take_placeholders
+from deltaserve.engine.runner.batch_buffer import BatchBuffer
+from deltaserve.engine.runner.model_runner import _take_placeholders
 from deltaserve.scheduler.request import is_placeholder, placeholder, placeholder_row
 
 

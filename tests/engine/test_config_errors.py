@@ -14,7 +14,7 @@ import pytest
 
 from deltaserve.engine.byte_size import bytes_arg, format_bytes, parse_bytes, size_fields
 from deltaserve.engine.config import CacheConfig, ConfigError, EngineConfig, parse_override
-from deltaserve.engine.sizing import ModelShape, plan_capacity
+from deltaserve.engine.core.sizing import ModelShape, plan_capacity
 from deltaserve.server.config import ServerConfig
 from tests.serve_procs import SERVE
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer, token_byte_table
+from deltaserve.engine.front.detokenizer import IncrementalDetokenizer, token_byte_table
 from deltaserve.models import ensure_builtin_model
 
 TEXTS = [

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deltaserve.engine import EngineCore, builder
-from deltaserve.engine.builder import choose_device, resolve_dtype
 from deltaserve.engine.config import DType, ModelConfig
+from deltaserve.engine.core.builder import choose_device, resolve_dtype
 from deltaserve.models import LoadedModel
 from tests.engine.conftest import make_config
 

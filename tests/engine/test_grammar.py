@@ -16,8 +16,8 @@ import torch
 from deltaserve.engine import EngineCore, InvalidRequestError, RequestOutput, SamplingParams
 from deltaserve.engine.constraint import SAFE_INTEGER, Constraint, ConstraintKind, bounded_schema
 from deltaserve.engine.grammar import Grammars
-from deltaserve.engine.request_state import RequestState
-from deltaserve.engine.sampling import Sampler, apply_token_mask
+from deltaserve.engine.runner.request_state import RequestState
+from deltaserve.engine.runner.sampling import Sampler, apply_token_mask
 from deltaserve.kernels import get_ops
 from tests.engine.conftest import run_to_completion
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from deltaserve.engine.memory import keep_freed_memory
+from deltaserve.engine.runner.memory import keep_freed_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 

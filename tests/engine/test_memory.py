@@ -1,4 +1,4 @@
-"""Host memory (engine/memory.py, the capacity line's resident part in engine/sizing.py): the
+"""Host memory (engine/runner/memory.py, the capacity line's resident part in engine/core/sizing.py): the
 resident-set reader, the allocator settings and their effect, idle release, expected RSS."""
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from deltaserve.engine import EngineConfig, EngineCore
-from deltaserve.engine.builder import SMALL_MODEL_BYTES, cpu_threads, default_cpu_threads
-from deltaserve.engine.memory import Releaser, parse_status, resident
-from deltaserve.engine.sizing import (
+from deltaserve.engine.core.builder import SMALL_MODEL_BYTES, cpu_threads, default_cpu_threads
+from deltaserve.engine.core.sizing import (
     ACTIVATION_WIDTHS,
     FIXED_OVERHEAD_BYTES,
     LOGITS_COPIES,
@@ -26,6 +25,7 @@ from deltaserve.engine.sizing import (
     plan_capacity,
     workspace_bytes,
 )
+from deltaserve.engine.runner.memory import Releaser, parse_status, resident
 from deltaserve.models import LoadedModel
 from tests.engine.conftest import greedy, run_to_completion
 
@@ -84,7 +84,7 @@ def test_resident_grows_with_touched_memory() -> None:
 SCENARIO = textwrap.dedent(
     """
     import ctypes, sys
-    from deltaserve.engine import memory
+    from deltaserve.engine.runner import memory
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]

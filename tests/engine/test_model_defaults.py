@@ -25,8 +25,8 @@ import msgspec
 import pytest
 
 from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
-from deltaserve.engine.client import RequestInput
 from deltaserve.engine.errors import ConfigError, PromptTooLongError
+from deltaserve.engine.front.client import RequestInput
 from deltaserve.engine.model_files import check_model, sampling_defaults
 from deltaserve.models import LoadedModel, ensure_builtin_model
 from tests.engine.conftest import make_config
@@ -168,7 +168,7 @@ async def test_a_generation_config_folder(tmp_path: Path, tiny_loaded: LoadedMod
 
 
 async def test_separate_core_process_applies_the_same_defaults(model_dir: Path) -> None:
-    from deltaserve.engine.proc_client import EngineProcClient
+    from deltaserve.engine.front.proc_client import EngineProcClient
 
     cfg = make_config(**{"model.path": str(model_dir), "engine.core_process": "separate"})
     async with EngineProcClient(cfg) as engine:
@@ -243,7 +243,7 @@ def test_a_long_prompt_logs_no_transformers_length_warning(
 ) -> None:
     import copy
 
-    from deltaserve.engine.input_processor import InputProcessor
+    from deltaserve.engine.front.input_processor import InputProcessor
 
     tokenizer = copy.deepcopy(tiny_loaded.tokenizer)
     tokenizer.deprecation_warnings.clear()  # as loaded: it has warned of nothing yet

@@ -19,8 +19,8 @@ import pytest_asyncio
 
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
+from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.engine.outputs import RequestOutput
-from deltaserve.engine.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -181,7 +181,7 @@ FRONT_END = textwrap.dedent(
     """
     import asyncio, sys
     from deltaserve.engine import EngineConfig, SamplingParams
-    from deltaserve.engine.proc_client import EngineProcClient
+    from deltaserve.engine.front.proc_client import EngineProcClient
 
     async def main():
         client = EngineProcClient(EngineConfig.load(None, {}), address=sys.argv[1])
@@ -197,7 +197,7 @@ FRONT_END = textwrap.dedent(
 
 
 async def test_a_dead_front_end_does_not_stop_the_core_or_the_other_front_end() -> None:
-    from deltaserve.engine.core_proc import start_core
+    from deltaserve.engine.core.core_proc import start_core
 
     handle = start_core(proc_config())
     other = subprocess.Popen(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from deltaserve.engine.client import ModelInfo
-from deltaserve.engine.core_proc import pid_alive, to_delta
-from deltaserve.engine.detokenizer import NoDetokenizer
+from deltaserve.engine.core.core_proc import pid_alive, to_delta
+from deltaserve.engine.front.client import ModelInfo
+from deltaserve.engine.front.detokenizer import NoDetokenizer
 from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,

@@ -1,4 +1,4 @@
-"""Capacity planning (engine/sizing.py): one budget for live slots, checkpoints and KV."""
+"""Capacity planning (engine/core/sizing.py): one budget for live slots, checkpoints and KV."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from deltaserve.cache.manager import GDN_CHUNK_SIZE
 from deltaserve.engine import ConfigError, EngineConfig
-from deltaserve.engine.sizing import ModelShape, build_scheduler, plan_capacity
+from deltaserve.engine.core.sizing import ModelShape, build_scheduler, plan_capacity
 from deltaserve.kernels.gdn import GDN_CHUNK_SIZE as KERNEL_CHUNK_SIZE
 
 MiB = 1024**2

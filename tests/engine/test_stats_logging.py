@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
-from deltaserve.engine.client import EngineClient
-from deltaserve.engine.proc_client import EngineProcClient
+from deltaserve.engine.front.client import EngineClient
+from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from tests.serve_procs import SERVE
 

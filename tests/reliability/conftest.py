@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from deltaserve.engine import AsyncEngine, EngineCore
-from deltaserve.engine.proc_client import EngineProcClient
+from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from tests.engine.conftest import core_factory, make_config, tiny_loaded, tiny_path  # noqa: F401 (fixtures)
 

@@ -3,7 +3,7 @@
 Each ``inject_*`` function patches an ``EngineCore``: a test calls it on an in-process
 ``AsyncEngine``'s core directly, and a separate core process calls it through the
 ``DELTASERVE_CORE_HOOK=tests.reliability.core_hooks:<hook>`` diagnostics hook
-(``engine/core_proc.py``), which hands over the ``CoreServer`` before the core serves. A hook
+(``engine/core/core_proc.py``), which hands over the ``CoreServer`` before the core serves. A hook
 reads its parameters from ``DELTASERVE_TEST_FAULT_*`` environment variables, which the core
 process inherits from the test (``monkeypatch.setenv`` before the client starts).
 """

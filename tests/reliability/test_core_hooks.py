@@ -10,7 +10,7 @@ import pytest
 
 from deltaserve.engine import AsyncEngine
 from deltaserve.engine.errors import ConfigError
-from deltaserve.engine.proc_client import EngineProcClient
+from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from tests.engine.conftest import greedy, make_config
 from tests.reliability.conftest import PLACEMENTS, open_engine, tokens

@@ -25,7 +25,7 @@ from deltaserve.engine import (
     RequestOutput,
     SamplingParams,
 )
-from deltaserve.engine.proc_client import EngineProcClient
+from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from deltaserve.scheduler import FCFSPolicy, PolicyContext, Request
 from tests.engine.conftest import greedy, run_to_completion

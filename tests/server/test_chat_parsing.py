@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from deltaserve.engine.input_processor import InputProcessor
+from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig

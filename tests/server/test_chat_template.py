@@ -133,7 +133,7 @@ async def test_a_bad_request_template_is_a_400(server: tuple[AsyncEngine, str]) 
 
 
 async def test_the_separate_core_process_uses_the_file_template(template_file: Path) -> None:
-    from deltaserve.engine.proc_client import EngineProcClient
+    from deltaserve.engine.front.proc_client import EngineProcClient
 
     cfg = server_engine_config(
         **{"model.chat_template": str(template_file), "engine.core_process": "separate"}

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from deltaserve.engine import RequestOutput, SamplingParams
-from deltaserve.engine.client import ModelInfo
+from deltaserve.engine.front.client import ModelInfo
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer
 

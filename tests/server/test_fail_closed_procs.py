@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deltaserve.engine.ipc_files import RUN_DIR, pid_alive, remove_stale
+from deltaserve.engine.core.ipc_files import RUN_DIR, pid_alive, remove_stale
 from tests.serve_procs import popen_serve, served_url
 
 SETTINGS = ["--set", "cache.memory_bytes=67108864", "--set", "logging.stats_interval_s=60", "--set",
@@ -122,9 +122,9 @@ def test_a_killed_core_leaves_no_socket(procs: list[subprocess.Popen[str]], tmp_
     proc, url = start(procs, tmp_path, "--engine-process")
     run_folder_of(tmp_path, proc.pid)
     core = int(
-        subprocess.check_output(["pgrep", "-P", str(proc.pid), "-f", "deltaserve.engine.core_proc"]).split()[
-            0
-        ]
+        subprocess.check_output(
+            ["pgrep", "-P", str(proc.pid), "-f", "deltaserve.engine.core.core_proc"]
+        ).split()[0]
     )
     os.kill(core, signal.SIGKILL)
     assert proc.wait(timeout=60) == 1

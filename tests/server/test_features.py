@@ -173,7 +173,7 @@ async def test_engine_logprobs_penalties_and_template_arguments(served: Served) 
     ]
 
     # penalties and min-p through the runner's sampling path, on logits where they must matter
-    from deltaserve.engine.request_state import RequestState
+    from deltaserve.engine.runner.request_state import RequestState
     from deltaserve.scheduler.request import Request
 
     def pick(**kw: Any) -> tuple[int, Any]:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from deltaserve.engine.core_proc import pid_alive
+from deltaserve.engine.core.core_proc import pid_alive
 from tests.serve_procs import popen_serve, served_url
 
 SETTINGS = ["--set", "cache.memory_bytes=67108864", "--set", "logging.stats_interval_s=60", "--set",
@@ -65,9 +65,9 @@ def test_a_killed_core_makes_the_server_exit_1(procs: list) -> None:
     with httpx.Client(base_url=url.removesuffix("/v1"), timeout=30) as http:
         assert http.get("/health").status_code == 200
     pid = int(
-        subprocess.check_output(["pgrep", "-P", str(proc.pid), "-f", "deltaserve.engine.core_proc"]).split()[
-            0
-        ]
+        subprocess.check_output(
+            ["pgrep", "-P", str(proc.pid), "-f", "deltaserve.engine.core.core_proc"]
+        ).split()[0]
     )
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == 1

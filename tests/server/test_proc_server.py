@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore
-from deltaserve.engine.proc_client import EngineProcClient
+from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from deltaserve.engine import AsyncEngine, EngineCore
-from deltaserve.engine.proc_client import EngineProcClient
+from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from tests.server.conftest import MODEL, server_engine_config, serving
 

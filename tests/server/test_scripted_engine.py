@@ -16,8 +16,8 @@ import pytest
 import pytest_asyncio
 
 from deltaserve.engine import EngineDeadError, EngineOverloadedError, RequestOutput, SamplingParams
-from deltaserve.engine.client import ModelInfo
-from deltaserve.engine.input_processor import InputProcessor
+from deltaserve.engine.front.client import ModelInfo
+from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer
 

@@ -36,8 +36,8 @@ import pytest_asyncio
 import torch
 
 from deltaserve.engine import AsyncEngine, EngineCore
-from deltaserve.engine.model_runner import PreparedStep
 from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.runner.model_runner import PreparedStep
 from deltaserve.kernels import get_ops
 from deltaserve.models import ensure_builtin_model, load_model
 from deltaserve.server.app import create_app

@@ -21,12 +21,12 @@ host tier's loads.
 3. the model forward (decodes first, then prefill segments; prefill captures are written
    by the kernels straight into their reserved slots);
 4. decode-time output tracking copies (live slot -> tracking slot);
-5. sampling (``engine/sampling.py``), only for sequences whose piece reaches the end of their
+5. sampling (``engine/runner/sampling.py``), only for sequences whose piece reaches the end of their
    known tokens: one ``argmax`` when every such row is plain greedy, else the general sampler;
    first, the constrained rows' logits are masked with the token bitmask ``prepare`` built
    from their matchers (so a constrained step needs every earlier token of its rows known).
    Requests with ``prompt_logprobs`` also get the logits of their prompt positions (extra rows
-   after the sampled ones, ``engine/prompt_logprobs.py``); nobody else pays for them.
+   after the sampled ones, ``engine/runner/prompt_logprobs.py``); nobody else pays for them.
 
 **Placeholders.** With async scheduling the engine schedules step N+1 before it has step N's
 sampled tokens: a request that samples in step N gets the placeholder of its row among step
@@ -48,15 +48,15 @@ import numpy as np
 import torch
 
 from deltaserve.cache.types import Transfer
-from deltaserve.engine.batch_buffer import BatchBuffer
-from deltaserve.engine.disk_io import DiskIO
 from deltaserve.engine.grammar import Grammars
-from deltaserve.engine.host_pool import Failure, HostPool
-from deltaserve.engine.memory import keep_freed_memory
 from deltaserve.engine.outputs import TokenLogprob
-from deltaserve.engine.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
-from deltaserve.engine.request_state import RequestState
-from deltaserve.engine.sampling import Sampler, apply_token_mask, greedy
+from deltaserve.engine.runner.batch_buffer import BatchBuffer
+from deltaserve.engine.runner.disk_io import DiskIO
+from deltaserve.engine.runner.host_pool import Failure, HostPool
+from deltaserve.engine.runner.memory import keep_freed_memory
+from deltaserve.engine.runner.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
+from deltaserve.engine.runner.request_state import RequestState
+from deltaserve.engine.runner.sampling import Sampler, apply_token_mask, greedy
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.kernels import Ops
 from deltaserve.logs import get_logger

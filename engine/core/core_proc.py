@@ -2,7 +2,7 @@
 of its own, serving front ends (``EngineProcClient``) over a ZeroMQ ROUTER socket.
 
 ``start_core(config)`` starts it (a fresh interpreter, never a fork: torch and CUDA do not
-survive one) and returns a ``CoreHandle``. Its loop is the core loop (``engine/core_loop.py``: burst
+survive one) and returns a ``CoreHandle``. Its loop is the core loop (``engine/core/core_loop.py``: burst
 window, back-off, stats lines, as in every placement), single-threaded here: take every message
 waiting (adds, aborts, hellos), run one step if there is work, send each front end one
 ``StepOutputs`` of token ids for the step (``engine/messages.py``); block on the socket when idle. Grammars compile
@@ -27,7 +27,7 @@ built, before it serves: the fault tests inject their faults into a real core pr
 (tests/reliability/core_hooks.py). It is logged as a warning; a hook that fails to import or
 raises fails the start (``StartFailed``).
 
-The socket file (``engine/ipc_files.py``): a private folder of the run in the temp folder; the
+The socket file (``engine/core/ipc_files.py``): a private folder of the run in the temp folder; the
 core removes it as it exits, its starter when it sees the core gone (``CoreHandle``: a killed
 core cannot), a new start those of runs whose processes are all gone.
 """
@@ -53,9 +53,9 @@ import msgspec
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import trusted_decode
-from deltaserve.engine.core_loop import CoreLoop
+from deltaserve.engine.core.core_loop import CoreLoop
+from deltaserve.engine.core.ipc_files import new_address, pid_alive, remove_address
 from deltaserve.engine.errors import ConfigError
-from deltaserve.engine.ipc_files import new_address, pid_alive, remove_address
 from deltaserve.engine.messages import (
     STATS_INTERVAL_S,
     AbortRequests,
@@ -122,7 +122,7 @@ class FrontEnd:
 
 class CoreServer:
     """The core process (module docstring): the engine, its socket, its front ends; the port of
-    its core loop (``engine/core_loop.py``). ``run()`` returns the exit code."""
+    its core loop (``engine/core/core_loop.py``). ``run()`` returns the exit code."""
 
     idle_period_s: float | None = WATCH_INTERVAL_S  # an idle core still watches its peers
 
@@ -159,7 +159,7 @@ class CoreServer:
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
-        from deltaserve.engine.core import EngineCore
+        from deltaserve.engine.core.engine_core import EngineCore
 
         try:
             self.core = EngineCore(self.config, detokenize=False)
@@ -225,7 +225,7 @@ class CoreServer:
 
     # ------------------------------------------------------------------ the loop's port
     def _loop(self) -> None:
-        """The core loop (``engine/core_loop.py``) with this process as its port: on this one
+        """The core loop (``engine/core/core_loop.py``) with this process as its port: on this one
         thread, its waits are polls of the socket (the event loop never runs anything else)."""
         loop = CoreLoop(self.core, self, self.config.logging.stats_interval_s)
         asyncio.run(loop.run())
@@ -414,7 +414,7 @@ class CoreServer:
 
 
 def run_core(argv: list[str]) -> int:
-    """The core process's entry point (``python -m deltaserve.engine.core_proc ADDRESS PARENT_PID``,
+    """The core process's entry point (``python -m deltaserve.engine.core.core_proc ADDRESS PARENT_PID``,
     the config as JSON on stdin): ignore SIGINT/SIGTERM (the front end drains, then shuts the
     core down), log to stderr, run the loop; its exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -471,7 +471,7 @@ def start_core(config: EngineConfig, address: str | None = None) -> CoreHandle:
     address = address or new_address()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "deltaserve.engine.core_proc", address, str(os.getpid())],
+            [sys.executable, "-m", "deltaserve.engine.core.core_proc", address, str(os.getpid())],
             stdin=subprocess.PIPE,
         )
     except BaseException:

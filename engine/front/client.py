@@ -28,7 +28,7 @@ from deltaserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from deltaserve.engine.constraint import Constraint
-    from deltaserve.engine.input_processor import InputProcessor, Prompt
+    from deltaserve.engine.front.input_processor import InputProcessor, Prompt
 
 _C = TypeVar("_C")
 _S_co = TypeVar("_S_co", bound="OutputStream", covariant=True)

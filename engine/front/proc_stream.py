@@ -15,8 +15,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from deltaserve.engine.client import AbortingStream
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.front.client import AbortingStream
+from deltaserve.engine.front.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.messages import AddRequest, TokenDelta
 from deltaserve.engine.outputs import RequestOutput
 

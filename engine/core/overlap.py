@@ -35,9 +35,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from deltaserve.engine.host_pool import Failure
-from deltaserve.engine.model_runner import PreparedStep, StepResult
 from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.runner.host_pool import Failure
+from deltaserve.engine.runner.model_runner import PreparedStep, StepResult
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request, RequestStatus, placeholder
 from deltaserve.scheduler.scheduler import SchedulerOutput
@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from deltaserve.cache.manager import CacheManager
-    from deltaserve.engine.model_runner import ModelRunner
-    from deltaserve.engine.request_state import RequestState
+    from deltaserve.engine.runner.model_runner import ModelRunner
+    from deltaserve.engine.runner.request_state import RequestState
     from deltaserve.scheduler.scheduler import Scheduler
 
 log = get_logger("deltaserve.engine")

@@ -189,7 +189,7 @@ class IncrementalDetokenizer:
 
 class NoDetokenizer:
     """``IncrementalDetokenizer``'s place in an engine core whose front end detokenizes (the
-    core in its own process, ``engine/core_proc.py``): no text, no stop strings (the front end
+    core in its own process, ``engine/core/core_proc.py``): no text, no stop strings (the front end
     applies them and aborts the request)."""
 
     stopped = False

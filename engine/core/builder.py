@@ -1,7 +1,7 @@
 """What ``EngineCore`` is built from: the device, dtype and kernels of ``[model]`` /
 ``[kernels]``, the loaded model's shape and prefill cost, the cache capacity on the device, and
 the model runner sized to it. Called once per engine; torch (the torch-free half of capacity
-planning is ``engine/sizing.py``).
+planning is ``engine/core/sizing.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from deltaserve.cache.disk_store import DiskStore, DiskStoreError
 from deltaserve.cache.disk_tier import DiskTier
 from deltaserve.cache.manager import CacheManager
-from deltaserve.engine.client import ModelInfo
 from deltaserve.engine.config import DType, EngineConfig
-from deltaserve.engine.disk_io import DiskIO, identity
+from deltaserve.engine.core.sizing import Capacity, ModelShape, plan_capacity
 from deltaserve.engine.errors import ConfigError
-from deltaserve.engine.model_runner import ModelRunner, RunnerSizes
-from deltaserve.engine.sizing import Capacity, ModelShape, plan_capacity
+from deltaserve.engine.front.client import ModelInfo
+from deltaserve.engine.runner.disk_io import DiskIO, identity
+from deltaserve.engine.runner.model_runner import ModelRunner, RunnerSizes
 from deltaserve.kernels import Ops, get_ops
 from deltaserve.logs import get_logger
 from deltaserve.models import CacheSpec, LoadedModel

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from deltaserve.engine.outputs import TokenLogprob
-from deltaserve.engine.request_state import RequestState
+from deltaserve.engine.runner.request_state import RequestState
 from deltaserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from deltaserve.kernels import Ops
 from deltaserve.kernels.sampler import apply_min_p, apply_penalties, compute_logprobs

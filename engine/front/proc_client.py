@@ -7,7 +7,7 @@
             print(out.text, end="")
 
 This process (the front end) validates and tokenizes (``InputProcessor``), detokenizes and
-applies stop strings (``ProcStream``); the core process (``engine/core_proc.py``) schedules,
+applies stop strings (``ProcStream``); the core process (``engine/core/core_proc.py``) schedules,
 runs the model and samples, and sends token ids once per step over ZeroMQ
 (``engine/messages.py``). ``EngineProcClient(config, address=...)`` joins a core another
 process started (``--api-server-count``): it does not own it and never shuts it down.
@@ -29,14 +29,15 @@ from typing import Any
 
 import msgspec
 
-from deltaserve.engine.client import EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import Constraint
-from deltaserve.engine.core_proc import CoreHandle, pid_alive, start_core
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.core.core_proc import CoreHandle, pid_alive, start_core
 from deltaserve.engine.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError
+from deltaserve.engine.front.client import EngineClient, ModelInfo, RequestInput, not_started
+from deltaserve.engine.front.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.front.input_processor import InputProcessor
+from deltaserve.engine.front.proc_stream import Completion, ProcStream
 from deltaserve.engine.grammar import timeout_error
-from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -58,7 +59,6 @@ from deltaserve.engine.model_files import (
     sampling_defaults,
     with_chat_template,
 )
-from deltaserve.engine.proc_stream import Completion, ProcStream
 from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
 from deltaserve.logs import get_logger
 

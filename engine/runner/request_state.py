@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from deltaserve.engine.front.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from deltaserve.engine.outputs import TokenLogprob
 
 

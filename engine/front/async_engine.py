@@ -1,4 +1,4 @@
-"""AsyncEngine: the public asyncio API, an ``EngineClient`` (``engine/client.py``) over one
+"""AsyncEngine: the public asyncio API, an ``EngineClient`` (``engine/front/client.py``) over one
 ``EngineCore`` in this process.
 
 ::
@@ -34,14 +34,14 @@ from typing import Any
 
 import msgspec
 
-from deltaserve.engine.client import AbortingStream, EngineClient, ModelInfo, RequestInput, not_started
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.constraint import Constraint
-from deltaserve.engine.core import EngineCore
-from deltaserve.engine.core_loop import CoreLoop
+from deltaserve.engine.core.core_loop import CoreLoop
+from deltaserve.engine.core.engine_core import EngineCore
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
+from deltaserve.engine.front.client import AbortingStream, EngineClient, ModelInfo, RequestInput, not_started
+from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.engine.grammar import wait_compiled
-from deltaserve.engine.input_processor import InputProcessor
 from deltaserve.engine.model_files import log_sampling_defaults
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SEED_LIMIT, SamplingParams
@@ -503,7 +503,7 @@ class AsyncEngine(EngineClient[RequestStream]):
 
 
 class _LocalPort:
-    """The core loop's port in this process (``engine/core_loop.py``): inputs are the engine's
+    """The core loop's port in this process (``engine/core/core_loop.py``): inputs are the engine's
     pending adds, aborts and integrity checks, applied on the event loop between steps; the
     step runs on the engine's worker thread; outputs go to the streams."""
 

@@ -1,7 +1,7 @@
 """EngineCore: the synchronous engine — requests in, one step, outputs out.
 
-The core loop (``engine/core_loop.py``) drives it, in ``AsyncEngine`` (the step on a worker
-thread) and in the core process (``engine/core_proc.py``); tests drive it directly and call
+The core loop (``engine/core/core_loop.py``) drives it, in ``AsyncEngine`` (the step on a worker
+thread) and in the core process (``engine/core/core_proc.py``); tests drive it directly and call
 ``check_integrity()`` after every step. It is not thread-safe: its owner calls
 ``add_request``/``abort_request`` only between steps.
 
@@ -10,9 +10,9 @@ Nothing is lost: every admitted request ends with exactly one finished ``Request
 returns to its pool.
 
 Input is checked and tokenized by its ``InputProcessor``; construction helpers (device,
-dtype, capacity, the runner) are in ``engine/builder.py``. ``step()`` is the plain
+dtype, capacity, the runner) are in ``engine/core/builder.py``. ``step()`` is the plain
 schedule → execute → update → outputs; with ``engine.async_scheduling`` it is the
-overlapped step of ``engine/overlap.py``, which ends requests and builds outputs with the
+overlapped step of ``engine/core/overlap.py``, which ends requests and builds outputs with the
 helpers here (its ``StepHost``: overlap.py never imports this module).
 """
 
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from deltaserve.engine.builder import (
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.core.builder import (
     build_runner,
     close_disk_tier,
     cpu_threads,
@@ -37,22 +38,21 @@ from deltaserve.engine.builder import (
     resolve_dtype,
     resolve_ops,
 )
-from deltaserve.engine.client import RequestInput
-from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from deltaserve.engine.core.grammar_wait import GrammarWait
+from deltaserve.engine.core.overlap import Overlap
+from deltaserve.engine.core.sizing import Capacity, build_scheduler
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
+from deltaserve.engine.front.client import RequestInput
+from deltaserve.engine.front.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from deltaserve.engine.front.input_processor import InputProcessor, Prompt
 from deltaserve.engine.grammar import Grammars
-from deltaserve.engine.grammar_wait import GrammarWait
-from deltaserve.engine.host_pool import Failure
-from deltaserve.engine.input_processor import InputProcessor, Prompt
-from deltaserve.engine.memory import Releaser, resident
 from deltaserve.engine.model_files import check_model, sampling_defaults, with_chat_template
 from deltaserve.engine.outputs import RequestOutput, TokenLogprob
-from deltaserve.engine.overlap import Overlap
-from deltaserve.engine.request_state import RequestState
-from deltaserve.engine.sampling import plain_greedy
+from deltaserve.engine.runner.host_pool import Failure
+from deltaserve.engine.runner.memory import Releaser, resident
+from deltaserve.engine.runner.request_state import RequestState
+from deltaserve.engine.runner.sampling import plain_greedy
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.engine.sizing import Capacity, build_scheduler
 from deltaserve.logs import get_logger, set_level
 from deltaserve.models import LoadedModel, load_model
 from deltaserve.scheduler.request import Request, RequestStatus
@@ -76,7 +76,7 @@ class EngineCore:
     """The synchronous engine: ``make_request`` / ``add_request`` / ``step`` / ``abort_request``.
 
     Construction loads the model (or takes ``loaded``), plans the cache capacity from one
-    memory budget (``deltaserve.engine.sizing``), builds the scheduler and cache manager,
+    memory budget (``deltaserve.engine.core.sizing``), builds the scheduler and cache manager,
     and allocates the cache tensors. ``capacity`` tells what was built.
     """
 
@@ -89,7 +89,7 @@ class EngineCore:
     ) -> None:
         self.config = config = config or EngineConfig()
         # False in the core process: outputs carry token ids only, and stop strings are the
-        # front end's to apply (engine/core_proc.py)
+        # front end's to apply (engine/core/core_proc.py)
         self.detokenize = detokenize
         set_level(config.logging.level.value)
         # the model path, max_model_len, generation_config and chat_template files: one-line
@@ -314,7 +314,7 @@ class EngineCore:
         """Schedule, run the model, apply results; the outputs produced by this step.
 
         With ``engine.async_scheduling`` the outputs are those of the step before
-        (``engine/overlap.py``): the first call returns none, and ``has_work`` stays true until
+        (``engine/core/overlap.py``): the first call returns none, and ``has_work`` stays true until
         the last step in flight has been processed. The step that leaves no work gives the
         memory freed since the last idle back to the OS (``engine.release_memory``).
         """

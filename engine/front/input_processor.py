@@ -24,7 +24,7 @@ from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from deltaserve.engine.client import RequestInput
+    from deltaserve.engine.front.client import RequestInput
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from deltaserve.engine.outputs import TokenLogprob
-from deltaserve.engine.request_state import RequestState
+from deltaserve.engine.runner.request_state import RequestState
 from deltaserve.kernels.sampler import compute_logprobs
 from deltaserve.scheduler.scheduler import ScheduledSeq
 
