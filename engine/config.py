@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -70,6 +70,8 @@ __all__ = [
 
 class ModelConfig(_Section):
     """``[model]``: which model runs, where, in which dtype."""
+
+    section_key: ClassVar[str] = "model"
 
     path: Annotated[
         str,

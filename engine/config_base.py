@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -68,7 +68,11 @@ class LogLevel(str, enum.Enum):
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A config section: its fields are checked against their declared types and
-    constraints when it is built in code too (msgspec checks them only when decoding)."""
+    constraints when it is built in code too (msgspec checks them only when decoding).
+    ``section_key`` is its name in ``EngineConfig`` (the ``[cache]`` of ``cache.memory_bytes``),
+    so an error names the key without looking the section up."""
+
+    section_key: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         for name in size_fields(type(self)):  # "4GiB" -> bytes, before the type check below
@@ -92,9 +96,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def _section_name(cls: type) -> str:
-    from deltaserve.engine.config import _sections  # the section names live on EngineConfig
-
-    return next((name for name, c in _sections().items() if c is cls), cls.__name__)
+    return getattr(cls, "section_key", cls.__name__)
 
 
 def _bad(key: str, value: Any, why: str) -> ConfigError:

@@ -9,7 +9,7 @@ documentation, from which docs/config.md is generated. Byte sizes (``PosBytes``,
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
 from deltaserve.cache.manager import GDN_CHUNK_SIZE
@@ -50,6 +50,8 @@ class CacheConfig(_Section):
     warning. A model without GDN or without full-attention layers, or prefix caching off,
     is always fixed.
     """
+
+    section_key: ClassVar[str] = "cache"
 
     block_size: Annotated[int, _doc("Tokens per KV block (the prefix-hash granularity).", ge=1, le=1024)] = 16
     memory_bytes: Annotated[
@@ -209,6 +211,8 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     """``[scheduler]``: continuous batching limits and the scheduling policy."""
 
+    section_key: ClassVar[str] = "scheduler"
+
     policy: Annotated[
         str,
         _doc("Scheduling policy: fcfs | priority | lpm | sjf, or `package.module:ClassName` of your own."),
@@ -297,6 +301,8 @@ class SchedulerConfig(_Section):
 class KernelsConfig(_Section):
     """``[kernels]``: which kernel implementation runs."""
 
+    section_key: ClassVar[str] = "kernels"
+
     backend: Annotated[
         KernelBackend,
         _doc(
@@ -307,6 +313,8 @@ class KernelsConfig(_Section):
 
 class EngineLoopConfig(_Section):
     """``[engine]``: how the engine loop runs its steps."""
+
+    section_key: ClassVar[str] = "engine"
 
     cpu_threads: Annotated[
         NonNegInt,
@@ -351,6 +359,8 @@ class EngineLoopConfig(_Section):
 class StructuredOutputsConfig(_Section):
     """``[structured_outputs]``: how output constraints (JSON schemas, regexes, grammars) compile."""
 
+    section_key: ClassVar[str] = "structured_outputs"
+
     compile_timeout_s: Annotated[
         float,
         _doc(
@@ -375,6 +385,8 @@ class StructuredOutputsConfig(_Section):
 
 class LoggingConfig(_Section):
     """``[logging]``: what the engine logs. The application configures where logs go."""
+
+    section_key: ClassVar[str] = "logging"
 
     level: Annotated[
         LogLevel,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from deltaserve.engine.byte_size import bytes_arg, format_bytes, parse_bytes, size_fields
@@ -77,6 +78,13 @@ def test_bad_sizes_name_the_key_and_the_value(value: object, why: str) -> None:
         parse_bytes(value, "cache.disk_bytes")
     assert str(e.value).startswith(f"cache.disk_bytes = {value!r}: {why}")
     assert "\n" not in str(e.value)
+
+
+def test_each_section_knows_its_key_so_errors_name_it() -> None:
+    for f in msgspec.structs.fields(EngineConfig):
+        assert f.type.section_key == f.name
+    with pytest.raises(ConfigError, match=r"^scheduler\.max_num_seqs = 0: "):
+        EngineConfig.from_dict({"scheduler": {"max_num_seqs": 0}})
 
 
 def test_sizes_print_in_the_unit_that_shows_them() -> None:
