@@ -183,7 +183,7 @@ def _listening_socket(server_config: ServerConfig) -> tuple[socket.socket, str, 
     0`` picks it here) and holds it while each front end binds and listens on its own socket, so
     the kernel spreads new connections over the front ends' accept queues. Without, it listens
     and the front ends inherit it (one accept queue: whichever accepts first takes a connection)."""
-    from deltaserve.server.cli import bind_socket
+    from deltaserve.server.serving import bind_socket
 
     host, port = server_config.host, server_config.port
     if not REUSE_PORT:
@@ -202,7 +202,7 @@ def serve_front_ends(
     engine_config: EngineConfig, server_config: ServerConfig, count: int, out: Any = None
 ) -> int:
     """Run the core and ``count`` front ends until a signal (module docstring); the exit code."""
-    from deltaserve.server.cli import CORE_DIED_EXIT
+    from deltaserve.server.serving import CORE_DIED_EXIT
 
     out = out or sys.stdout
     # the port first: one in use is an OSError here, before the core loads the model
@@ -258,7 +258,7 @@ def serve_front_ends(
 
 def _supervise(handle: CoreHandle, front: list[Any], signals: list[int]) -> int:
     """Until every front end has exited: pass signals on, report deaths. Non-zero if the core died."""
-    from deltaserve.server.cli import CORE_DIED_EXIT
+    from deltaserve.server.serving import CORE_DIED_EXIT
 
     passed = 0
     core_died = False
@@ -288,7 +288,7 @@ def run_front_end(argv: list[str]) -> int:
 
     from deltaserve.engine import install_uvloop
     from deltaserve.logs import configure_logging
-    from deltaserve.server.cli import bind_socket, serve
+    from deltaserve.server.serving import bind_socket, serve
 
     address, listen, ready_fd, number = argv[0], argv[1], int(argv[2]), int(argv[3])
     data = msgspec.json.decode(sys.stdin.buffer.read())

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 async def _single(cfg: Any, args: argparse.Namespace, codec: Any) -> Any:
     from deltaserve.engine import AsyncEngine
     from deltaserve.server.app import create_app
-    from deltaserve.server.cli import BackgroundServer
+    from deltaserve.server.serving import BackgroundServer
 
     async with AsyncEngine(cfg) as engine, BackgroundServer(create_app(engine)) as srv:
         res, _, _ = await _measure(srv.url, args, "1 engine", codec, args.warmup)

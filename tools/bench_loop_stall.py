@@ -24,7 +24,7 @@ from deltaserve.engine import AsyncEngine, EngineConfig, install_uvloop
 from deltaserve.logs import configure_logging
 from deltaserve.server import offload
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
+from deltaserve.server.serving import BackgroundServer
 
 
 async def _stream(http: httpx.AsyncClient, tokens: int) -> None:

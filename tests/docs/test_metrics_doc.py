@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore
 from deltaserve.models import LoadedModel
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.serving import BackgroundServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -178,8 +178,8 @@ async def test_separate_core_process_applies_the_same_defaults(model_dir: Path) 
 async def test_http_requests_take_the_model_defaults(model_dir: Path, tiny_loaded: LoadedModel) -> None:
     from deltaserve.engine import EngineCore
     from deltaserve.server.app import create_app
-    from deltaserve.server.cli import BackgroundServer
     from deltaserve.server.config import ServerConfig
+    from deltaserve.server.serving import BackgroundServer
 
     core = EngineCore(make_config(**{"model.path": str(model_dir)}), loaded=tiny_loaded)
     async with AsyncEngine(core=core) as engine:

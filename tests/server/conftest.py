@@ -17,8 +17,8 @@ from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore
 from deltaserve.kernels import get_ops
 from deltaserve.models import LoadedModel, ensure_builtin_model, load_model
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.serving import BackgroundServer
 
 MODEL = "builtin:tiny-qwen3.5"
 

@@ -12,9 +12,9 @@ import httpx
 
 from deltaserve.engine.errors import InvalidRequestError
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.errors import translate_error
+from deltaserve.server.serving import BackgroundServer
 from tests.server.test_scripted_engine import ScriptedEngine
 
 CHAT = "/v1/chat/completions"

@@ -20,9 +20,9 @@ import pytest_asyncio
 
 from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.reasoning import ReasoningParserName
+from deltaserve.server.serving import BackgroundServer
 from deltaserve.server.tool_parsers import ToolParserName
 from deltaserve.tools.qwen35_template import QWEN35_CHAT_TEMPLATE
 from tests.server.test_scripted_engine import ScriptedEngine

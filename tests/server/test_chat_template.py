@@ -16,9 +16,9 @@ import pytest_asyncio
 from deltaserve.engine import AsyncEngine, EngineCore
 from deltaserve.models import LoadedModel
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.reasoning import ReasoningParserName
+from deltaserve.server.serving import BackgroundServer
 from tests.server.conftest import server_engine_config
 
 #: the file template: each message as "ROLE: content" lines, then "ASSISTANT:"

@@ -23,12 +23,7 @@ import pytest
 from deltaserve.engine import EngineConfig
 from deltaserve.engine.errors import ConfigError
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import (
-    BackgroundServer,
-    build_parser,
-    engine_overrides,
-    server_config_from_args,
-)
+from deltaserve.server.cli import build_parser, engine_overrides, server_config_from_args
 from deltaserve.server.cli_flags import (
     FLAGS,
     Arity,
@@ -41,6 +36,7 @@ from deltaserve.server.cli_flags import (
 )
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.reasoning import ReasoningParserName
+from deltaserve.server.serving import BackgroundServer
 from deltaserve.server.tool_parsers import ToolParserName
 from tests.server.test_scripted_engine import ScriptedEngine
 

@@ -11,8 +11,8 @@ import pytest
 from deltaserve.engine import AsyncEngine, EngineCore
 from deltaserve.models import LoadedModel
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.serving import BackgroundServer
 
 from .conftest import MODEL, Served, server_engine_config
 from .test_metrics_labels import scrape

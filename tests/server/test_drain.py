@@ -18,7 +18,7 @@ import pytest
 from deltaserve.engine import RequestOutput, SamplingParams
 from deltaserve.engine.front.client import ModelInfo
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
+from deltaserve.server.serving import BackgroundServer
 
 PIECES, EVERY_S = 400, 0.02  # each request would take 8 s; the drain gives it 0.5 s
 

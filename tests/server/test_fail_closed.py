@@ -111,7 +111,7 @@ def test_an_empty_host_is_an_error() -> None:
 
 
 async def test_a_listed_origin_list_with_credentials_never_answers_null() -> None:
-    from deltaserve.server.cli import BackgroundServer
+    from deltaserve.server.serving import BackgroundServer
 
     engine = ScriptedEngine()
     for listed, null_allowed in ((["https://a.example"], False), (["https://a.example", "null"], True)):
@@ -162,7 +162,7 @@ async def hold_stream(port: int) -> asyncio.StreamWriter:
 
 
 async def test_probes_are_served_past_the_connection_limit() -> None:
-    from deltaserve.server.cli import BackgroundServer
+    from deltaserve.server.serving import BackgroundServer
 
     engine = EndlessEngine()
     engine.piece = "x" * 1000  # streams that never end, never read

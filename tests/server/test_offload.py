@@ -11,8 +11,8 @@ import time
 import httpx
 
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.offload import LONG_PROMPT_CHARS
+from deltaserve.server.serving import BackgroundServer
 from tests.server.test_scripted_engine import CharTokenizer, ScriptedEngine
 
 DELAY_S = 0.6

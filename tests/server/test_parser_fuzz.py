@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from deltaserve.server.app import create_app
 from deltaserve.server.call_scanner import CallScanner
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.output_parser import OutputParser, ParsedMessage, Reasoning, collect
 from deltaserve.server.reasoning import Qwen3ReasoningParser
+from deltaserve.server.serving import BackgroundServer
 from deltaserve.server.tool_parsers import ToolCallParser, ToolParserName, parser_class
 from deltaserve.server.tool_parsers import hermes as hermes_module
 from deltaserve.server.tool_parsers import qwen3_xml as xml_module

@@ -20,8 +20,8 @@ from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore
 from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.serving import BackgroundServer
 from tests.server.conftest import MODEL, server_engine_config, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

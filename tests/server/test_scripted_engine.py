@@ -19,7 +19,7 @@ from deltaserve.engine import EngineDeadError, EngineOverloadedError, RequestOut
 from deltaserve.engine.front.client import ModelInfo
 from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
+from deltaserve.server.serving import BackgroundServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -25,7 +25,7 @@ from deltaserve.engine.runner.model_runner import PreparedStep
 from deltaserve.kernels import get_ops
 from deltaserve.models import ensure_builtin_model, load_model
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
+from deltaserve.server.serving import BackgroundServer
 from deltaserve.tools.make_shaped_model import save_tokenizer
 from tests.server.conftest import server_engine_config
 

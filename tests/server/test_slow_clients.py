@@ -10,8 +10,8 @@ import time
 import httpx
 
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.serving import BackgroundServer
 from tests.server.test_scripted_engine import ScriptedEngine
 
 CHAT = "/v1/chat/completions"

@@ -41,9 +41,9 @@ from deltaserve.engine.runner.model_runner import PreparedStep
 from deltaserve.kernels import get_ops
 from deltaserve.models import ensure_builtin_model, load_model
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.reasoning import ReasoningParserName
+from deltaserve.server.serving import BackgroundServer
 from deltaserve.server.tool_parsers import ToolParserName
 from deltaserve.tools.make_shaped_model import save_tokenizer
 from tests.server.conftest import server_engine_config

@@ -15,8 +15,8 @@ import pytest
 
 from deltaserve.engine import AsyncEngine, EngineCore
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.serving import BackgroundServer
 
 from .conftest import MODEL, Served, server_engine_config
 

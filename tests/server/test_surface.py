@@ -19,8 +19,8 @@ import pytest_asyncio
 
 from deltaserve.server import auth, protocol, unsupported
 from deltaserve.server.app import create_app, package_version
-from deltaserve.server.cli import BackgroundServer
 from deltaserve.server.config import ServerConfig
+from deltaserve.server.serving import BackgroundServer
 
 from .test_scripted_engine import ScriptedEngine
 

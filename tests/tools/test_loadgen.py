@@ -120,7 +120,7 @@ def test_openai_backend_against_our_server_matches_the_engine(capsys: pytest.Cap
 
     from deltaserve.engine import AsyncEngine, EngineConfig
     from deltaserve.server.app import create_app
-    from deltaserve.server.cli import BackgroundServer
+    from deltaserve.server.serving import BackgroundServer
 
     overrides = {"scheduler.max_num_batched_tokens": 256, "logging.stats_interval_s": 60.0}
     started, stop = threading.Event(), threading.Event()
