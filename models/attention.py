@@ -13,7 +13,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -59,6 +59,24 @@ class PagedAttention(nn.Module):
         self.k_norm = norm_cls(head_dim, eps=rms_norm_eps)
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
         self._qkv_sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+    @classmethod
+    def from_config(
+        cls, config: Any, *, head_dim: int, norm_cls: type[nn.Module], gated: bool, ops: Ops
+    ) -> PagedAttention:
+        """The attention block of a transformers Qwen3-family text config (``attention_bias``
+        defaults to False)."""
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            norm_cls=norm_cls,
+            rms_norm_eps=config.rms_norm_eps,
+            gated=gated,
+            bias=bool(getattr(config, "attention_bias", False)),
+            ops=ops,
+        )
 
     def fuse_projections(self) -> None:
         self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)

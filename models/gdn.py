@@ -20,6 +20,7 @@ segments (``causal_conv1d_varlen`` + ``chunk_gated_delta_rule``), to which the b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,34 @@ class GdnSegments:
             capture_seq=batch.capture_seq - nd if has_capture else None,
             capture_pos=batch.capture_pos if has_capture else None,
             capture_slots=batch.capture_slots if has_capture else None,
+        )
+
+    def run(self, decode: Callable[[], Tensor], prefill: Callable[[], Tensor]) -> Tensor:
+        """The decodes' output (``decode()``, run when there are decodes) followed on the token
+        axis by the prefill segments' (``prefill()``, run when there are)."""
+        out = []
+        if self.num_decodes > 0:
+            out.append(decode())
+        if self.prefill_cu_seqlens is not None:
+            out.append(prefill())
+        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+
+    def prefill(
+        self, op: Callable[..., Tensor], inputs: tuple[Tensor | None, ...], state: Tensor, **options: object
+    ) -> Tensor:
+        """The varlen state ``op`` on the prefill segments: its ``inputs`` (the prefill tokens'),
+        then this batch's segments, ``state``, slots and captures, in the order every varlen op
+        takes them (docs/contracts.md, "Kernel ops")."""
+        return op(
+            *inputs,
+            self.prefill_cu_seqlens,
+            state,
+            self.prefill_slots,
+            self.prefill_has_initial_state,
+            capture_seq=self.capture_seq,
+            capture_pos=self.capture_pos,
+            capture_slots=self.capture_slots,
+            **options,
         )
 
 
@@ -142,27 +171,10 @@ class GatedDeltaNet(nn.Module):
         """The short convolution: the decodes' one-token update, then the prefill segments."""
         nd = seg.num_decodes
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
-        out = []
-        if nd > 0:
-            out.append(
-                self.ops.causal_conv1d_update(mixed_qkv[:nd], weight, None, conv_state, seg.decode_slots)
-            )
-        if seg.prefill_cu_seqlens is not None:
-            out.append(
-                self.ops.causal_conv1d_varlen(
-                    mixed_qkv[nd:],
-                    weight,
-                    None,
-                    seg.prefill_cu_seqlens,
-                    conv_state,
-                    seg.prefill_slots,
-                    seg.prefill_has_initial_state,
-                    capture_seq=seg.capture_seq,
-                    capture_pos=seg.capture_pos,
-                    capture_slots=seg.capture_slots,
-                )
-            )
-        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        return seg.run(
+            lambda: self.ops.causal_conv1d_update(mixed_qkv[:nd], weight, None, conv_state, seg.decode_slots),
+            lambda: seg.prefill(self.ops.causal_conv1d_varlen, (mixed_qkv[nd:], weight, None), conv_state),
+        )
 
     def _delta_rule(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: GdnSegments, ssm_state: Tensor
@@ -170,32 +182,16 @@ class GatedDeltaNet(nn.Module):
         """The gated delta rule: the decodes' recurrent step, then the prefill segments' chunked
         scan (which writes the captured states into their slots)."""
         nd = seg.num_decodes
-        out = []
-        if nd > 0:
-            out.append(
-                self.ops.recurrent_gated_delta_rule(
-                    q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state, seg.decode_slots, use_qk_l2norm=True
-                )
-            )
-        if seg.prefill_cu_seqlens is not None:
-            out.append(
-                self.ops.chunk_gated_delta_rule(
-                    q[nd:],
-                    k[nd:],
-                    v[nd:],
-                    g[nd:],
-                    beta[nd:],
-                    seg.prefill_cu_seqlens,
-                    ssm_state,
-                    seg.prefill_slots,
-                    seg.prefill_has_initial_state,
-                    capture_seq=seg.capture_seq,
-                    capture_pos=seg.capture_pos,
-                    capture_slots=seg.capture_slots,
-                    use_qk_l2norm=True,
-                )
-            )
-        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        decodes, prefill = (
+            (q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd]),
+            (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:]),
+        )
+        return seg.run(
+            lambda: self.ops.recurrent_gated_delta_rule(
+                *decodes, ssm_state, seg.decode_slots, use_qk_l2norm=True
+            ),
+            lambda: seg.prefill(self.ops.chunk_gated_delta_rule, prefill, ssm_state, use_qk_l2norm=True),
+        )
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):

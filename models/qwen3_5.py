@@ -35,16 +35,8 @@ class Qwen35CausalLM(CausalLM):
         head_dim, eps = self.head_dim, config.rms_norm_eps
         for i, layer_type in enumerate(config.layer_types[: config.num_hidden_layers]):
             if layer_type == ATTENTION:
-                mixer: nn.Module = PagedAttention(
-                    hidden_size=config.hidden_size,
-                    num_heads=config.num_attention_heads,
-                    num_kv_heads=config.num_key_value_heads,
-                    head_dim=head_dim,
-                    norm_cls=ZeroCenteredRMSNorm,
-                    rms_norm_eps=eps,
-                    gated=True,
-                    bias=bool(getattr(config, "attention_bias", False)),
-                    ops=ops,
+                mixer: nn.Module = PagedAttention.from_config(
+                    config, head_dim=head_dim, norm_cls=ZeroCenteredRMSNorm, gated=True, ops=ops
                 )
             elif layer_type == LINEAR_ATTENTION:
                 mixer = self.gdn_cls(
