@@ -28,20 +28,17 @@ if TYPE_CHECKING:
 
 
 class PagedAttention(nn.Module):
+    """The attention block of a transformers Qwen3-family text ``config`` (``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``rms_norm_eps``, ``attention_bias``
+    (default False)); ``head_dim`` and the q/k ``norm_cls`` are the model's."""
+
     def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        norm_cls: type[nn.Module],
-        rms_norm_eps: float,
-        gated: bool,
-        bias: bool,
-        ops: Ops,
+        self, config: Any, *, head_dim: int, norm_cls: type[nn.Module], gated: bool, ops: Ops
     ) -> None:
         super().__init__()
+        hidden_size = config.hidden_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        bias = bool(getattr(config, "attention_bias", False))
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -55,28 +52,10 @@ class PagedAttention(nn.Module):
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = norm_cls(head_dim, eps=rms_norm_eps)
-        self.k_norm = norm_cls(head_dim, eps=rms_norm_eps)
+        self.q_norm = norm_cls(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = norm_cls(head_dim, eps=config.rms_norm_eps)
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
         self._qkv_sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
-
-    @classmethod
-    def from_config(
-        cls, config: Any, *, head_dim: int, norm_cls: type[nn.Module], gated: bool, ops: Ops
-    ) -> PagedAttention:
-        """The attention block of a transformers Qwen3-family text config (``attention_bias``
-        defaults to False)."""
-        return cls(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            norm_cls=norm_cls,
-            rms_norm_eps=config.rms_norm_eps,
-            gated=gated,
-            bias=bool(getattr(config, "attention_bias", False)),
-            ops=ops,
-        )
 
     def fuse_projections(self) -> None:
         self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)

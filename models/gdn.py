@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -97,29 +97,21 @@ class GdnSegments:
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3.5 layout: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+    """Qwen3.5 layout: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; sized by a
+    transformers text ``config`` (``hidden_size``, ``linear_num_key_heads``,
+    ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``,
+    ``linear_conv_kernel_dim``, ``rms_norm_eps``)."""
 
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_k_heads: int,
-        num_v_heads: int,
-        head_k_dim: int,
-        head_v_dim: int,
-        conv_kernel: int,
-        rms_norm_eps: float,
-        ops: Ops,
-    ) -> None:
+    def __init__(self, config: Any, *, ops: Ops) -> None:
         super().__init__()
+        num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
-        self.num_k_heads = num_k_heads
-        self.num_v_heads = num_v_heads
-        self.head_k_dim = head_k_dim
-        self.head_v_dim = head_v_dim
-        self.key_dim = num_k_heads * head_k_dim
-        self.value_dim = num_v_heads * head_v_dim
+        hidden_size, conv_kernel = config.hidden_size, config.linear_conv_kernel_dim
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = num_k_heads * self.head_k_dim
+        self.value_dim = num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
         self.ops = ops
@@ -128,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
         self.in_proj: nn.Linear | None = None  # set by fuse_projections()
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
         self._init_projections(hidden_size)

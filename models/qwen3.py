@@ -29,9 +29,7 @@ class Qwen3CausalLM(CausalLM):
                 raise ValueError(
                     f"layer {i}: unsupported layer type {layer_type!r} (sliding window is not supported)"
                 )
-            attn = PagedAttention.from_config(
-                config, head_dim=head_dim, norm_cls=RMSNorm, gated=False, ops=ops
-            )
+            attn = PagedAttention(config, head_dim=head_dim, norm_cls=RMSNorm, gated=False, ops=ops)
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
             self.model.layers.append(DecoderLayer(attn, mlp, RMSNorm, config.hidden_size, eps))
         self.finish_layers()

@@ -35,20 +35,11 @@ class Qwen35CausalLM(CausalLM):
         head_dim, eps = self.head_dim, config.rms_norm_eps
         for i, layer_type in enumerate(config.layer_types[: config.num_hidden_layers]):
             if layer_type == ATTENTION:
-                mixer: nn.Module = PagedAttention.from_config(
+                mixer: nn.Module = PagedAttention(
                     config, head_dim=head_dim, norm_cls=ZeroCenteredRMSNorm, gated=True, ops=ops
                 )
             elif layer_type == LINEAR_ATTENTION:
-                mixer = self.gdn_cls(
-                    hidden_size=config.hidden_size,
-                    num_k_heads=config.linear_num_key_heads,
-                    num_v_heads=config.linear_num_value_heads,
-                    head_k_dim=config.linear_key_head_dim,
-                    head_v_dim=config.linear_value_head_dim,
-                    conv_kernel=config.linear_conv_kernel_dim,
-                    rms_norm_eps=eps,
-                    ops=ops,
-                )
+                mixer = self.gdn_cls(config, ops=ops)
             else:
                 raise ValueError(f"layer {i}: unsupported layer type {layer_type!r}")
             layer = DecoderLayer(
