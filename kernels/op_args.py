@@ -25,8 +25,11 @@ from torch import Tensor
 __all__ = [
     "GDN_CHUNK_SIZE",
     "AttentionArgs",
+    "Capture",
+    "ConvArgs",
     "ConvStepArgs",
     "ConvVarlenArgs",
+    "GdnArgs",
     "GdnChunkArgs",
     "GdnStepArgs",
     "StoreKVArgs",
@@ -47,7 +50,6 @@ __all__ = [
 GDN_CHUNK_SIZE = 64
 
 Capture = tuple[int, int, int]  # (segment, tokens of it before the capture, destination slot)
-Args = TypeVar("Args")
 Result = TypeVar("Result")
 
 
