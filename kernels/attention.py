@@ -22,47 +22,45 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.kernels.op_args import AttentionArgs, StoreKVArgs, paged_attention_op, store_kv_op
+
 __all__ = ["paged_attention", "store_kv"]
 
 # Query rows per score tile: bounds the [Hq, tile, seq_len] fp32 score matrix of a long prefill.
 _QUERY_TILE = 512
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def _store_kv(args: StoreKVArgs) -> None:
     """Write ``key/value [T, Hkv, D]`` into the paged caches at ``slot_mapping [T]``; ``-1`` is skipped."""
+    k_cache, v_cache = args.k_cache, args.v_cache
     block_size = k_cache.shape[1]
-    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    slots = args.slot_mapping.to(device=k_cache.device, dtype=torch.long)
     keep = slots >= 0
     slots = slots[keep]
     # (block, offset) indexing instead of a flat view: works for any cache strides.
     block, offset = slots // block_size, slots % block_size
-    k_cache[block, offset] = key.to(k_cache.device)[keep].to(k_cache.dtype)
-    v_cache[block, offset] = value.to(v_cache.device)[keep].to(v_cache.dtype)
+    k_cache[block, offset] = args.key.to(k_cache.device)[keep].to(k_cache.dtype)
+    v_cache[block, offset] = args.value.to(v_cache.device)[keep].to(v_cache.dtype)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+#: The reference op.
+store_kv = store_kv_op(_store_kv)
+
+
+def _paged_attention(args: AttentionArgs) -> torch.Tensor:
     """Causal attention of each segment's queries over its whole paged context; see module docstring."""
+    q, k_cache, v_cache, block_tables, scale = (
+        args.q,
+        args.k_cache,
+        args.v_cache,
+        args.block_tables,
+        args.scale,
+    )
     num_tokens, num_q_heads, _ = q.shape
-    _, block_size, num_kv_heads, head_v_dim = v_cache.shape
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
-    group = num_q_heads // num_kv_heads
-    bounds = [int(b) for b in cu_seqlens_q.tolist()]
-    context_lens = [int(n) for n in seq_lens.tolist()]
+    _, block_size, _, head_v_dim = v_cache.shape
+    group = args.group()
+    bounds = [int(b) for b in args.cu_seqlens_q.tolist()]
+    context_lens = [int(n) for n in args.seq_lens.tolist()]
     out = torch.zeros(num_tokens, num_q_heads, head_v_dim, dtype=q.dtype, device=q.device)
 
     # Decode segments (one query token) are batched: one gather and two batched matmuls for all
@@ -103,6 +101,10 @@ def paged_attention(
                 q.dtype
             )
     return out
+
+
+#: The reference op.
+paged_attention = paged_attention_op(_paged_attention)
 
 
 def _batched_decode(

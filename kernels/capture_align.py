@@ -16,15 +16,16 @@ layer's q/k/v/g/beta. A batch whose captures are all on the grid is passed throu
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from deltaserve.kernels.op_args import GdnChunkArgs, check_capture_seq
+
 __all__ = ["PaddedLayout", "captures_anywhere", "padded_layout"]
 
-ChunkOp = Callable[..., torch.Tensor]
+ChunkOp = Callable[[GdnChunkArgs], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,7 @@ def _checked_positions(bounds: list[int], seqs: list[int], positions: list[int])
         raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
     per_seq: dict[int, set[int]] = {}
     for seq, pos in zip(seqs, positions):
-        if not 0 <= seq < num_seqs:
-            raise ValueError(f"capture_seq {seq} outside this call's batch of {num_seqs} segments")
+        check_capture_seq(seq, num_seqs)
         length = bounds[seq + 1] - bounds[seq]
         if not 0 <= pos <= length:
             raise ValueError(f"capture_pos {pos} of segment {seq} outside 0..{length}")
@@ -102,63 +102,43 @@ def padded_layout(
 
 
 def captures_anywhere(op: ChunkOp) -> ChunkOp:
-    """``op`` (a ``chunk_gated_delta_rule`` whose captures must sit on chunk boundaries) taking
-    captures at any position of a segment."""
+    """``op`` (a ``chunk_gated_delta_rule`` implementation whose captures must sit on chunk
+    boundaries) taking captures at any position of a segment."""
 
-    default_chunk_size = _default_chunk_size(op)
     # Every GDN layer of a forward passes the same batch tensors: the layout of the last call is
     # kept (with the tensors it was made from, compared by identity) so it is built once per
     # forward, not once per layer. One tuple, replaced whole: safe across threads.
     last: tuple[tuple[object, ...], PaddedLayout | None] = ((), None)
 
     @functools.wraps(op)
-    def chunk_gated_delta_rule(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        ssm_state: torch.Tensor,
-        state_slots: torch.Tensor,
-        has_initial_state: torch.Tensor,
-        capture_seq: torch.Tensor | None = None,
-        capture_pos: torch.Tensor | None = None,
-        capture_slots: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> torch.Tensor:
+    def chunk_gated_delta_rule(args: GdnChunkArgs) -> torch.Tensor:
         nonlocal last
-        layout = None
-        if capture_seq is not None and capture_pos is not None and capture_slots is not None:
-            chunk_size = int(kwargs.get("chunk_size", default_chunk_size))  # type: ignore[call-overload]
-            key, (seen, cached) = (cu_seqlens, capture_seq, capture_pos, chunk_size), last
-            if len(seen) == 4 and all(a is b for a, b in zip(seen[:3], key[:3])) and seen[3] == chunk_size:
-                layout = cached
-            else:
-                layout = padded_layout(cu_seqlens, capture_seq, capture_pos, chunk_size)
-                last = (key, layout)
+        batch, chunk_size = args.batch, args.chunk_size
+        capture_seq, capture_pos = batch.capture_seq, batch.capture_pos
+        if capture_seq is None or capture_pos is None or batch.capture_slots is None:
+            return op(args)
+        key, (seen, cached) = (batch.cu_seqlens, capture_seq, capture_pos, chunk_size), last
+        if len(seen) == 4 and all(a is b for a, b in zip(seen[:3], key[:3])) and seen[3] == chunk_size:
+            layout = cached
+        else:
+            layout = padded_layout(batch.cu_seqlens, capture_seq, capture_pos, chunk_size)
+            last = (key, layout)
         if layout is None:
-            return op(
-                q, k, v, g, beta, cu_seqlens, ssm_state, state_slots, has_initial_state,
-                capture_seq=capture_seq, capture_pos=capture_pos, capture_slots=capture_slots, **kwargs,
-            )  # fmt: skip
+            return op(args)
 
         def pad(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x, x.new_zeros((1, *x.shape[1:]))])[layout.src]
 
-        out = op(
-            pad(q), pad(k), pad(v), pad(g), pad(beta), layout.cu_seqlens, ssm_state, state_slots,
-            has_initial_state, capture_seq=capture_seq, capture_pos=layout.capture_pos,
-            capture_slots=capture_slots, **kwargs,
-        )  # fmt: skip
-        return out[layout.keep]
+        padded_batch = replace(batch, cu_seqlens=layout.cu_seqlens, capture_pos=layout.capture_pos)
+        padded = replace(
+            args,
+            q=pad(args.q),
+            k=pad(args.k),
+            v=pad(args.v),
+            g=pad(args.g),
+            beta=pad(args.beta),
+            batch=padded_batch,
+        )
+        return op(padded)[layout.keep]
 
     return chunk_gated_delta_rule
-
-
-def _default_chunk_size(op: ChunkOp) -> int:
-    """The ``chunk_size`` default of ``op``'s signature (both backends default to the same)."""
-    param = inspect.signature(op).parameters.get("chunk_size")
-    if param is None or param.default is inspect.Parameter.empty:
-        raise TypeError(f"{op!r} has no chunk_size default")
-    return int(param.default)

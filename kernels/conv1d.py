@@ -28,7 +28,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
+from deltaserve.kernels.op_args import (
+    Capture,
+    ConvStepArgs,
+    ConvVarlenArgs,
+    check_capture_seq,
+    conv_step_op,
+    conv_varlen_op,
+)
+
+__all__ = ["causal_conv1d_update", "causal_conv1d_varlen", "checked_captures"]
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -39,19 +48,7 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"unsupported conv activation {activation!r} (expected 'silu' or None)")
 
 
-def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    capture_seq: torch.Tensor | None = None,
-    capture_pos: torch.Tensor | None = None,
-    capture_slots: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def _causal_conv1d_varlen(args: ConvVarlenArgs) -> torch.Tensor:
     """Varlen causal conv over ``cu_seqlens`` segments; returns ``y [T, C]`` in ``x.dtype``.
 
     Every segment is laid out as ``[its K-1 state rows | its inputs]`` in one long time-major
@@ -62,19 +59,18 @@ def causal_conv1d_varlen(
     took ~20-40 ms per layer for a 512-token prefill on the CPU, the K multiply-adds ~1 ms, and
     the output comes out ``[T, C]`` contiguous (no transposed copy before the activation).
     """
+    x, weight, conv_state, batch = args.x, args.weight, args.conv_state, args.batch
     num_tokens, channels = x.shape
     width = weight.shape[-1] - 1
     device = x.device
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    bounds = batch.bounds(num_tokens)
     num_seqs = len(bounds) - 1
-    if bounds[0] != 0 or bounds[-1] != num_tokens:
-        raise ValueError(f"cu_seqlens must run from 0 to T={num_tokens}, got {bounds[0]}..{bounds[-1]}")
 
     # Initial states, read before any write (see gdn.py), zeros where there is none: torch.where
     # so a never-initialised slot's NaN/inf cannot leak in.
-    slots = state_slots.to(device=conv_state.device, dtype=torch.long)
+    slots = batch.state_slots.to(device=conv_state.device, dtype=torch.long)
     init = conv_state.index_select(0, slots).float().to(device)  # [B, C, K-1]
-    keep = has_initial_state.to(device=device, dtype=torch.bool).view(-1, 1, 1)
+    keep = batch.has_initial_state.to(device=device, dtype=torch.bool).view(-1, 1, 1)
     init = torch.where(keep, init, torch.zeros((), dtype=init.dtype, device=device))
     extended, starts = _extend(x, init, bounds)
 
@@ -88,15 +84,15 @@ def causal_conv1d_varlen(
             ]
         )
         y = conv.index_select(0, out_row)
-        if bias is not None:
-            y += bias.float()
-        y = _activate(y, activation)
+        if args.bias is not None:
+            y += args.bias.float()
+        y = _activate(y, args.activation)
 
     def state_after(b: int, n_inputs: int) -> torch.Tensor:
         # The K-1 rows of x_ext_b ending right after input n_inputs - 1, as [C, K-1].
         return extended[starts[b] + n_inputs : starts[b] + n_inputs + width].t()
 
-    captures = _checked_captures(bounds, capture_seq, capture_pos, capture_slots)
+    captures = checked_captures([bounds[b + 1] - bounds[b] for b in range(num_seqs)], batch.captures())
     if captures:
         captured = torch.stack([state_after(seq, pos) for seq, pos, _ in captures])
         index = torch.tensor([dst for _, _, dst in captures], dtype=torch.long, device=conv_state.device)
@@ -105,6 +101,10 @@ def causal_conv1d_varlen(
         final = torch.stack([state_after(b, bounds[b + 1] - bounds[b]) for b in range(num_seqs)])
         conv_state.index_copy_(0, slots, final.to(conv_state.device, conv_state.dtype))
     return y.to(x.dtype)
+
+
+#: The reference op.
+causal_conv1d_varlen = conv_varlen_op(_causal_conv1d_varlen)
 
 
 def _extend(x: torch.Tensor, init: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -132,44 +132,29 @@ def _shifted_conv(extended: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _checked_captures(
-    bounds: list[int],
-    capture_seq: torch.Tensor | None,
-    capture_pos: torch.Tensor | None,
-    capture_slots: torch.Tensor | None,
-) -> list[tuple[int, int, int]]:
-    """(segment, inputs before the capture, slot) of every capture, checked against the batch."""
-    if capture_seq is None and capture_pos is None and capture_slots is None:
-        return []
-    if capture_seq is None or capture_pos is None or capture_slots is None:
-        raise ValueError("capture_seq, capture_pos and capture_slots must be given together")
-    seqs, positions, dst = capture_seq.tolist(), capture_pos.tolist(), capture_slots.tolist()
-    if not len(seqs) == len(positions) == len(dst):
-        raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
-    num_seqs = len(bounds) - 1
-    for seq, pos in zip(seqs, positions):
-        if not 0 <= seq < num_seqs:
-            raise ValueError(f"capture_seq {seq} outside this call's batch of {num_seqs} segments")
-        if not 0 <= pos <= bounds[seq + 1] - bounds[seq]:
+def checked_captures(lengths: list[int], captures: list[Capture]) -> list[Capture]:
+    """``captures`` of segments of ``lengths``, each checked: any position in its segment (both
+    backends' conv takes a capture anywhere)."""
+    for seq, pos, _ in captures:
+        check_capture_seq(seq, len(lengths))
+        if not 0 <= pos <= lengths[seq]:
             raise ValueError(f"capture_pos {pos} outside segment {seq}")
-    return list(zip(seqs, positions, dst))
+    return captures
 
 
-def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def _causal_conv1d_update(args: ConvStepArgs) -> torch.Tensor:
     """One token per sequence: ``x [N, C]`` -> ``y [N, C]``; ``conv_state[state_slots]`` shifted in place."""
-    slots = state_slots.to(device=conv_state.device, dtype=torch.long)
+    x, conv_state, bias = args.x, args.conv_state, args.bias
+    slots = args.state_slots.to(device=conv_state.device, dtype=torch.long)
     state = conv_state.index_select(0, slots).float().to(x.device)  # [N, C, K-1]
     window = torch.cat([state, x.float()[:, :, None]], dim=-1)  # [N, C, K], oldest first
-    y = (window * weight.float()).sum(dim=-1)
+    y = (window * args.weight.float()).sum(dim=-1)
     if bias is not None:
         y = y + bias.float()
-    y = _activate(y, activation)
+    y = _activate(y, args.activation)
     conv_state.index_copy_(0, slots, window[:, :, 1:].to(conv_state.device, conv_state.dtype))
     return y.to(x.dtype)
+
+
+#: The reference op.
+causal_conv1d_update = conv_step_op(_causal_conv1d_update)

@@ -40,15 +40,20 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.kernels.capture_align import captures_anywhere
+from deltaserve.kernels.op_args import (
+    GDN_CHUNK_SIZE,
+    Capture,
+    GdnArgs,
+    GdnChunkArgs,
+    GdnStepArgs,
+    check_capture_seq,
+    gdn_chunk_op,
+    gdn_step_op,
+)
 
-__all__ = ["chunk_gated_delta_rule", "l2norm", "recurrent_gated_delta_rule"]
+__all__ = ["GDN_CHUNK_SIZE", "chunk_gated_delta_rule", "l2norm", "recurrent_gated_delta_rule"]
 
 _L2NORM_EPS = 1e-6
-
-
-#: Tokens per chunk of the chunked GDN kernels. Checkpoint boundaries are multiples of it (the
-#: cache manager's torch-free ``GDN_CHUNK_SIZE`` is the same number; a test holds them equal).
-GDN_CHUNK_SIZE = 64
 
 
 def l2norm(x: torch.Tensor, eps: float = _L2NORM_EPS) -> torch.Tensor:
@@ -56,22 +61,17 @@ def l2norm(x: torch.Tensor, eps: float = _L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prepare_qk(
-    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _prepare_qk(args: GdnArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32, optional L2 norm, q scaled by ``Dk**-0.5``, heads expanded from Hk to Hv.
 
     Normalising before the expansion does the work once per key head; ``repeat_interleave`` gives
     value head ``h`` the key head ``h // (Hv // Hk)``, which is the contract's grouping.
     """
-    num_k_heads, head_k_dim = q.shape[-2], q.shape[-1]
-    if num_v_heads % num_k_heads != 0:
-        raise ValueError(f"Hv={num_v_heads} is not a multiple of Hk={num_k_heads}")
-    qf, kf = q.float(), k.float()
-    if use_qk_l2norm:
+    group = args.group()
+    qf, kf = args.q.float(), args.k.float()
+    if args.use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)
-    qf = qf * head_k_dim**-0.5
-    group = num_v_heads // num_k_heads
+    qf = qf * args.q.shape[-1] ** -0.5
     if group > 1:
         qf = qf.repeat_interleave(group, dim=-2)
         kf = kf.repeat_interleave(group, dim=-2)
@@ -100,12 +100,7 @@ def _write_states(ssm_state: torch.Tensor, slots: list[int], states: torch.Tenso
 
 
 def _plan_captures(
-    lengths: list[int],
-    num_chunks: list[int],
-    chunk_size: int,
-    capture_seq: torch.Tensor | None,
-    capture_pos: torch.Tensor | None,
-    capture_slots: torch.Tensor | None,
+    lengths: list[int], num_chunks: list[int], chunk_size: int, captures: list[Capture]
 ) -> dict[int, list[tuple[int, int]]]:
     """Map "number of chunks scanned" -> [(segment, slot)] for every requested capture.
 
@@ -113,19 +108,9 @@ def _plan_captures(
     ``pos % chunk_size == 0`` that is exact, and ``pos == length`` is the end of the (padded) last
     chunk, whose padding tokens leave the state unchanged. Key 0 means "the initial state".
     """
-    given = [x is not None for x in (capture_seq, capture_pos, capture_slots)]
-    if not any(given):
-        return {}
-    if not all(given):
-        raise ValueError("capture_seq, capture_pos and capture_slots must be given together")
-    assert capture_seq is not None and capture_pos is not None and capture_slots is not None
-    seqs, positions, slots = capture_seq.tolist(), capture_pos.tolist(), capture_slots.tolist()
-    if not len(seqs) == len(positions) == len(slots):
-        raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
     plan: dict[int, list[tuple[int, int]]] = {}
-    for seq, pos, slot in zip(seqs, positions, slots):
-        if not 0 <= seq < len(lengths):
-            raise ValueError(f"capture_seq {seq} outside this call's batch of {len(lengths)} segments")
+    for seq, pos, slot in captures:
+        check_capture_seq(seq, len(lengths))
         length = lengths[seq]
         if not 0 <= pos <= length or (pos % chunk_size != 0 and pos != length):
             raise ValueError(
@@ -137,22 +122,7 @@ def _plan_captures(
     return plan
 
 
-def _chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    capture_seq: torch.Tensor | None = None,
-    capture_pos: torch.Tensor | None = None,
-    capture_slots: torch.Tensor | None = None,
-    chunk_size: int = GDN_CHUNK_SIZE,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+def _chunk_gated_delta_rule(args: GdnChunkArgs) -> torch.Tensor:
     """Chunked gated delta rule over a varlen batch; returns ``o [T, Hv, Dv]`` in ``v.dtype``.
 
     Algorithm (per chunk of C tokens, everything batched over all chunks of all segments and heads):
@@ -171,21 +141,18 @@ def _chunk_gated_delta_rule(
     neither decay nor update the state, so the state after the padded last chunk is the state
     after the segment's real last token.
     """
-    if chunk_size <= 0:
-        raise ValueError("chunk_size must be positive")
+    v, chunk_size, ssm_state, batch = args.v, args.chunk_size, args.ssm_state, args.batch
     num_tokens, num_v_heads, head_v_dim = v.shape
     device = v.device
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    bounds = batch.bounds(num_tokens)
     num_seqs = len(bounds) - 1
-    if bounds[0] != 0 or bounds[-1] != num_tokens:
-        raise ValueError(f"cu_seqlens must run from 0 to T={num_tokens}, got {bounds[0]}..{bounds[-1]}")
     lengths = [bounds[b + 1] - bounds[b] for b in range(num_seqs)]
     num_chunks = [-(-n // chunk_size) for n in lengths]
-    capture_plan = _plan_captures(lengths, num_chunks, chunk_size, capture_seq, capture_pos, capture_slots)
+    capture_plan = _plan_captures(lengths, num_chunks, chunk_size, batch.captures())
 
     # Read every initial state before writing anything, so slot aliasing between one sequence's
     # final state and another's initial state (a caller bug, but cheap to be robust to) is harmless.
-    states = _read_initial_states(ssm_state, state_slots, has_initial_state).to(device)
+    states = _read_initial_states(ssm_state, batch.state_slots, batch.has_initial_state).to(device)
     out = torch.zeros(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
 
     for seq, slot in capture_plan.get(0, []):
@@ -198,7 +165,7 @@ def _chunk_gated_delta_rule(
         # chunk boundaries (and captures) stay at multiples of chunk_size.
         width = min(chunk_size, max(lengths))
         token_index, valid = _chunk_tokens(bounds, num_chunks, chunk_size, width, device)
-        qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
+        qf, kf = _prepare_qk(args)
 
         def chunked(x: torch.Tensor) -> torch.Tensor:
             # [T, H, ...] -> [NC, H, C, ...] with padding positions zeroed
@@ -207,18 +174,18 @@ def _chunk_gated_delta_rule(
             xc = torch.where(mask, xc, torch.zeros((), dtype=xc.dtype, device=device))
             return xc.transpose(1, 2)
 
-        chunks = _intra_chunk(chunked(qf), chunked(kf), chunked(v), chunked(g), chunked(beta))
+        chunks = _intra_chunk(chunked(qf), chunked(kf), chunked(v), chunked(args.g), chunked(args.beta))
         o_c, states = _scan_chunks(chunks, states, num_chunks, capture_plan, ssm_state)
         # scatter chunk outputs back to the token axis
         out[token_index[valid]] = o_c.transpose(1, 2)[valid]
 
     if num_seqs > 0:
-        _write_states(ssm_state, [int(s) for s in state_slots.tolist()], states)
+        _write_states(ssm_state, [int(s) for s in batch.state_slots.tolist()], states)
     return out.to(v.dtype)
 
 
 #: The reference op: captures anywhere (the scan above takes them on its chunk grid only).
-chunk_gated_delta_rule = captures_anywhere(_chunk_gated_delta_rule)
+chunk_gated_delta_rule = gdn_chunk_op(captures_anywhere(_chunk_gated_delta_rule))
 
 
 def _chunk_tokens(
@@ -317,16 +284,7 @@ def _scan_chunks(
     return o_c, running[torch.tensor([rank[b] for b in range(num_seqs)], dtype=torch.long, device=device)]
 
 
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+def _recurrent_gated_delta_rule(args: GdnStepArgs) -> torch.Tensor:
     """One decode token per sequence: ``q, k [N, Hk, Dk]``, ``v [N, Hv, Dv]``, ``g, beta [N, Hv]``.
 
     Reads ``ssm_state[state_slots]``, applies one step of the recurrence, writes the new state back
@@ -339,15 +297,15 @@ def recurrent_gated_delta_rule(
     ``q^T S' = d (q^T S) + (q . k) delta``, so one batched product ``[q; k]^T S`` gives both the
     prediction and the output, then ``S' = d S + k delta^T`` is two in-place passes.
     """
-    num_v_heads = v.shape[-2]
-    qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
+    v, g, beta, ssm_state = args.v, args.g, args.beta, args.ssm_state
+    qf, kf = _prepare_qk(args)
     if ssm_state.dtype != torch.float32 or ssm_state.device != v.device or v.device.type != "cpu":
         # (on an accelerator the slot list would cost a host sync per layer; it runs the Triton op)
-        return _recurrent_gathered(qf, kf, v, g, beta, ssm_state, state_slots)
+        return _recurrent_gathered(args, qf, kf)
     decay = g.float().exp()  # [N, H]
     # q^T S and k^T S of every sequence, each from its slot (a view: nothing is copied)
     qk = torch.stack((qf, kf), dim=-2)  # [N, H, 2, Dk]
-    slots = [int(x) for x in state_slots.tolist()]
+    slots = [int(x) for x in args.state_slots.tolist()]
     read = torch.stack([torch.bmm(qk[n], ssm_state[slot]) for n, slot in enumerate(slots)])  # [N, H, 2, Dv]
     decay_col = decay[..., None]
     delta = (v.float() - decay_col * read[:, :, 1]) * beta.float()[..., None]  # [N, H, Dv]
@@ -359,18 +317,16 @@ def recurrent_gated_delta_rule(
     return out.to(v.dtype)
 
 
-def _recurrent_gathered(
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
-) -> torch.Tensor:
+#: The reference op.
+recurrent_gated_delta_rule = gdn_step_op(_recurrent_gated_delta_rule)
+
+
+def _recurrent_gathered(args: GdnStepArgs, qf: torch.Tensor, kf: torch.Tensor) -> torch.Tensor:
     """The decode step on an fp32 copy of the states (a state tensor in another dtype or on
-    another device than the inputs, or not on the CPU), written back converted."""
-    slots = state_slots.to(device=ssm_state.device, dtype=torch.long)
+    another device than the inputs, or not on the CPU), written back converted; ``qf, kf`` are
+    ``_prepare_qk``'s."""
+    v, g, beta, ssm_state = args.v, args.g, args.beta, args.ssm_state
+    slots = args.state_slots.to(device=ssm_state.device, dtype=torch.long)
     s = ssm_state.index_select(0, slots).float().to(v.device)  # [N, H, Dk, Dv]
     s = s * g.float().exp()[..., None, None]
     predicted = torch.einsum("nhk,nhkv->nhv", kf, s)

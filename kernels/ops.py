@@ -1,6 +1,7 @@
 """The op table models are built with: ``Ops`` and ``get_ops(backend, device)``.
 
-Every op exists once per backend behind one signature (docs/contracts.md, "Kernel ops"). A model
+Every op exists once per backend behind one signature (docs/contracts.md, "Kernel ops"; written
+once, in ``op_args.py``, which wraps each backend's implementation into the public op). A model
 receives an ``Ops`` at construction and calls ``ops.paged_attention(...)`` etc.; there is no global
 mutable registry or "current backend", so two models with different backends can coexist and a
 test can hand a model the reference ops explicitly.

@@ -52,18 +52,27 @@ _TOP_K_CLAMP = 2**62  # Python top_k values beyond any vocabulary are clamped be
 
 
 def _per_row(
-    values: torch.Tensor | Sequence[float] | Sequence[int],
-    dtype: torch.dtype,
-    rows: int,
-    device: torch.device,
-    name: str,
-) -> torch.Tensor:
-    if dtype == torch.long and not isinstance(values, torch.Tensor):
-        values = [min(max(int(v), -1), _TOP_K_CLAMP) for v in values]  # 2**63 would overflow int64
-    tensor = torch.as_tensor(values, dtype=dtype).to(device).reshape(-1)
-    if tensor.numel() != rows:
-        raise ValueError(f"{name} has {tensor.numel()} entries for {rows} rows of logits")
-    return tensor
+    logits: torch.Tensor, **params: torch.Tensor | Sequence[float] | Sequence[int]
+) -> list[torch.Tensor]:
+    """Each parameter as a ``[B]`` tensor on ``logits.device`` (int64 for ``top_k``, float32 for
+    the others), checked in order to have one entry per row of ``logits [B, V]``."""
+    rows, _ = logits.shape
+    out: list[torch.Tensor] = []
+    for name, values in params.items():
+        dtype = torch.long if name == "top_k" else torch.float32
+        if dtype == torch.long and not isinstance(values, torch.Tensor):
+            values = [min(max(int(v), -1), _TOP_K_CLAMP) for v in values]  # 2**63 would overflow int64
+        tensor = torch.as_tensor(values, dtype=dtype).to(logits.device).reshape(-1)
+        if tensor.numel() != rows:
+            raise ValueError(f"{name} has {tensor.numel()} entries for {rows} rows of logits")
+        out.append(tensor)
+    return out
+
+
+def _check_rows(items: Sequence[object], rows: int, what: str) -> None:
+    """One of ``items`` (``what`` in the message) per row of the logits."""
+    if len(items) != rows:
+        raise ValueError(f"{len(items)} {what} for {rows} rows of logits")
 
 
 def _filtered_sorted_probs(
@@ -112,11 +121,8 @@ def sample(
     """Sample one token per row of ``logits [B, V]``; returns int64 ``[B]`` on ``logits.device``."""
     rows, _ = logits.shape
     device = logits.device
-    temperature = _per_row(temperature, torch.float32, rows, device, "temperature")
-    top_k = _per_row(top_k, torch.long, rows, device, "top_k")
-    top_p = _per_row(top_p, torch.float32, rows, device, "top_p")
-    if len(generators) != rows:
-        raise ValueError(f"{len(generators)} generators for {rows} rows of logits")
+    temperature, top_k, top_p = _per_row(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    _check_rows(generators, rows, "generators")
 
     tokens = logits.float().argmax(dim=-1)  # greedy rows keep this
     sampled = [i for i, t in enumerate(temperature.tolist()) if t >= GREEDY_TEMPERATURE]  # NaN: greedy
@@ -174,17 +180,18 @@ def apply_penalties(
     """
     rows, vocab = logits.shape
     device = logits.device
-    presence = _per_row(presence_penalty, torch.float32, rows, device, "presence_penalty")
-    frequency = _per_row(frequency_penalty, torch.float32, rows, device, "frequency_penalty")
-    repetition = _per_row(repetition_penalty, torch.float32, rows, device, "repetition_penalty")
-    if len(output_token_ids) != rows:
-        raise ValueError(f"{len(output_token_ids)} output token lists for {rows} rows of logits")
+    presence, frequency, repetition = _per_row(
+        logits,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+    )
+    _check_rows(output_token_ids, rows, "output token lists")
     out = logits.float().clone()
     counts = _row_counts(output_token_ids, vocab, device)
     seen = counts > 0
     if prompt_token_ids is not None:
-        if len(prompt_token_ids) != rows:
-            raise ValueError(f"{len(prompt_token_ids)} prompt token lists for {rows} rows of logits")
+        _check_rows(prompt_token_ids, rows, "prompt token lists")
         seen_any = seen | (_row_counts(prompt_token_ids, vocab, device) > 0)
         r = repetition[:, None]
         penalised = torch.where(out > 0, out / r, out * r)
@@ -200,10 +207,7 @@ def apply_min_p(
     """A copy of ``logits [B, V]`` with the tokens min-p drops set to ``-inf``: those whose
     probability after the temperature is below ``min_p * p_max``. Rows with ``min_p <= 0`` or a
     greedy temperature are unchanged (the most likely token is always kept)."""
-    rows, _ = logits.shape
-    device = logits.device
-    min_p = _per_row(min_p, torch.float32, rows, device, "min_p")
-    temperature = _per_row(temperature, torch.float32, rows, device, "temperature")
+    min_p, temperature = _per_row(logits, min_p=min_p, temperature=temperature)
     out = logits.float().clone()
     active = (min_p > 0) & (temperature >= GREEDY_TEMPERATURE)
     # log(p_i / p_max) = (l_i - l_max) / T  <  log(min_p)   <=>   l_i < l_max + T * log(min_p)

@@ -16,40 +16,19 @@ from collections.abc import Sequence
 
 import torch
 
+from deltaserve.kernels.op_args import slot_copy_op
+
 __all__ = ["copy_state_slots"]
 
 
-def slot_pairs(
-    src_slots: torch.Tensor | Sequence[int], dst_slots: torch.Tensor | Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Validated host copies of the slot lists (None when there is nothing to copy).
-
-    Slot lists are bookkeeping-sized; one host copy lets every backend validate them once for
-    all tensors: equal lengths, no duplicate destination.
-    """
-    src_cpu = torch.as_tensor(src_slots, dtype=torch.long).cpu().reshape(-1)
-    dst_cpu = torch.as_tensor(dst_slots, dtype=torch.long).cpu().reshape(-1)
-    if src_cpu.numel() != dst_cpu.numel():
-        raise ValueError(f"{src_cpu.numel()} source slots but {dst_cpu.numel()} destination slots")
-    if src_cpu.numel() == 0:
-        return None
-    if torch.unique(dst_cpu).numel() != dst_cpu.numel():
-        raise ValueError(f"duplicate destination slots in {dst_cpu.tolist()}")
-    return src_cpu, dst_cpu
-
-
-def copy_state_slots(
-    tensors: Sequence[torch.Tensor],
-    src_slots: torch.Tensor | Sequence[int],
-    dst_slots: torch.Tensor | Sequence[int],
-) -> None:
+def _copy_state_slots(tensors: Sequence[torch.Tensor], src_cpu: torch.Tensor, dst_cpu: torch.Tensor) -> None:
     """Copy ``t[src_slots] -> t[dst_slots]`` on axis 0 of every tensor, in place."""
-    pairs = slot_pairs(src_slots, dst_slots)
-    if pairs is None:
-        return
-    src_cpu, dst_cpu = pairs
     for tensor in tensors:
         src = src_cpu.to(tensor.device)
         dst = dst_cpu.to(tensor.device)
         # index_select materialises the sources first, which gives the simultaneous-copy semantics.
         tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+
+#: The reference op: the slot lists are checked once (``op_args.slot_copy_op``) for all tensors.
+copy_state_slots = slot_copy_op(_copy_state_slots)

@@ -13,7 +13,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -28,20 +28,17 @@ if TYPE_CHECKING:
 
 
 class PagedAttention(nn.Module):
+    """The attention block of a transformers Qwen3-family text ``config`` (``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``rms_norm_eps``, ``attention_bias``
+    (default False)); ``head_dim`` and the q/k ``norm_cls`` are the model's."""
+
     def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        norm_cls: type[nn.Module],
-        rms_norm_eps: float,
-        gated: bool,
-        bias: bool,
-        ops: Ops,
+        self, config: Any, *, head_dim: int, norm_cls: type[nn.Module], gated: bool, ops: Ops
     ) -> None:
         super().__init__()
+        hidden_size = config.hidden_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        bias = bool(getattr(config, "attention_bias", False))
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -55,8 +52,8 @@ class PagedAttention(nn.Module):
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = norm_cls(head_dim, eps=rms_norm_eps)
-        self.k_norm = norm_cls(head_dim, eps=rms_norm_eps)
+        self.q_norm = norm_cls(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = norm_cls(head_dim, eps=config.rms_norm_eps)
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
         self._qkv_sizes = [q_out, num_kv_heads * head_dim, num_kv_heads * head_dim]
 

@@ -20,8 +20,9 @@ segments (``causal_conv1d_varlen`` + ``chunk_gated_delta_rule``), to which the b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -66,31 +67,51 @@ class GdnSegments:
             capture_slots=batch.capture_slots if has_capture else None,
         )
 
+    def run(self, decode: Callable[[], Tensor], prefill: Callable[[], Tensor]) -> Tensor:
+        """The decodes' output (``decode()``, run when there are decodes) followed on the token
+        axis by the prefill segments' (``prefill()``, run when there are)."""
+        out = []
+        if self.num_decodes > 0:
+            out.append(decode())
+        if self.prefill_cu_seqlens is not None:
+            out.append(prefill())
+        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+
+    def prefill(
+        self, op: Callable[..., Tensor], inputs: tuple[Tensor | None, ...], state: Tensor, **options: object
+    ) -> Tensor:
+        """The varlen state ``op`` on the prefill segments: its ``inputs`` (the prefill tokens'),
+        then this batch's segments, ``state``, slots and captures, in the order every varlen op
+        takes them (docs/contracts.md, "Kernel ops")."""
+        return op(
+            *inputs,
+            self.prefill_cu_seqlens,
+            state,
+            self.prefill_slots,
+            self.prefill_has_initial_state,
+            capture_seq=self.capture_seq,
+            capture_pos=self.capture_pos,
+            capture_slots=self.capture_slots,
+            **options,
+        )
+
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3.5 layout: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+    """Qwen3.5 layout: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; sized by a
+    transformers text ``config`` (``hidden_size``, ``linear_num_key_heads``,
+    ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``,
+    ``linear_conv_kernel_dim``, ``rms_norm_eps``)."""
 
-    def __init__(
-        self,
-        *,
-        hidden_size: int,
-        num_k_heads: int,
-        num_v_heads: int,
-        head_k_dim: int,
-        head_v_dim: int,
-        conv_kernel: int,
-        rms_norm_eps: float,
-        ops: Ops,
-    ) -> None:
+    def __init__(self, config: Any, *, ops: Ops) -> None:
         super().__init__()
+        num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
-        self.num_k_heads = num_k_heads
-        self.num_v_heads = num_v_heads
-        self.head_k_dim = head_k_dim
-        self.head_v_dim = head_v_dim
-        self.key_dim = num_k_heads * head_k_dim
-        self.value_dim = num_v_heads * head_v_dim
+        hidden_size, conv_kernel = config.hidden_size, config.linear_conv_kernel_dim
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = num_k_heads * self.head_k_dim
+        self.value_dim = num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
         self.ops = ops
@@ -99,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
         self.in_proj: nn.Linear | None = None  # set by fuse_projections()
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
         self._init_projections(hidden_size)
@@ -142,27 +163,10 @@ class GatedDeltaNet(nn.Module):
         """The short convolution: the decodes' one-token update, then the prefill segments."""
         nd = seg.num_decodes
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
-        out = []
-        if nd > 0:
-            out.append(
-                self.ops.causal_conv1d_update(mixed_qkv[:nd], weight, None, conv_state, seg.decode_slots)
-            )
-        if seg.prefill_cu_seqlens is not None:
-            out.append(
-                self.ops.causal_conv1d_varlen(
-                    mixed_qkv[nd:],
-                    weight,
-                    None,
-                    seg.prefill_cu_seqlens,
-                    conv_state,
-                    seg.prefill_slots,
-                    seg.prefill_has_initial_state,
-                    capture_seq=seg.capture_seq,
-                    capture_pos=seg.capture_pos,
-                    capture_slots=seg.capture_slots,
-                )
-            )
-        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        return seg.run(
+            lambda: self.ops.causal_conv1d_update(mixed_qkv[:nd], weight, None, conv_state, seg.decode_slots),
+            lambda: seg.prefill(self.ops.causal_conv1d_varlen, (mixed_qkv[nd:], weight, None), conv_state),
+        )
 
     def _delta_rule(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: GdnSegments, ssm_state: Tensor
@@ -170,32 +174,16 @@ class GatedDeltaNet(nn.Module):
         """The gated delta rule: the decodes' recurrent step, then the prefill segments' chunked
         scan (which writes the captured states into their slots)."""
         nd = seg.num_decodes
-        out = []
-        if nd > 0:
-            out.append(
-                self.ops.recurrent_gated_delta_rule(
-                    q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state, seg.decode_slots, use_qk_l2norm=True
-                )
-            )
-        if seg.prefill_cu_seqlens is not None:
-            out.append(
-                self.ops.chunk_gated_delta_rule(
-                    q[nd:],
-                    k[nd:],
-                    v[nd:],
-                    g[nd:],
-                    beta[nd:],
-                    seg.prefill_cu_seqlens,
-                    ssm_state,
-                    seg.prefill_slots,
-                    seg.prefill_has_initial_state,
-                    capture_seq=seg.capture_seq,
-                    capture_pos=seg.capture_pos,
-                    capture_slots=seg.capture_slots,
-                    use_qk_l2norm=True,
-                )
-            )
-        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        decodes, prefill = (
+            (q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd]),
+            (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:]),
+        )
+        return seg.run(
+            lambda: self.ops.recurrent_gated_delta_rule(
+                *decodes, ssm_state, seg.decode_slots, use_qk_l2norm=True
+            ),
+            lambda: seg.prefill(self.ops.chunk_gated_delta_rule, prefill, ssm_state, use_qk_l2norm=True),
+        )
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):

@@ -14,6 +14,7 @@ Contract (matches transformers' ``Qwen3NextSparseMoeBlock``):
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -69,23 +70,20 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_experts: int,
-        top_k: int,
-        moe_intermediate_size: int,
-        shared_expert_intermediate_size: int,
-        norm_topk_prob: bool,
-        hidden_act: str = "silu",
-    ) -> None:
+    """The sparse MoE MLP of a transformers Qwen3-Next ``config`` (``hidden_size``,
+    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``shared_expert_intermediate_size`` (0: no shared expert), ``norm_topk_prob``,
+    ``hidden_act``)."""
+
+    def __init__(self, config: Any) -> None:
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
-        self.experts = Experts(num_experts, hidden_size, moe_intermediate_size, hidden_act)
+        hidden_size, num_experts, act = config.hidden_size, config.num_experts, config.hidden_act
+        self.gate = TopKRouter(hidden_size, num_experts, config.num_experts_per_tok, config.norm_topk_prob)
+        self.experts = Experts(num_experts, hidden_size, config.moe_intermediate_size, act)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
-        if shared_expert_intermediate_size > 0:
-            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = GatedMLP(hidden_size, config.shared_expert_intermediate_size, act)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:

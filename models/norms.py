@@ -21,32 +21,30 @@ def _normalize_fp32(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class RMSNorm(nn.Module):
+class _WeightedNorm(nn.Module):
+    """``eps`` and a ``[dim]`` weight initialised to ``weight_init`` (its identity value)."""
+
+    weight_init = 1.0
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), self.weight_init))
 
+
+class RMSNorm(_WeightedNorm):
     def forward(self, x: Tensor) -> Tensor:
         return self.weight * _normalize_fp32(x, self.eps).to(x.dtype)
 
 
-class ZeroCenteredRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+class ZeroCenteredRMSNorm(_WeightedNorm):
+    weight_init = 0.0
 
     def forward(self, x: Tensor) -> Tensor:
         return (_normalize_fp32(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
+class GatedRMSNorm(_WeightedNorm):
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         normed = self.weight * _normalize_fp32(x, self.eps).to(x.dtype)
         return (normed * F.silu(gate.to(torch.float32))).to(x.dtype)

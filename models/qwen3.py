@@ -29,17 +29,7 @@ class Qwen3CausalLM(CausalLM):
                 raise ValueError(
                     f"layer {i}: unsupported layer type {layer_type!r} (sliding window is not supported)"
                 )
-            attn = PagedAttention(
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=head_dim,
-                norm_cls=RMSNorm,
-                rms_norm_eps=eps,
-                gated=False,
-                bias=bool(getattr(config, "attention_bias", False)),
-                ops=ops,
-            )
+            attn = PagedAttention(config, head_dim=head_dim, norm_cls=RMSNorm, gated=False, ops=ops)
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
             self.model.layers.append(DecoderLayer(attn, mlp, RMSNorm, config.hidden_size, eps))
         self.finish_layers()

@@ -36,27 +36,10 @@ class Qwen35CausalLM(CausalLM):
         for i, layer_type in enumerate(config.layer_types[: config.num_hidden_layers]):
             if layer_type == ATTENTION:
                 mixer: nn.Module = PagedAttention(
-                    hidden_size=config.hidden_size,
-                    num_heads=config.num_attention_heads,
-                    num_kv_heads=config.num_key_value_heads,
-                    head_dim=head_dim,
-                    norm_cls=ZeroCenteredRMSNorm,
-                    rms_norm_eps=eps,
-                    gated=True,
-                    bias=bool(getattr(config, "attention_bias", False)),
-                    ops=ops,
+                    config, head_dim=head_dim, norm_cls=ZeroCenteredRMSNorm, gated=True, ops=ops
                 )
             elif layer_type == LINEAR_ATTENTION:
-                mixer = self.gdn_cls(
-                    hidden_size=config.hidden_size,
-                    num_k_heads=config.linear_num_key_heads,
-                    num_v_heads=config.linear_num_value_heads,
-                    head_k_dim=config.linear_key_head_dim,
-                    head_v_dim=config.linear_value_head_dim,
-                    conv_kernel=config.linear_conv_kernel_dim,
-                    rms_norm_eps=eps,
-                    ops=ops,
-                )
+                mixer = self.gdn_cls(config, ops=ops)
             else:
                 raise ValueError(f"layer {i}: unsupported layer type {layer_type!r}")
             layer = DecoderLayer(

@@ -31,15 +31,7 @@ class Qwen3NextCausalLM(Qwen35CausalLM):
         mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
         step = getattr(config, "decoder_sparse_step", 1) or 1
         if layer_idx not in mlp_only and config.num_experts > 0 and (layer_idx + 1) % step == 0:
-            return SparseMoeBlock(
-                hidden_size=config.hidden_size,
-                num_experts=config.num_experts,
-                top_k=config.num_experts_per_tok,
-                moe_intermediate_size=config.moe_intermediate_size,
-                shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-                norm_topk_prob=config.norm_topk_prob,
-                hidden_act=config.hidden_act,
-            )
+            return SparseMoeBlock(config)
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     @classmethod

@@ -1,7 +1,8 @@
-"""Host-side helpers shared by the Triton kernels: block sizes, index tables, launch settings.
+"""Helpers shared by the Triton kernels: block sizes, index tables, launch settings, tiles.
 
-Everything here runs on the host. The kernels themselves never see a Python list: each op turns
-its ``cu_seqlens`` (etc.) into small int64 "work tables" (one row per program) on the op's device.
+Everything here but ``tile`` (a ``@triton.jit`` helper, inlined into the kernels that call it)
+runs on the host. The kernels themselves never see a Python list: each op turns its
+``cu_seqlens`` (etc.) into small int64 "work tables" (one row per program) on the op's device.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels.op_args import Capture, VarlenBatch, capture_triples
 
 __all__ = [
     "INTERPRET",
@@ -23,6 +28,7 @@ __all__ = [
     "last_dim_contiguous",
     "next_pow2",
     "num_sms",
+    "tile",
     "varlen_segments",
 ]
 
@@ -71,28 +77,24 @@ class Segments:
     lengths: list[int]
     slots: list[int]  # state slot of each segment
     has_init: list[int]  # 1: the segment starts from its slot's state, 0: from zeros
-    capture_seq: list[int] | None  # the captures, as given (each op checks their positions)
-    capture_pos: list[int] | None
-    capture_slots: list[int] | None
+    captures: list[Capture]  # as given (each op checks their segments and positions)
 
     @property
     def num_seqs(self) -> int:
         return len(self.lengths)
 
 
-def varlen_segments(
-    num_tokens: int,
-    cu_seqlens: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    capture_seq: torch.Tensor | None = None,
-    capture_pos: torch.Tensor | None = None,
-    capture_slots: torch.Tensor | None = None,
-) -> Segments:
+def varlen_segments(num_tokens: int, batch: VarlenBatch) -> Segments:
     """The varlen ops' batch metadata on the host (one copy), with ``cu_seqlens`` running from 0
-    to ``num_tokens`` without decreasing and one slot and initial-state flag per segment."""
+    to ``num_tokens`` without decreasing, one slot and initial-state flag per segment and the
+    capture lists given together and equally long."""
     bounds, slots, has_init, cap_seq, cap_pos, cap_slots = host_lists(
-        cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
+        batch.cu_seqlens,
+        batch.state_slots,
+        batch.has_initial_state,
+        batch.capture_seq,
+        batch.capture_pos,
+        batch.capture_slots,
     )
     assert bounds is not None and slots is not None and has_init is not None
     if not bounds or bounds[0] != 0 or bounds[-1] != num_tokens:
@@ -102,7 +104,8 @@ def varlen_segments(
         raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
     if len(slots) != len(lengths) or len(has_init) != len(lengths):
         raise ValueError(f"state_slots / has_initial_state need {len(lengths)} entries")
-    return Segments(bounds, lengths, slots, [int(bool(v)) for v in has_init], cap_seq, cap_pos, cap_slots)
+    captures = capture_triples(cap_seq, cap_pos, cap_slots)
+    return Segments(bounds, lengths, slots, [int(bool(v)) for v in has_init], captures)
 
 
 def index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -148,3 +151,11 @@ def check_device(*tensors: torch.Tensor) -> None:
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its last axis has stride 1 (other strides are passed to the kernels)."""
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+@triton.jit
+def tile(index, BLOCK: tl.constexpr, size):
+    """Tile ``index`` of ``BLOCK`` columns over an axis of ``size``: the column indices and
+    which of them are inside the axis (the last tile's tail is masked off)."""
+    cols = index * BLOCK + tl.arange(0, BLOCK)
+    return cols, cols < size

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.op_args import AttentionArgs, StoreKVArgs, paged_attention_op, store_kv_op
 from deltaserve.kernels.triton._common import (
     INTERPRET,
     block,
@@ -41,6 +42,22 @@ from deltaserve.kernels.triton._common import (
 )
 
 __all__ = ["paged_attention", "paged_attention_impl", "store_kv"]
+
+
+@triton.jit
+def _store_row(
+    src_ptr, cache_ptr, t, blk, off, heads, H, D, stride_t, stride_h, stride_c0, stride_c1, stride_c2,
+    BD: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``'s ``[H, D]`` keys (or values) into its cache slot: block ``blk``, offset ``off``."""
+    d = tl.arange(0, BD)
+    mask = (heads < H)[:, None] & (d < D)[None, :]
+    row = tl.load(src_ptr + t * stride_t + heads[:, None] * stride_h + d[None, :], mask=mask)
+    tl.store(
+        cache_ptr + blk * stride_c0 + off * stride_c1 + heads[:, None] * stride_c2 + d[None, :],
+        row.to(cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
@@ -57,21 +74,37 @@ def _store_kv_kernel(
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
         heads = tl.arange(0, BH)
-        dk = tl.arange(0, BDK)
-        kmask = (heads < H)[:, None] & (dk < DK)[None, :]
-        key = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dk[None, :], mask=kmask)
-        tl.store(
-            k_cache_ptr + blk * stride_kc0 + off * stride_kc1 + heads[:, None] * stride_kc2 + dk[None, :],
-            key.to(k_cache_ptr.dtype.element_ty),
-            mask=kmask,
+        _store_row(
+            key_ptr,
+            k_cache_ptr,
+            t,
+            blk,
+            off,
+            heads,
+            H,
+            DK,
+            stride_kt,
+            stride_kh,
+            stride_kc0,
+            stride_kc1,
+            stride_kc2,
+            BDK,
         )
-        dv = tl.arange(0, BDV)
-        vmask = (heads < H)[:, None] & (dv < DV)[None, :]
-        value = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dv[None, :], mask=vmask)
-        tl.store(
-            v_cache_ptr + blk * stride_vc0 + off * stride_vc1 + heads[:, None] * stride_vc2 + dv[None, :],
-            value.to(v_cache_ptr.dtype.element_ty),
-            mask=vmask,
+        _store_row(
+            value_ptr,
+            v_cache_ptr,
+            t,
+            blk,
+            off,
+            heads,
+            H,
+            DV,
+            stride_vt,
+            stride_vh,
+            stride_vc0,
+            stride_vc1,
+            stride_vc2,
+            BDV,
         )
 
 
@@ -79,14 +112,9 @@ def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def _store_kv(args: StoreKVArgs) -> None:
     """Write ``key/value [T, Hkv, D]`` into the paged caches at ``slot_mapping [T]``; ``-1`` is skipped."""
+    key, value, k_cache, v_cache = args.key, args.value, args.k_cache, args.v_cache
     check_device(key, value, k_cache, v_cache)
     num_tokens, num_heads, head_k_dim = key.shape
     head_v_dim = value.shape[-1]
@@ -99,7 +127,7 @@ def store_kv(
     # in-kernel fp32 -> bf16 cast truncates).
     key = _inner_contiguous(key.to(k_cache.dtype))
     value = _inner_contiguous(value.to(v_cache.dtype))
-    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    slots = args.slot_mapping.to(device=k_cache.device, dtype=torch.int64)
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slots,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -109,6 +137,10 @@ def store_kv(
         BH=next_pow2(num_heads), BDK=next_pow2(head_k_dim), BDV=next_pow2(head_v_dim),
         num_warps=1 if num_heads * max(head_k_dim, head_v_dim) <= 1024 else 4,
     )  # fmt: skip
+
+
+#: The Triton op.
+store_kv = store_kv_op(_store_kv)
 
 
 @triton.jit
@@ -226,45 +258,27 @@ def _paged_attn_combine_kernel(
     tl.store(o_ptr + tok * stride_ot + head * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of each segment's queries over its whole paged context (see module docstring)."""
-    return paged_attention_impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-
-
 def paged_attention_impl(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
+    args: AttentionArgs,
     *,
     num_splits: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` with its tiling exposed (tests force several decode splits / small tiles).
+    """Causal attention of each segment's queries over its whole paged context (see module
+    docstring), with the tiling exposed (tests force several decode splits / small tiles).
 
     ``num_splits``: programs per decode (token, KV head) (None: enough to fill the GPU);
     ``block_q``: query tokens per prefill program; ``block_n``: keys per inner step.
     """
+    q, k_cache, v_cache = args.q, args.k_cache, args.v_cache
     check_device(q, k_cache, v_cache)
     num_tokens, num_q_heads, head_k_dim = q.shape
     _, block_size, num_kv_heads, head_v_dim = v_cache.shape
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    args.group()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention needs caches with a contiguous last axis")
-    bounds, contexts = host_lists(cu_seqlens_q, seq_lens)
+    bounds, contexts = host_lists(args.cu_seqlens_q, args.seq_lens)
     assert bounds is not None and contexts is not None
     if len(bounds) != len(contexts) + 1:
         raise ValueError(f"cu_seqlens_q has {len(bounds)} entries for {len(contexts)} sequences")
@@ -272,10 +286,10 @@ def paged_attention_impl(
     if num_tokens == 0:
         return out
     q = _inner_contiguous(q)
-    tables = block_tables.to(device=q.device, dtype=torch.int64)
+    tables = args.block_tables.to(device=q.device, dtype=torch.int64)
     if tables.dim() != 2 or (tables.shape[1] > 0 and tables.stride(1) != 1):
         tables = tables.reshape(len(contexts), -1).contiguous()
-    call = _AttnCall.make(q, k_cache, v_cache, tables, out, scale, block_n)
+    call = _AttnCall.make(q, k_cache, v_cache, tables, out, args.scale, block_n)
     if block_q is None:
         block_q = max(1, (64 if not call.wide else 32) // call.group_pad)
     decode, prefill = _work_tiles(bounds, contexts, block_q)
@@ -284,6 +298,10 @@ def paged_attention_impl(
     if decode:
         call.decode(decode, num_splits)
     return out
+
+
+#: The Triton op (default tiling).
+paged_attention = paged_attention_op(paged_attention_impl)
 
 
 Tile = tuple[int, int, int, int]  # (segment, first query token, query tokens, first query position)

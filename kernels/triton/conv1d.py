@@ -25,12 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.conv1d import checked_captures
+from deltaserve.kernels.op_args import ConvArgs, ConvStepArgs, ConvVarlenArgs, conv_step_op, conv_varlen_op
 from deltaserve.kernels.triton._common import (
     Segments,
     block,
     check_device,
     index_tensor,
     next_pow2,
+    tile,
     varlen_segments,
 )
 
@@ -57,18 +60,16 @@ def _conv_varlen_kernel(
     C,
     KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    ctile = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    seg_start = tl.load(tile_start_ptr + tile)  # token index of the segment's first input
-    offset = tl.load(tile_off_ptr + tile)  # first row of this tile, counted in the segment
-    length = tl.load(tile_len_ptr + tile)
+    work = tl.program_id(0)  # the token tile's row in the work table
+    seq = tl.load(tile_seq_ptr + work)
+    seg_start = tl.load(tile_start_ptr + work)  # token index of the segment's first input
+    offset = tl.load(tile_off_ptr + work)  # first row of this tile, counted in the segment
+    length = tl.load(tile_len_ptr + work)
     slot = tl.load(seq_slot_ptr + seq)
     has_init = tl.load(seq_has_init_ptr + seq)
     rows = tl.arange(0, BT)
     row_mask = rows < length
-    cols = ctile * BC + tl.arange(0, BC)
-    col_mask = cols < C
+    cols, col_mask = tile(tl.program_id(1), BC, C)
 
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     if HAS_BIAS:
@@ -112,15 +113,13 @@ def _conv_state_kernel(
     KW: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     job = tl.program_id(0)
-    ctile = tl.program_id(1)
     seq = tl.load(job_seq_ptr + job)
     n_inputs = tl.load(job_pos_ptr + job)
     dst = tl.load(job_dst_ptr + job)
     seg_start = tl.load(seq_start_ptr + seq)
     slot = tl.load(seq_slot_ptr + seq)
     has_init = tl.load(seq_has_init_ptr + seq)
-    cols = ctile * BC + tl.arange(0, BC)
-    col_mask = cols < C
+    cols, col_mask = tile(tl.program_id(1), BC, C)
     j = tl.arange(0, BW)
     j_mask = j < KW - 1
     pos = n_inputs - (KW - 1) + j  # input index in the segment of state column j
@@ -144,32 +143,24 @@ def _conv_state_kernel(
     )
 
 
-def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    capture_seq: torch.Tensor | None = None,
-    capture_pos: torch.Tensor | None = None,
-    capture_slots: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def _prepared(args: ConvArgs) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """The SiLU flag, ``x`` (``[T, C]`` or ``[N, C]``) with a unit channel stride and the output
+    ``y`` like it, once the activation and the devices are checked."""
+    silu = _activation_flag(args.activation)
+    rows, channels = args.x.shape
+    check_device(args.x, args.weight, args.bias, args.conv_state)
+    x = args.x if args.x.stride(-1) == 1 else args.x.contiguous()
+    return silu, x, torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+
+
+def _causal_conv1d_varlen(args: ConvVarlenArgs) -> torch.Tensor:
     """Varlen causal conv over ``cu_seqlens`` segments; returns ``y [T, C]`` in ``x.dtype``."""
-    silu = _activation_flag(activation)
-    num_tokens, channels = x.shape
-    check_device(x, weight, bias, conv_state)
-    segs = varlen_segments(
-        num_tokens, cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
-    )
-    captures = _checked_captures(segs)
-    y = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    silu, x, y = _prepared(args)
+    weight, bias, conv_state = args.weight, args.bias, args.conv_state
+    segs = varlen_segments(x.shape[0], args.batch)
+    captures = checked_captures(segs.lengths, segs.captures)
     if segs.num_seqs == 0:
         return y
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     seq_slot = index_tensor(segs.slots, x.device)
     seq_init = index_tensor(segs.has_init, x.device)
     _launch_conv(x, weight, bias, y, conv_state, segs, seq_slot, seq_init, silu)
@@ -183,23 +174,8 @@ def causal_conv1d_varlen(
     return y
 
 
-def _checked_captures(segs: Segments) -> list[tuple[int, int, int]]:
-    """(segment, inputs before the capture, slot) of every capture; any position in the segment."""
-    given = [c is not None for c in (segs.capture_seq, segs.capture_pos, segs.capture_slots)]
-    if not any(given):
-        return []
-    if not all(given):
-        raise ValueError("capture_seq, capture_pos and capture_slots must be given together")
-    assert segs.capture_seq is not None and segs.capture_pos is not None and segs.capture_slots is not None
-    if not len(segs.capture_seq) == len(segs.capture_pos) == len(segs.capture_slots):
-        raise ValueError("capture_seq, capture_pos and capture_slots must have the same length")
-    captures = list(zip(segs.capture_seq, segs.capture_pos, segs.capture_slots))
-    for seq, pos, _ in captures:
-        if not 0 <= seq < segs.num_seqs:
-            raise ValueError(f"capture_seq {seq} outside this call's batch of {segs.num_seqs} segments")
-        if not 0 <= pos <= segs.lengths[seq]:
-            raise ValueError(f"capture_pos {pos} outside segment {seq}")
-    return captures
+#: The Triton op.
+causal_conv1d_varlen = conv_varlen_op(_causal_conv1d_varlen)
 
 
 def _launch_conv(
@@ -271,10 +247,8 @@ def _conv_update_kernel(
     KW: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
-    ctile = tl.program_id(1)
     slot = tl.load(slot_ptr + n)
-    cols = ctile * BC + tl.arange(0, BC)
-    col_mask = cols < C
+    cols, col_mask = tile(tl.program_id(1), BC, C)
     j = tl.arange(0, BW)
     j_mask = j < KW - 1
     mask2 = col_mask[:, None] & j_mask[None, :]
@@ -295,28 +269,18 @@ def _conv_update_kernel(
     tl.store(state_row + (KW - 2) * stride_s2, xv.to(state_ptr.dtype.element_ty), mask=col_mask)
 
 
-def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def _causal_conv1d_update(args: ConvStepArgs) -> torch.Tensor:
     """One token per sequence: ``x [N, C]`` -> ``y [N, C]``; ``conv_state[state_slots]`` shifted in place."""
-    silu = _activation_flag(activation)
+    silu, x, y = _prepared(args)
+    weight, bias, conv_state, state_slots = args.weight, args.bias, args.conv_state, args.state_slots
     num_seqs, channels = x.shape
     kernel = weight.shape[-1]
-    check_device(x, weight, bias, conv_state)
     if state_slots.numel() != num_seqs:
         raise ValueError(f"{state_slots.numel()} state slots for {num_seqs} decode tokens")
-    y = torch.empty(num_seqs, channels, dtype=x.dtype, device=x.device)
     if num_seqs == 0:
         return y
     if kernel < 2:
         raise ValueError("causal_conv1d_update needs a conv kernel of width >= 2 (a non-empty state)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     slots = state_slots.to(device=conv_state.device, dtype=torch.int64)
     bc = min(block(channels, 1), _CHANNEL_TILE)
     _conv_update_kernel[(num_seqs, triton.cdiv(channels, bc))](
@@ -327,3 +291,7 @@ def causal_conv1d_update(
         num_warps=4,
     )  # fmt: skip
     return y
+
+
+#: The Triton op.
+causal_conv1d_update = conv_step_op(_causal_conv1d_update)

@@ -34,14 +34,16 @@ reference), so the kernels only ever see grid captures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import triton
 import triton.language as tl
 
 from deltaserve.kernels.capture_align import captures_anywhere
-from deltaserve.kernels.gdn import GDN_CHUNK_SIZE, _plan_captures
+from deltaserve.kernels.gdn import _plan_captures
+from deltaserve.kernels.op_args import GdnArgs, GdnChunkArgs, GdnStepArgs, gdn_chunk_op, gdn_step_op
 from deltaserve.kernels.triton._common import (
     Segments,
     block,
@@ -50,10 +52,13 @@ from deltaserve.kernels.triton._common import (
     index_tensor,
     last_dim_contiguous,
     num_sms,
+    tile,
     varlen_segments,
 )
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+
+_Args = TypeVar("_Args", bound=GdnArgs)
 
 _L2NORM_EPS = 1e-6
 
@@ -72,6 +77,33 @@ def _load_qk_rows(ptr, tok, row_mask, head, stride_t, stride_h, cols, col_mask, 
 
 
 @triton.jit
+def _chunk_rows(chunk_start_ptr, chunk_len_ptr, chunk, BT: tl.constexpr):
+    """Chunk ``chunk``'s first token, length, ``BT`` row indices, which rows are real tokens and
+    their token indices."""
+    start = tl.load(chunk_start_ptr + chunk)
+    length = tl.load(chunk_len_ptr + chunk)
+    rows = tl.arange(0, BT)
+    return start, length, rows, rows < length, start + rows
+
+
+@triton.jit
+def _corrected_values(
+    w_ptr, u_ptr, tok, row_mask, head, state, NUM_V_HEADS, kcols, kmask, vcols, vmask, DK, DV,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``V' = U - W S`` of one chunk (rows ``tok``), value head and Dv tile, from the WY factors
+    that the prep kernel stored and the state ``S`` entering the chunk."""
+    out_rows = (tok * NUM_V_HEADS + head).to(tl.int64)
+    w = tl.load(
+        w_ptr + out_rows[:, None] * DK + kcols[None, :], mask=row_mask[:, None] & kmask[None, :], other=0.0
+    )
+    u = tl.load(
+        u_ptr + out_rows[:, None] * DV + vcols[None, :], mask=row_mask[:, None] & vmask[None, :], other=0.0
+    )
+    return u - tl.dot(w, state, input_precision=PRECISION)
+
+
+@triton.jit
 def _chunk_prep_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr,
     chunk_start_ptr, chunk_len_ptr,
@@ -83,13 +115,8 @@ def _chunk_prep_kernel(
 ):  # fmt: skip
     chunk = tl.program_id(0)
     head = tl.program_id(1)
-    start = tl.load(chunk_start_ptr + chunk)
-    length = tl.load(chunk_len_ptr + chunk)
-    rows = tl.arange(0, BT)
-    row_mask = rows < length
-    tok = start + rows
-    kcols = tl.arange(0, BK)
-    kmask = kcols < DK
+    _, length, rows, row_mask, tok = _chunk_rows(chunk_start_ptr, chunk_len_ptr, chunk, BT)
+    kcols, kmask = tile(0, BK, DK)
 
     k = _load_qk_rows(k_ptr, tok, row_mask, head // GROUP, stride_kt, stride_kh, kcols, kmask, USE_L2NORM)
     g = tl.load(g_ptr + tok * stride_gt + head * stride_gh, mask=row_mask, other=0.0).to(tl.float32)
@@ -138,11 +165,8 @@ def _chunk_scan_kernel(
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    vtile = tl.program_id(2)
-    kcols = tl.arange(0, BK)
-    kmask = kcols < DK
-    vcols = vtile * BV + tl.arange(0, BV)
-    vmask = vcols < DV
+    kcols, kmask = tile(0, BK, DK)
+    vcols, vmask = tile(tl.program_id(2), BV, DV)
     state_mask = kmask[:, None] & vmask[None, :]
     state_off = head * stride_s1 + kcols[:, None] * stride_s2 + vcols[None, :] * stride_s3
 
@@ -161,28 +185,28 @@ def _chunk_scan_kernel(
     if cap >= 0:
         tl.store(ssm_ptr + cap * stride_s0 + state_off, state.to(ssm_ptr.dtype.element_ty), mask=state_mask)
 
-    rows = tl.arange(0, BT)
     for c in range(num_chunks):
         chunk = first + c
-        start = tl.load(chunk_start_ptr + chunk)
-        length = tl.load(chunk_len_ptr + chunk)
-        row_mask = rows < length
-        tok = start + rows
+        start, length, _, row_mask, tok = _chunk_rows(chunk_start_ptr, chunk_len_ptr, chunk, BT)
         hrow = (chunk * NUM_V_HEADS + head).to(tl.int64) * DK
         tl.store(hbuf_ptr + (hrow + kcols[:, None]) * DV + vcols[None, :], state, mask=state_mask)
 
-        out_rows = (tok * NUM_V_HEADS + head).to(tl.int64)
-        w = tl.load(
-            w_ptr + out_rows[:, None] * DK + kcols[None, :],
-            mask=row_mask[:, None] & kmask[None, :],
-            other=0.0,
+        v_new = _corrected_values(
+            w_ptr,
+            u_ptr,
+            tok,
+            row_mask,
+            head,
+            state,
+            NUM_V_HEADS,
+            kcols,
+            kmask,
+            vcols,
+            vmask,
+            DK,
+            DV,
+            PRECISION,
         )
-        u = tl.load(
-            u_ptr + out_rows[:, None] * DV + vcols[None, :],
-            mask=row_mask[:, None] & vmask[None, :],
-            other=0.0,
-        )
-        v_new = u - tl.dot(w, state, input_precision=PRECISION)
         g_cum = tl.load(gcum_ptr + tok * NUM_V_HEADS + head, mask=row_mask, other=0.0)
         g_last = tl.load(gcum_ptr + (start + length - 1) * NUM_V_HEADS + head)
         k = _load_qk_rows(k_ptr, tok, row_mask, head // GROUP, stride_kt, stride_kh, kcols, kmask, USE_L2NORM)
@@ -210,16 +234,9 @@ def _chunk_output_kernel(
 ):  # fmt: skip
     chunk = tl.program_id(0)
     head = tl.program_id(1)
-    vtile = tl.program_id(2)
-    start = tl.load(chunk_start_ptr + chunk)
-    length = tl.load(chunk_len_ptr + chunk)
-    rows = tl.arange(0, BT)
-    row_mask = rows < length
-    tok = start + rows
-    kcols = tl.arange(0, BK)
-    kmask = kcols < DK
-    vcols = vtile * BV + tl.arange(0, BV)
-    vmask = vcols < DV
+    _, _, rows, row_mask, tok = _chunk_rows(chunk_start_ptr, chunk_len_ptr, chunk, BT)
+    kcols, kmask = tile(0, BK, DK)
+    vcols, vmask = tile(tl.program_id(2), BV, DV)
 
     key_head = head // GROUP
     q = _load_qk_rows(q_ptr, tok, row_mask, key_head, stride_qt, stride_qh, kcols, kmask, USE_L2NORM) * scale
@@ -232,14 +249,9 @@ def _chunk_output_kernel(
         mask=kmask[:, None] & vmask[None, :],
         other=0.0,
     )
-    out_rows = (tok * NUM_V_HEADS + head).to(tl.int64)
-    w = tl.load(
-        w_ptr + out_rows[:, None] * DK + kcols[None, :], mask=row_mask[:, None] & kmask[None, :], other=0.0
+    v_new = _corrected_values(
+        w_ptr, u_ptr, tok, row_mask, head, state, NUM_V_HEADS, kcols, kmask, vcols, vmask, DK, DV, PRECISION
     )
-    u = tl.load(
-        u_ptr + out_rows[:, None] * DV + vcols[None, :], mask=row_mask[:, None] & vmask[None, :], other=0.0
-    )
-    v_new = u - tl.dot(w, state, input_precision=PRECISION)
 
     # Padding rows are excluded too: their g_cum reads as 0, which would make the exponent > 0.
     causal = (rows[:, None] >= rows[None, :]) & row_mask[:, None]
@@ -254,65 +266,39 @@ def _chunk_output_kernel(
     )
 
 
-def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+def _checked(args: _Args) -> _Args:
+    """``args`` with 3-D q, k, v of one token count, whole key-head groups and all tensors on one
+    device; q, k, v get a unit last stride (the other strides go to the kernels)."""
+    q, k, v = args.q, args.k, args.v
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(
             f"expected q, k [T, Hk, Dk] and v [T, Hv, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    num_k_heads, head_k_dim = q.shape[1], q.shape[2]
-    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
-    if num_v_heads % num_k_heads != 0:
-        raise ValueError(f"Hv={num_v_heads} is not a multiple of Hk={num_k_heads}")
-    return num_k_heads, head_k_dim, num_v_heads, head_v_dim, num_v_heads // num_k_heads
+    args.group()
+    check_device(q, k, v, args.g, args.beta, args.ssm_state)
+    return replace(args, q=last_dim_contiguous(q), k=last_dim_contiguous(k), v=last_dim_contiguous(v))
 
 
-def _chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    capture_seq: torch.Tensor | None = None,
-    capture_pos: torch.Tensor | None = None,
-    capture_slots: torch.Tensor | None = None,
-    chunk_size: int = GDN_CHUNK_SIZE,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+def _chunk_gated_delta_rule(args: GdnChunkArgs) -> torch.Tensor:
     """Chunked gated delta rule over a varlen batch; returns ``o [T, Hv, Dv]`` in ``v.dtype``."""
-    if chunk_size <= 0:
-        raise ValueError("chunk_size must be positive")
-    _, _, num_v_heads, head_v_dim, _ = _check_heads(q, k, v)
-    check_device(q, k, v, g, beta, ssm_state)
-    segs = varlen_segments(
-        v.shape[0], cu_seqlens, state_slots, has_initial_state, capture_seq, capture_pos, capture_slots
-    )
+    args = _checked(args)
+    v, chunk_size = args.v, args.chunk_size
+    segs = varlen_segments(v.shape[0], args.batch)
     num_chunks = [-(-n // chunk_size) for n in segs.lengths]
     # The reference's validation and "state after pos tokens = state after ceil(pos/C) chunks" plan.
-    given = (segs.capture_seq, segs.capture_pos, segs.capture_slots)
-    plan = _plan_captures(
-        segs.lengths,
-        num_chunks,
-        chunk_size,
-        *(None if c is None else torch.tensor(c, dtype=torch.long) for c in given),
-    )
-    out = torch.empty(v.shape[0], num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    plan = _plan_captures(segs.lengths, num_chunks, chunk_size, segs.captures)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if segs.num_seqs == 0:
         return out
     tables = _ChunkTables.build(segs, num_chunks, chunk_size, plan)
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    call = _ChunkCall.make(
-        q, k, v, g, beta, ssm_state, out, tables, min(chunk_size, max(segs.lengths)), use_qk_l2norm
-    )
+    call = _ChunkCall.make(args, out, tables, min(chunk_size, max(segs.lengths)))
     if tables.total_chunks > 0:
         call.prep()
     call.scan(segs, tables)
     if tables.total_chunks > 0:
         call.output()
     if tables.extra_dst:
+        ssm_state = args.ssm_state
         src = torch.tensor(tables.extra_src, dtype=torch.long, device=ssm_state.device)
         dst = torch.tensor(tables.extra_dst, dtype=torch.long, device=ssm_state.device)
         ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
@@ -399,23 +385,14 @@ class _ChunkCall:
 
     @classmethod
     def make(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        ssm_state: torch.Tensor,
-        out: torch.Tensor,
-        tables: _ChunkTables,
-        tokens_per_tile: int,
-        use_qk_l2norm: bool,
+        cls, args: GdnChunkArgs, out: torch.Tensor, tables: _ChunkTables, tokens_per_tile: int
     ) -> _ChunkCall:
+        q, k, v = args.q, args.k, args.v
         num_tokens, num_v_heads, head_v_dim = v.shape
         head_k_dim = k.shape[2]
         device, rows = v.device, max(num_tokens, 1)
         return cls(
-            q, k, v, g, beta, ssm_state, out,
+            q, k, v, args.g, args.beta, args.ssm_state, out,
             index_tensor(tables.chunk_start, device), index_tensor(tables.chunk_len, device), tables.total_chunks,
             torch.empty(rows, num_v_heads, dtype=torch.float32, device=device),
             torch.empty(rows, num_v_heads, head_k_dim, dtype=torch.float32, device=device),
@@ -423,7 +400,7 @@ class _ChunkCall:
             torch.empty(
                 max(tables.total_chunks, 1), num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
             ),
-            num_v_heads // k.shape[1], block(tokens_per_tile), block(head_k_dim), bool(use_qk_l2norm),
+            args.group(), block(tokens_per_tile), block(head_k_dim), args.use_qk_l2norm,
             dot_precision(),
         )  # fmt: skip
 
@@ -477,7 +454,7 @@ class _ChunkCall:
 
 
 #: The Triton op: captures anywhere (the kernels above take them on their chunk grid only).
-chunk_gated_delta_rule = captures_anywhere(_chunk_gated_delta_rule)
+chunk_gated_delta_rule = gdn_chunk_op(captures_anywhere(_chunk_gated_delta_rule))
 
 
 @triton.jit
@@ -490,12 +467,9 @@ def _recurrent_step_kernel(
 ):  # fmt: skip
     n = tl.program_id(0)
     head = tl.program_id(1)
-    vtile = tl.program_id(2)
     key_head = head // GROUP
-    kcols = tl.arange(0, BK)
-    kmask = kcols < DK
-    vcols = vtile * BV + tl.arange(0, BV)
-    vmask = vcols < DV
+    kcols, kmask = tile(0, BK, DK)
+    vcols, vmask = tile(tl.program_id(2), BV, DV)
 
     q = tl.load(q_ptr + n * stride_qt + key_head * stride_qh + kcols, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + n * stride_kt + key_head * stride_kh + kcols, mask=kmask, other=0.0).to(tl.float32)
@@ -524,26 +498,18 @@ def _recurrent_step_kernel(
     tl.store(o_ptr + n * stride_ot + head * stride_oh + vcols, o.to(o_ptr.dtype.element_ty), mask=vmask)
 
 
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+def _recurrent_gated_delta_rule(args: GdnStepArgs) -> torch.Tensor:
     """One decode token per sequence, state updated in place on ``ssm_state[state_slots]``."""
-    _, head_k_dim, num_v_heads, head_v_dim, group = _check_heads(q, k, v)
-    check_device(q, k, v, g, beta, ssm_state)
-    num_seqs = v.shape[0]
+    args = _checked(args)
+    q, k, v, g, beta, ssm_state = args.q, args.k, args.v, args.g, args.beta, args.ssm_state
+    state_slots = args.state_slots
+    num_seqs, num_v_heads, head_v_dim = v.shape
+    head_k_dim = k.shape[2]
     if state_slots.numel() != num_seqs:
         raise ValueError(f"{state_slots.numel()} state slots for {num_seqs} decode tokens")
-    out = torch.empty(num_seqs, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if num_seqs == 0:
         return out
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     slots = state_slots.to(device=ssm_state.device, dtype=torch.int64)
     # One program per (sequence, value head, Dv tile); narrow tiles when the batch is small.
     bv = min(block(head_v_dim), 64)
@@ -554,8 +520,12 @@ def recurrent_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         *ssm_state.stride(),
-        group, head_k_dim, head_v_dim, head_k_dim**-0.5,
-        USE_L2NORM=bool(use_qk_l2norm), BK=block(head_k_dim), BV=bv,
+        args.group(), head_k_dim, head_v_dim, head_k_dim**-0.5,
+        USE_L2NORM=args.use_qk_l2norm, BK=block(head_k_dim), BV=bv,
         num_warps=4,
     )  # fmt: skip
     return out
+
+
+#: The Triton op.
+recurrent_gated_delta_rule = gdn_step_op(_recurrent_gated_delta_rule)

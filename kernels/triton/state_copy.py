@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels.state_copy import slot_pairs
+from deltaserve.kernels.op_args import slot_copy_op
 
 __all__ = ["copy_state_slots"]
 
@@ -85,17 +85,8 @@ def _launch(
     )  # fmt: skip
 
 
-def copy_state_slots(
-    tensors: Sequence[torch.Tensor],
-    src_slots: torch.Tensor | Sequence[int],
-    dst_slots: torch.Tensor | Sequence[int],
-) -> None:
+def _copy_state_slots(tensors: Sequence[torch.Tensor], src_cpu: torch.Tensor, dst_cpu: torch.Tensor) -> None:
     """Copy ``t[src_slots] -> t[dst_slots]`` on axis 0 of every tensor, in place."""
-    checked = slot_pairs(src_slots, dst_slots)
-    if checked is None:
-        return
-    src_cpu, dst_cpu = checked
-
     by_device: dict[torch.device, list[tuple[torch.Tensor, tuple[int, int]]]] = {}
     for tensor in tensors:
         num_slots = tensor.shape[0] if tensor.dim() else 0
@@ -132,3 +123,7 @@ def copy_state_slots(
         rows = torch.arange(pairs, dtype=torch.int64, device=device)
         _launch(device, bases, scratch_bases, words, strides, words, src, rows)
         _launch(device, scratch_bases, bases, words, words, strides, rows, dst)
+
+
+#: The Triton op (slot lists checked by ``op_args.slot_copy_op``, as for the reference).
+copy_state_slots = slot_copy_op(_copy_state_slots)

@@ -351,3 +351,15 @@ def test_batch_of_short_segments(rng: torch.Generator) -> None:
         torch.testing.assert_close(ssm[slots[b]].double(), ref_states[-1], atol=2e-4, rtol=1e-4)
         if b == 1:
             torch.testing.assert_close(ssm[4].double(), ref_states[5], atol=2e-4, rtol=1e-4)
+
+
+def test_non_positive_chunk_size_is_refused_before_captures_are_aligned(rng: torch.Generator) -> None:
+    # The check runs before capture_align pads an off-grid capture (which divides by chunk_size).
+    q, k, v, g, beta, cu = make_inputs([5], 1, 1, rng)
+    ssm = torch.zeros(3, 1, DK, DV)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="chunk_size must be positive"):
+        chunk_gated_delta_rule(
+            q, k, v, g, beta, cu, ssm, one, torch.tensor([False]),
+            capture_seq=one, capture_pos=torch.tensor([3]), capture_slots=torch.tensor([2]), chunk_size=0,
+        )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -29,6 +30,27 @@ def test_reference_and_auto_give_the_reference_ops() -> None:
     assert {f.name for f in dataclasses.fields(Ops)} - {"name"} == CONTRACT_OPS
     for name in CONTRACT_OPS:
         assert getattr(ops, name) is getattr(deltaserve.kernels, name)
+
+
+def test_ops_keep_the_contract_signatures() -> None:
+    # Both backends' ops are built by kernels/op_args.py: the public signature is the contract's
+    # (docs/contracts.md), not the argument object the implementations take.
+    ops = get_ops("reference")
+    chunk = inspect.signature(ops.chunk_gated_delta_rule).parameters
+    assert list(chunk)[5:9] == ["cu_seqlens", "ssm_state", "state_slots", "has_initial_state"]
+    assert (chunk["chunk_size"].default, chunk["use_qk_l2norm"].default) == (64, True)
+    conv = inspect.signature(ops.causal_conv1d_varlen).parameters
+    assert list(conv) == [
+        "x", "weight", "bias", "cu_seqlens", "conv_state", "state_slots", "has_initial_state",
+        "capture_seq", "capture_pos", "capture_slots", "activation",
+    ]  # fmt: skip
+    assert list(inspect.signature(ops.paged_attention).parameters) == [
+        "q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "seq_lens", "scale",
+    ]  # fmt: skip
+    assert (
+        ops.recurrent_gated_delta_rule.__doc__
+        and ops.copy_state_slots.__module__ == "deltaserve.kernels.state_copy"
+    )
 
 
 def test_ops_is_immutable() -> None:

@@ -15,6 +15,7 @@ import torch
 from deltaserve.kernels import Ops, get_ops
 from deltaserve.kernels.attention import paged_attention as ref_attention
 from deltaserve.kernels.attention import store_kv as ref_store
+from deltaserve.kernels.op_args import AttentionArgs
 from tests.kernels.triton_env import DEVICE, TRITON_MARKS
 
 pytestmark = TRITON_MARKS
@@ -105,7 +106,7 @@ def test_paged_attention_matches_reference(
     torch.testing.assert_close(out, ref, **FP32)
     # Small tiles: several query tiles per prefill, several key steps per program, and decode
     # contexts split across 3 programs merged by the combine kernel.
-    tiled = paged_attention_impl(*args, num_splits=3, block_q=4, block_n=16)
+    tiled = paged_attention_impl(AttentionArgs(*args), num_splits=3, block_q=4, block_n=16)
     torch.testing.assert_close(tiled, ref, **FP32)
 
 
@@ -119,7 +120,7 @@ def test_paged_attention_bf16_odd_head_dim(tops: Ops, rng: torch.Generator) -> N
     out = tops.paged_attention(*args)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), **BF16)
-    split = paged_attention_impl(*args, num_splits=2, block_n=16)
+    split = paged_attention_impl(AttentionArgs(*args), num_splits=2, block_n=16)
     torch.testing.assert_close(split.float(), ref.float(), **BF16)
 
 
