@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from deltaserve.engine import EngineCore, builder
+from deltaserve.engine import EngineCore
 from deltaserve.engine.config import DType, ModelConfig
+from deltaserve.engine.core import builder
 from deltaserve.engine.core.builder import choose_device, resolve_dtype
 from deltaserve.models import LoadedModel
 from tests.engine.conftest import make_config
