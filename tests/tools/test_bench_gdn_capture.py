@@ -1,4 +1,4 @@
-"""``tools/bench_gdn_capture.py``: one row per capture case, each against no capture."""
+"""``tools/bench/bench_gdn_capture.py``: one row per capture case, each against no capture."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from deltaserve.tools.bench_gdn_capture import main
+from deltaserve.tools.bench.bench_gdn_capture import main
 
 
 def test_prints_each_case_against_no_capture(capsys: pytest.CaptureFixture[str]) -> None:

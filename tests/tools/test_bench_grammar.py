@@ -1,11 +1,11 @@
-"""tools/bench_grammar.py runs on the built-in tokenizer: a row per schema, each mask step on a
+"""tools/bench/bench_grammar.py runs on the built-in tokenizer: a row per schema, each mask step on a
 valid path (the tool asserts every token is accepted), with positive timings."""
 
 from __future__ import annotations
 
 import pytest
 
-from deltaserve.tools import bench_grammar
+from deltaserve.tools.bench import bench_grammar
 
 
 def test_bench_grammar_prints_a_row_per_schema(capsys: pytest.CaptureFixture[str]) -> None:

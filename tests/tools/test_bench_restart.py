@@ -1,8 +1,8 @@
-"""tools/bench_restart.py: a restarted engine's turn 2 is served from disk, outputs unchanged."""
+"""tools/bench/bench_restart.py: a restarted engine's turn 2 is served from disk, outputs unchanged."""
 
 from __future__ import annotations
 
-from deltaserve.tools import bench_restart
+from deltaserve.tools.bench import bench_restart
 
 
 def test_restart_bench_serves_turn_two_from_disk() -> None:

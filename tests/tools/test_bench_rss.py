@@ -1,4 +1,4 @@
-"""tools/bench_rss.py: RSS after start-up and after each run, against the capacity line."""
+"""tools/bench/bench_rss.py: RSS after start-up and after each run, against the capacity line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.tools import bench_rss
+from deltaserve.tools.bench import bench_rss
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="Linux only")
 

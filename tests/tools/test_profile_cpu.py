@@ -1,4 +1,4 @@
-"""tools/profile_cpu.py on the built-in tiny model: a roofline, the three step cases with
+"""tools/bench/profile_cpu.py on the built-in tiny model: a roofline, the three step cases with
 consistent times, the op tables; and its byte count takes a tied weight once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltaserve.tools import profile_cpu
+from deltaserve.tools.bench import profile_cpu
 
 
 def test_weight_bytes_counts_a_tied_weight_once() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The cost of a GDN checkpoint capture off the chunked kernel's 64-token grid.
 
-    python tools/bench_gdn_capture.py [--tokens 512 2048] [--threads 1] [--reps 7]
+    python tools/bench/bench_gdn_capture.py [--tokens 512 2048] [--threads 1] [--reps 7]
 
 Runs the reference ``chunk_gated_delta_rule`` (the CPU path) on one segment of the
 Qwen3.5-0.8B GDN shape (16 key / 16 value heads of dim 128) with no capture, a capture on the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The engine core in its own process vs in the server's, measured with ``tools/loadgen.py``.
 
-    python tools/bench_engine_proc.py [--modes in_process separate api2] [--concurrency 1 16 64]
+    python tools/bench/bench_engine_proc.py [--modes in_process separate api2] [--concurrency 1 16 64]
                                       [--seeds 0] [--json out.json]
 
 For each mode a ``deltaserve serve`` is started (``separate``: the default server;

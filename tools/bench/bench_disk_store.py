@@ -19,7 +19,7 @@ checkpoint per 32 KV blocks), closed, reopened and timed, then deleted; ``--open
 the same with 16 KiB items only (the file count's worst case). ``--crash``: a child writes
 in a loop and is SIGKILLed; the reopened store must verify every item it lists.
 
-    python tools/bench_disk_store.py [--mib 256] [--open-gb 10] [--open-small-gb 10] [--crash]
+    python tools/bench/bench_disk_store.py [--mib 256] [--open-gb 10] [--open-small-gb 10] [--crash]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """Transport between a front end and the engine-core process: ZeroMQ (ipc://) vs a
 multiprocessing pipe, for msgspec-encoded messages of ``engine/messages.py``.
 
-    python tools/bench_transport.py [--rtt 3000] [--batches 20000] [--streams 64]
+    python tools/bench/bench_transport.py [--rtt 3000] [--batches 20000] [--streams 64]
 
 Round trip: the front end sends one ``AddRequest`` (a 128-token prompt), the core answers one
 ``StepOutputs`` of one delta (p50 / p99 microseconds). Throughput: the core sends ``StepOutputs``

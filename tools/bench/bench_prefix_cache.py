@@ -11,7 +11,7 @@ TTFT ratio warm ÷ cold is printed beside the ideal ratio, uncached ÷ all promp
 (what a perfect cache with zero overhead would give), plus the token hit rate, checkpoint
 memory, skips and evictions.
 
-    python tools/bench_prefix_cache.py [--turns 10] [--user-tokens 220] [--reply-tokens 48]
+    python tools/bench/bench_prefix_cache.py [--turns 10] [--user-tokens 220] [--reply-tokens 48]
 
 ``--pressure``: memory pressure. ``--conversations`` conversations, more than
 the pools hold (``--checkpoint-slots`` checkpoints, KV for about ``--kv-conversations`` of
@@ -22,7 +22,7 @@ the value model ``default`` and the simpler ``v1``) and to a cache-off engine: p
 the token hit rate and warm TTFT (turns after the first) beside cold TTFT, measured in the
 same run; outputs must equal the cache-off ones.
 
-    python tools/bench_prefix_cache.py --pressure [--conversations 8] [--checkpoint-slots 3]
+    python tools/bench/bench_prefix_cache.py --pressure [--conversations 8] [--checkpoint-slots 3]
 
 ``--pressure --host``: the host tier. Two more engines see the same prompts:
 ``host`` (the first policy with the same device pools plus a host tier that holds every

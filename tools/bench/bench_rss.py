@@ -6,10 +6,10 @@ Prints, on stdout, the process's resident memory after start-up and after each r
 anonymous, file-backed, peak), next to the capacity line's ``expected_rss_mib`` (weights + cache
 pools + one step's activations + a fixed overhead) and their ratio; progress goes to stderr.
 
-    python tools/bench_rss.py                                    # built-in model, 256 MiB cache
-    python tools/bench_rss.py --model /work/scratch/q08 --set cache.memory_bytes=4294967296 \\
+    python tools/bench/bench_rss.py                                    # built-in model, 256 MiB cache
+    python tools/bench/bench_rss.py --model /work/scratch/q08 --set cache.memory_bytes=4294967296 \\
         --sessions 4 --turns 3 --prefix-len 400 --prompt-len 64 --output-len 16 --concurrency 4
-    python tools/bench_rss.py --set engine.release_memory=false  # without giving memory back
+    python tools/bench/bench_rss.py --set engine.release_memory=false  # without giving memory back
 
 Exit status 1 when ``--check`` is given and a measurement exceeds the expected resident memory.
 """

@@ -13,8 +13,8 @@ Prints, for one model on this machine:
 * the top ops of a ``torch.profiler`` trace of decode steps (batch 4) and of one prefill
   (self CPU time), and the step time outside any op (Python: scheduling, bookkeeping).
 
-    python tools/profile_cpu.py --model /path/to/folder --threads 1
-    python tools/profile_cpu.py                     # the built-in tiny model (a smoke run)
+    python tools/bench/profile_cpu.py --model /path/to/folder --threads 1
+    python tools/bench/profile_cpu.py                     # the built-in tiny model (a smoke run)
 
 Prompts are random token ids, distinct per request, so nothing hits the prefix cache.
 Greedy decoding with EOS ignored: every request decodes as many tokens as asked.

@@ -2,9 +2,9 @@
 
 ::
 
-    python -m deltaserve.tools.bench_cluster                               # 2 replicas, chat workload
-    python -m deltaserve.tools.bench_cluster --replicas 2 --sessions 16 --turns 5 --json bench.json
-    python -m deltaserve.tools.bench_cluster --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
+    python -m deltaserve.tools.bench.bench_cluster                               # 2 replicas, chat workload
+    python -m deltaserve.tools.bench.bench_cluster --replicas 2 --sessions 16 --turns 5 --json bench.json
+    python -m deltaserve.tools.bench.bench_cluster --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
 
 One process, in order: a local Ray cluster with N replicas and ``--router prefix``, then the
 same with ``--router pow2`` (each application deployed, measured, deleted), then Ray is stopped
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deltaserve.tools.workloads import add_workload_args
 
     p = argparse.ArgumentParser(
-        prog="python -m deltaserve.tools.bench_cluster",
+        prog="python -m deltaserve.tools.bench.bench_cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

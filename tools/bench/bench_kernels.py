@@ -9,8 +9,8 @@ For the decode-step kernels (and the copy) the table also shows the achieved mem
 the Triton op (bytes it must move / time) and that as a fraction of ``--peak-gbps`` (default:
 H100 SXM HBM3, 3350 GB/s).
 
-    python tools/bench_kernels.py                      # needs CUDA; says so and exits 0 otherwise
-    python tools/bench_kernels.py --interpret          # tiny shapes, Triton interpreter, on the CPU
+    python tools/bench/bench_kernels.py                      # needs CUDA; says so and exits 0 otherwise
+    python tools/bench/bench_kernels.py --interpret          # tiny shapes, Triton interpreter, on the CPU
 
 Timing: ``triton.testing.do_bench`` (median, L2 flushed between runs) on CUDA; one call after a
 warm-up call under the interpreter (only a smoke test: interpreter times mean nothing).

@@ -6,7 +6,7 @@ chats run while one chat of ``--chars`` characters is sent. A probe on the serve
 loop sleeps 1 ms at a time and records how late it wakes: the longest lateness is the longest
 time no stream got a byte out. Each mode runs ``--repeats`` times, alternating.
 
-    python tools/bench_loop_stall.py [--chars 100000] [--streams 16] [--repeats 3]
+    python tools/bench/bench_loop_stall.py [--chars 100000] [--streams 16] [--repeats 3]
 """
 
 from __future__ import annotations

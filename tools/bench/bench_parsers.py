@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Host cost of parsing chat replies: µs per streamed token for the reply parsers.
 
-    python tools/bench_parsers.py                 # each case, a reply of ~4,000 tokens
-    python tools/bench_parsers.py --tokens 20000 --json out.json
-    python tools/bench_parsers.py --unterminated 64,1024 --chars 16   # abuse: seconds per reply
+    python tools/bench/bench_parsers.py                 # each case, a reply of ~4,000 tokens
+    python tools/bench/bench_parsers.py --tokens 20000 --json out.json
+    python tools/bench/bench_parsers.py --unterminated 64,1024 --chars 16   # abuse: seconds per reply
 
 A reply is split into pieces of ``--chars`` characters (a token's text is 3-4 characters on
 average) and fed to a fresh ``OutputParser`` per repetition, as a stream feeds it; the whole

@@ -11,7 +11,7 @@ Greedy decoding, EOS ignored, so both sides produce exactly ``max_tokens`` per r
 (the output tokens are also compared: they must be identical). Prints output tokens/s and
 the engine ÷ transformers ratios.
 
-    python tools/bench_engine.py [--num 32] [--max-tokens 32] [--config FILE] [--set k=v]
+    python tools/bench/bench_engine.py [--num 32] [--max-tokens 32] [--config FILE] [--set k=v]
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Everything but the forward runs for real — scheduling, batch building, cache b
 CPU work that sits around every GPU step. On a GPU a decode step of a small hybrid model
 takes a few milliseconds: this is the budget the host must stay within.
 
-    python tools/bench_overhead.py                       # 8 / 64 / 256 running decodes + a mixed step
-    python tools/bench_overhead.py --batch 256 --steps 300 --json out.json
+    python tools/bench/bench_overhead.py                       # 8 / 64 / 256 running decodes + a mixed step
+    python tools/bench/bench_overhead.py --batch 256 --steps 300 --json out.json
 
 Prints ms/step, µs per request per step and a breakdown (schedule, build batch, cache,
 sample, detokenize, outputs, forward, other). The null model returns zero logits (greedy

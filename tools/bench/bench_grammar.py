@@ -9,7 +9,7 @@ by adding plain-text tokens, as no real-size tokenizer is available offline) it 
 * mask: the time to fill the token bitmask of a batch of 64 matchers, per decode step (median
   over the steps of a valid instance), each matcher advancing by the instance's tokens.
 
-Run: ``python -m deltaserve.tools.bench_grammar [--batch 64] [--big-vocab 150000]``.
+Run: ``python -m deltaserve.tools.bench.bench_grammar [--batch 64] [--big-vocab 150000]``.
 Both packages must be installed for the comparison (only xgrammar is a dependency of
 deltaserve; ``--engines xgrammar`` runs it alone). Every step's token is checked to be accepted
 by every matcher, so the masks are timed on a valid path.

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Turn N+1 of a conversation after a restart: time to first token, cold vs disk-warm.
 
-    python tools/bench_restart.py                                   # the built-in tiny model
-    python tools/bench_restart.py --model /tmp/q08 --prefix-len 2000 --conversations 3
+    python tools/bench/bench_restart.py                                   # the built-in tiny model
+    python tools/bench/bench_restart.py --model /tmp/q08 --prefix-len 2000 --conversations 3
 
 One run: an engine with a disk tier serves turn 1 of ``--conversations`` conversations (one
 at a time) and is closed (what the disk lacks is written, the store flushed), as a server is
