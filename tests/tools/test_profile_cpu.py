@@ -33,7 +33,9 @@ def test_profile_cpu_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFix
         )
     finally:
         torch.set_num_threads(threads)
-    data = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "profile_cpu" and doc["box"]["after"]["torch_threads"] == 1
+    data = doc["results"]
     assert (
         data["weight_bytes"] > 0 and data["bandwidth"]["1"]["copy_gbs"] > 0 and data["gemm_gflops"]["1"] > 0
     )
@@ -41,6 +43,7 @@ def test_profile_cpu_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFix
     for s in data["steps"]:
         assert 0 < s["forward_ms"] <= s["step_ms"] and s["bound_ms"] > 0
         assert s["ratio"] == pytest.approx(s["step_ms"] / s["bound_ms"])
+        assert s["step_ms_spread"]["min"] <= s["step_ms"] <= s["step_ms_spread"]["max"]
     text = capsys.readouterr().out
     assert "decode bound" in text
     assert "top ops: decode b=4" in text and "top ops: prefill 64" in text

@@ -11,8 +11,8 @@ import pytest
 
 from deltaserve.cache.types import DiskItemKind
 from deltaserve.engine.config import EngineConfig
-from deltaserve.tools.sim.disk import SimReader, SimStore
 from deltaserve.tools.sim.cli import build_parser, main, sim_config_from_args, simulate
+from deltaserve.tools.sim.disk import SimReader, SimStore
 from deltaserve.tools.sim.simulation import GiB, MiB, SimConfig
 from deltaserve.tools.workloads import ArrivalParams, Codec, WorkloadParams, make_workload
 

@@ -23,17 +23,18 @@ Measured on the development machine (2 CPU cores, batch 64; ms): xgrammar compil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
-import statistics
 import string
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, spread, timed
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {
@@ -126,7 +127,7 @@ class Row:
     schema: str
     cold_ms: float
     cached_ms: float
-    mask_ms: float
+    mask_ms: dict[str, float]  # ms per step: harness.spread over the steps
 
 
 def big_tokenizer(base: Any, size: int) -> Any:
@@ -144,9 +145,9 @@ def big_tokenizer(base: Any, size: int) -> Any:
 
 
 def _time(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    value = fn()
-    return (time.perf_counter() - t0) * 1e3, value
+    """Milliseconds of one call, and its value."""
+    seconds, value = timed(fn)
+    return seconds * 1e3, value
 
 
 class XGrammar:
@@ -175,7 +176,7 @@ class XGrammar:
         cached, _ = _time(build)
         return cold, cached, compiled
 
-    def mask_ms(self, compiled: Any, tokens: list[int], batch: int) -> float:
+    def mask_ms(self, compiled: Any, tokens: list[int], batch: int) -> dict[str, float]:
         xgr = self.xgr
         matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
         bitmask = xgr.allocate_token_bitmask(batch, self.info.vocab_size)
@@ -185,7 +186,7 @@ class XGrammar:
             times.append(ms)
             for m in matchers:
                 assert m.accept_token(t)
-        return statistics.median(times)
+        return spread(times)
 
 
 class LLGuidance:
@@ -218,7 +219,7 @@ class LLGuidance:
         cached, _ = _time(build)
         return cold, cached, grammar
 
-    def mask_ms(self, grammar: Any, tokens: list[int], batch: int) -> float:
+    def mask_ms(self, grammar: Any, tokens: list[int], batch: int) -> dict[str, float]:
         matchers = [self.ll.LLMatcher(self.tok, grammar) for _ in range(batch)]
         bitmask = self.llt.allocate_token_bitmask(batch, self.vocab)
         pairs = [(m, i) for i, m in enumerate(matchers)]
@@ -228,7 +229,7 @@ class LLGuidance:
             times.append(ms)
             for m in matchers:
                 assert m.consume_token(t), m.get_error()
-        return statistics.median(times)
+        return spread(times)
 
 
 ENGINES: dict[str, type[XGrammar] | type[LLGuidance]] = {"xgrammar": XGrammar, "llguidance": LLGuidance}
@@ -253,7 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--big-vocab", type=int, default=150_000, help="0: only the built-in tokenizer")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--engines", default="xgrammar,llguidance", help="comma-separated: xgrammar, llguidance")
+    add_json_arg(ap)
     args = ap.parse_args(argv)
+    bench = Bench("bench_grammar", args)
     torch.set_num_threads(1)
     from deltaserve.models.builtin import build_tokenizer
 
@@ -264,11 +267,17 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{'engine':<11} {'vocab':>7} {'schema':<11} {'compile cold ms':>15} {'cached ms':>10} {'mask/step ms':>12}"
     )
+    rows = []
     for tok in tokenizers:
         for r in run(tok, args.batch, args.threads, args.engines.split(",")):
             print(
-                f"{r.engine:<11} {r.vocab:>7} {r.schema:<11} {r.cold_ms:>15.2f} {r.cached_ms:>10.3f} {r.mask_ms:>12.3f}"
+                f"{r.engine:<11} {r.vocab:>7} {r.schema:<11} {r.cold_ms:>15.2f} {r.cached_ms:>10.3f}"
+                f" {r.mask_ms['median']:>12.3f}  ({r.mask_ms['min']:.3f}-{r.mask_ms['max']:.3f})"
             )
+            rows.append(dataclasses.asdict(r))
+    print("(mask/step: median over the instance's steps, min-max)")
+    print(describe_box(bench.before))
+    bench.write(args.json, rows)
 
 
 if __name__ == "__main__":

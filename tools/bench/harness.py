@@ -5,7 +5,9 @@
   sides of a comparison instead of on whichever ran during it. Each call's measure is its
   wall time, or the number the case returns (a case that times only the part that matters,
   or reports a rate, returns it; the harness never mixes the two within one case).
-* ``repeat(fn, reps)``: one case, timed ``reps`` times (what ``interleaved`` does for one).
+  ``interleaved_async`` is the same for coroutine functions.
+* ``repeat(fn, reps)``: one case, timed ``reps`` times (what ``interleaved`` does for one);
+  ``timed(fn)``: one call's wall seconds and its value.
 * ``spread(values)``: the median with its spread: ``{"median", "min", "max", "q1", "q3", "n"}``.
   Medians are what benchmarks report; min/max and the quartiles say how far to trust them.
 * ``box()``: what else ran on the machine: CPU count, load average, torch threads (when
@@ -31,9 +33,11 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: seconds between the two reads of /proc that give each process's CPU%
 SAMPLE_S = 0.25
@@ -72,6 +76,13 @@ def show(s: Mapping[str, float], factor: float = 1.0, fmt: str = ".2f") -> str:
     return f"{s['median'] * factor:{fmt}} ({s['min'] * factor:{fmt}}-{s['max'] * factor:{fmt}})"
 
 
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Wall seconds of one call of ``fn``, and what it returned."""
+    t0 = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - t0, value
+
+
 def _measure(fn: Callable[[], float | None]) -> float:
     t0 = time.perf_counter()
     value = fn()
@@ -86,16 +97,33 @@ def interleaved(
     even rounds, reversed in odd ones, so neither side always runs first). A case returning
     None is measured by its wall time in seconds; one returning a number, by that number.
     ``warmup`` rounds run first, in the same order, and are not kept."""
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    for r, name in _rounds(list(cases), rounds, warmup):
+        value = _measure(cases[name])
+        if r >= warmup:
+            out[name].append(value)
+    return out
+
+
+async def interleaved_async(
+    cases: Mapping[str, Callable[[], Awaitable[float | None]]], rounds: int, *, warmup: int = 0
+) -> dict[str, list[float]]:
+    """``interleaved`` for coroutine functions (each call awaited before the next starts)."""
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    for r, name in _rounds(list(cases), rounds, warmup):
+        t0 = time.perf_counter()
+        value = await cases[name]()
+        elapsed = time.perf_counter() - t0
+        if r >= warmup:
+            out[name].append(elapsed if value is None else float(value))
+    return out
+
+
+def _rounds(names: list[str], rounds: int, warmup: int) -> list[tuple[int, str]]:
+    """(round, case) in running order: forward in even rounds, reversed in odd ones."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    names = list(cases)
-    out: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(warmup + rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            value = _measure(cases[name])
-            if r >= warmup:
-                out[name].append(value)
-    return out
+    return [(r, n) for r in range(warmup + rounds) for n in (names if r % 2 == 0 else names[::-1])]
 
 
 def repeat(fn: Callable[[], float | None], reps: int, *, warmup: int = 0) -> list[float]:

@@ -23,13 +23,10 @@ Greedy decoding with EOS ignored: every request decodes as many tokens as asked.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +36,7 @@ from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
 from deltaserve.engine.byte_size import bytes_arg
 from deltaserve.logs import configure_logging
 from deltaserve.models.linear import linear
+from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, repeat, scaled, spread
 
 BANDWIDTH_BYTES = 256 * 1024**2  # per array: far beyond any last-level cache
 
@@ -54,13 +52,13 @@ class Bandwidth:
 
 
 def _best_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    """The fastest of ``reps`` calls after a warm-up one: a bandwidth or FLOP roof is what the
+    machine can do, so the least disturbed call is the estimate (not the median)."""
+
+    def call() -> None:
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+
+    return spread(repeat(call, reps, warmup=1))["min"]
 
 
 def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, reps: int = 5) -> Bandwidth:
@@ -130,13 +128,14 @@ class StepTimes:
     forward_ms: float  # median time inside the model forward
     cpu_ms: float  # median process CPU time of a step: robust to other processes on the cores
     bound_ms: float = 0.0
+    step_ms_spread: dict[str, float] = field(default_factory=dict)  # harness.spread of the wall times
 
     @property
     def ratio(self) -> float:
         return self.step_ms / self.bound_ms if self.bound_ms else 0.0
 
 
-class Harness:
+class StepRunner:
     """An engine and random distinct prompts."""
 
     def __init__(self, core: EngineCore, seed: int = 0) -> None:
@@ -175,8 +174,7 @@ class Harness:
             self.core.step()
         walls, fwds, cpus = zip(*(self.timed_step() for _ in range(steps)), strict=True)
         self.drain()
-        med = statistics.median
-        return StepTimes(f"decode b={batch}", steps, 1e3 * med(walls), 1e3 * med(fwds), 1e3 * med(cpus))
+        return _step_times(f"decode b={batch}", walls, fwds, cpus)
 
     def prefill(self, length: int, reps: int) -> StepTimes:
         """One request of ``length`` prompt tokens, prefilled in one step (``reps`` times)."""
@@ -188,8 +186,14 @@ class Harness:
             fwds.append(fwd)
             cpus.append(cpu)
             self.drain()
-        med = statistics.median
-        return StepTimes(f"prefill {length}", reps, 1e3 * med(walls), 1e3 * med(fwds), 1e3 * med(cpus))
+        return _step_times(f"prefill {length}", walls, fwds, cpus)
+
+
+def _step_times(case: str, walls: Sequence[float], fwds: Sequence[float], cpus: Sequence[float]) -> StepTimes:
+    """The medians in ms, and the wall times' spread."""
+    wall = scaled(spread(walls), 1e3, 6)
+    fwd, cpu = (1e3 * spread(x)["median"] for x in (fwds, cpus))
+    return StepTimes(case, len(walls), wall["median"], fwd, cpu, step_ms_spread=wall)
 
 
 def profile_table(run: Callable[[], object], top: int) -> tuple[str, float, float]:
@@ -221,7 +225,7 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
     return EngineCore(config)
 
 
-def run_profiles(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
+def run_profiles(h: StepRunner, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     h.add(4, args.context, args.profile_steps + 3)
     while any(r.num_output_tokens == 0 for r in h.core.scheduler.requests.values()):
@@ -279,13 +283,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="rows of each op table")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     p.add_argument("--cache-bytes", type=bytes_arg, default=1024**3, help="bytes or a size: 1GiB")
-    p.add_argument("--json", type=Path, help="also write the numbers here")
+    add_json_arg(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging("warning")
+    bench = Bench("profile_cpu", args)
     bw, gflops = {}, {}
     for t in sorted({1, args.threads}):
         torch.set_num_threads(t)
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     core = build_engine(args)
     nbytes = weight_bytes(core.runner.model)
     bound_ms = nbytes / (bw[args.threads].best * 1e9) * 1e3
-    h = Harness(core)
+    h = StepRunner(core)
     h.decode(1, args.context, 2)  # warm-up: allocator, first calls
     times = [h.decode(1, args.context, args.decode_steps), h.decode(4, args.context, args.decode_steps)]
     if args.prefill_reps:
@@ -311,16 +316,16 @@ def main(argv: list[str] | None = None) -> None:
         outside = prof["wall_s"] - prof["in_ops_s"]
         print(f"\ntop ops: {case}  (wall {prof['wall_s'] * 1e3:.1f} ms, outside ops {outside * 1e3:.1f} ms)")
         print(prof["table"])
-    if args.json:
-        data = {
-            "threads": args.threads,
-            "weight_bytes": nbytes,
-            "bandwidth": {t: asdict(b) for t, b in bw.items()},
-            "gemm_gflops": gflops,
-            "bound_ms": bound_ms,
-            "steps": [{**asdict(s), "ratio": s.ratio} for s in times],
-        }
-        args.json.write_text(json.dumps(data, indent=1))
+    print(describe_box(bench.before))
+    data = {
+        "threads": args.threads,
+        "weight_bytes": nbytes,
+        "bandwidth": {t: asdict(b) for t, b in bw.items()},
+        "gemm_gflops": gflops,
+        "bound_ms": bound_ms,
+        "steps": [{**asdict(s), "ratio": s.ratio} for s in times],
+    }
+    bench.write(args.json, data)
     core.close()
 
 
