@@ -95,3 +95,10 @@ def test_bench_writes_the_one_json_shape(tmp_path: Path, capsys: pytest.CaptureF
     assert saved["results"][0]["seconds"]["median"] == 1.5
     assert harness.Bench("bench_x").write(None, 1)["results"] == 1  # no path: nothing written
     assert capsys.readouterr().out == ""
+
+
+def test_bench_parser_takes_json_and_rounds() -> None:
+    args = harness.bench_parser("doc", rounds=3).parse_args(["--json", "out.json"])
+    assert args.json == Path("out.json") and args.rounds == 3
+    plain = harness.bench_parser("doc").parse_args([])
+    assert plain.json is None and not hasattr(plain, "rounds")

@@ -27,7 +27,6 @@ the table shows each one's median round, ``--json`` every round.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -52,7 +51,7 @@ from deltaserve.cache.disk_store import (
     decode_header,
     encode_header,
 )
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, interleaved, spread, timed
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread, timed
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [
@@ -412,7 +411,7 @@ def compaction_amplification(slack: float, segment_items: int = 64, segments: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=1)
     ap.add_argument("--candidates", default="files,segments,sqlite")
     ap.add_argument("--mib", type=int, default=256, help="bytes written per item size")
     ap.add_argument("--open-gb", type=float, default=0.0)
@@ -422,8 +421,6 @@ def main() -> None:
     ap.add_argument("--no-table", action="store_true", help="skip the per-size throughput table")
     ap.add_argument("--amplification", action="store_true", help="segments: compaction model")
     ap.add_argument("--writers", default="", help="files: writer threads to compare, e.g. 1,2,4")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the candidates per size")
-    add_json_arg(ap)
     args = ap.parse_args()
     bench = Bench("bench_disk_store", args)
     results: dict[str, list[dict[str, object]]] = {

@@ -26,7 +26,7 @@ import torch
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.cli import add_config_args, config_from_args
 from deltaserve.logs import configure_logging
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, interleaved, show, spread
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, show, spread
 
 
 def run_engine(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -58,7 +58,7 @@ def hf_generate(model: object, batch: list[list[int]], max_tokens: int) -> list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     add_config_args(ap)
     ap.add_argument("--num", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -69,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--repeat", type=int, default=3, help="interleaved rounds of the four runs; medians are reported"
     )
-    add_json_arg(ap)
     return ap
 
 

@@ -18,7 +18,6 @@ per streamed token, and the front end's, is read around each server run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, interleaved, spread
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread
 
 ENGINE = ["--set", "scheduler.max_num_seqs=128", "--set", "logging.stats_interval_s=0"]
 MODE_FLAGS = {"in_process": ["--in-process"], "separate": [], "api2": ["--api-server-count", "2"]}
@@ -157,12 +156,10 @@ def measure(servers: list[Server], concurrency: int, seed: int, rounds: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=1)
     ap.add_argument("--modes", nargs="+", default=list(MODE_FLAGS), choices=list(MODE_FLAGS))
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per concurrency and seed")
-    add_json_arg(ap)
     args = ap.parse_args()
     bench = Bench("bench_engine_proc", args)
     rows = []

@@ -14,7 +14,6 @@ does on the CPU (``engine.memory.keep_freed_memory``).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 
 from deltaserve.engine.runner.memory import keep_freed_memory
 from deltaserve.kernels.gdn import chunk_gated_delta_rule
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, interleaved, spread
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread
 
 HEADS, DIM = 16, 128
 
@@ -55,13 +54,10 @@ def time_cases(tokens: int, reps: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=7, help="interleaved rounds")
-    add_json_arg(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     bench = Bench("bench_gdn_capture", args)

@@ -22,7 +22,6 @@ Measured on the development machine (2 CPU cores, batch 64; ms): xgrammar compil
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -34,77 +33,64 @@ from typing import Any
 
 import torch
 
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, spread, timed
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, spread, timed
+
+
+def _object(properties: dict[str, Any], required: list[str], **extra: Any) -> dict[str, Any]:
+    """A JSON-schema object (``type``, ``properties``, ``required``, then ``extra``, in that order)."""
+    return {"type": "object", "properties": properties, "required": required, **extra}
+
+
+def _typed(**types: str | list[str]) -> dict[str, dict[str, Any]]:
+    """Properties of plain types: ``name="string"`` -> ``{"name": {"type": "string"}}``."""
+    return {name: {"type": t} for name, t in types.items()}
+
 
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "email": {"type": "string"},
-            "admin": {"type": "boolean"},
-        },
-        "required": ["name", "age", "email", "admin"],
-        "additionalProperties": False,
-    },
-    "order": {
-        "type": "object",
-        "properties": {
+    "person": _object(
+        _typed(name="string", age="integer", email="string", admin="boolean"),
+        ["name", "age", "email", "admin"],
+        additionalProperties=False,
+    ),
+    "order": _object(
+        {
             "id": {"type": "string"},
             "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
             "items": {
                 "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
+                "items": _object(
+                    {
                         "sku": {"type": "string"},
                         "qty": {"type": "integer", "minimum": 1},
                         "price": {"type": "number"},
                     },
-                    "required": ["sku", "qty", "price"],
-                },
+                    ["sku", "qty", "price"],
+                ),
             },
-            "address": {
-                "type": "object",
-                "properties": {
-                    "street": {"type": "string"},
-                    "city": {"type": "string"},
-                    "zip": {"type": "string"},
-                },
-                "required": ["street", "city"],
-            },
+            "address": _object(_typed(street="string", city="string", zip="string"), ["street", "city"]),
         },
-        "required": ["id", "status", "items", "address"],
-    },
+        ["id", "status", "items", "address"],
+    ),
     "tool_calls": {
         "type": "array",
         "minItems": 1,
         "items": {
             "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
+                _object(
+                    {
                         "name": {"const": f"fn_{k}"},
-                        "parameters": {
-                            "type": "object",
-                            "properties": {
-                                f"arg{j}": {"type": t} for j, t in enumerate(["string", "integer", "number"])
-                            },
-                            "required": ["arg0"],
-                        },
+                        "parameters": _object(_typed(arg0="string", arg1="integer", arg2="number"), ["arg0"]),
                     },
-                    "required": ["name", "parameters"],
-                }
+                    ["name", "parameters"],
+                )
                 for k in range(4)
             ]
         },
     },
-    "wide": {
-        "type": "object",
-        "properties": {f"field_{k}": {"type": ["string", "integer", "boolean"][k % 3]} for k in range(30)},
-        "required": [f"field_{k}" for k in range(30)],
-    },
+    "wide": _object(
+        {f"field_{k}": {"type": ["string", "integer", "boolean"][k % 3]} for k in range(30)},
+        [f"field_{k}" for k in range(30)],
+    ),
 }
 
 INSTANCES: dict[str, Any] = {
@@ -249,12 +235,11 @@ def run(tokenizer: Any, batch: int, threads: int, engines: list[str]) -> list[Ro
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--big-vocab", type=int, default=150_000, help="0: only the built-in tokenizer")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--engines", default="xgrammar,llguidance", help="comma-separated: xgrammar, llguidance")
-    add_json_arg(ap)
     args = ap.parse_args(argv)
     bench = Bench("bench_grammar", args)
     torch.set_num_threads(1)

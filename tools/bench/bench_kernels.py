@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, interleaved, spread, timed
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread, timed
 
 Thunk = Callable[[], object]
 
@@ -51,6 +51,14 @@ class Shapes:
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+        """(k heads, v heads, k dim, v dim, conv dim, conv kernel; q heads, KV heads, head dim, block size)."""
+        return (
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.conv_dim, self.conv_kernel,
+            self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
+        )  # fmt: skip
 
 
 QWEN35_08B = Shapes(16, 16, 128, 128, 4, 8, 2, 256, 16, 18, (1, 32, 128), 4096, 4096)
@@ -85,15 +93,7 @@ def _decode_cases(s: Shapes, inp: _Inputs, n: int) -> list[Case]:
     """One decode step of ``n`` sequences: GDN recurrence, conv update, paged attention over
     ``s.context`` tokens each, KV store."""
     device, dtype, randn, idx, itemsize = inp.device, inp.dtype, inp.randn, inp.idx, inp.itemsize
-    hk, hv, dk, dv, cdim, kw = (
-        s.num_k_heads,
-        s.num_v_heads,
-        s.head_k_dim,
-        s.head_v_dim,
-        s.conv_dim,
-        s.conv_kernel,
-    )
-    hq, hkv, hd, bs = s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size
+    hk, hv, dk, dv, cdim, kw, hq, hkv, hd, bs = s.dims
     slots = idx(range(n))
     cases: list[Case] = []
 
@@ -140,15 +140,7 @@ def _decode_cases(s: Shapes, inp: _Inputs, n: int) -> list[Case]:
 def _prefill_cases(s: Shapes, inp: _Inputs) -> list[Case]:
     """One ``s.prefill``-token prompt, capturing states every 2048 tokens (64 on tiny shapes)."""
     device, dtype, randn, idx = inp.device, inp.dtype, inp.randn, inp.idx
-    hk, hv, dk, dv, cdim, kw = (
-        s.num_k_heads,
-        s.num_v_heads,
-        s.head_k_dim,
-        s.head_v_dim,
-        s.conv_dim,
-        s.conv_kernel,
-    )
-    hq, hkv, hd, bs = s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size
+    hk, hv, dk, dv, cdim, kw, hq, hkv, hd, bs = s.dims
     t = s.prefill
     cu = idx([0, t])
     captures = list(range(64, t + 1, 2048 if t > 2048 else 64))
@@ -235,9 +227,7 @@ def _timer(thunk: Thunk, device: torch.device) -> Callable[[], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, rounds=3)
     parser.add_argument(
         "--peak-gbps", type=float, default=3350.0, help="GPU peak memory bandwidth (default: H100 SXM)"
     )
@@ -248,8 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=None, help="decode context length (tokens)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill length (tokens)")
     parser.add_argument("--skip-reference", action="store_true", help="time only the Triton ops")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (default 3)")
-    add_json_arg(parser)
     return parser
 
 

@@ -27,7 +27,7 @@ from deltaserve.server.app import create_app
 from deltaserve.server.cli import BackgroundServer
 from deltaserve.tools.bench.harness import (
     Bench,
-    add_json_arg,
+    bench_parser,
     describe_box,
     interleaved_async,
     scaled,
@@ -93,14 +93,11 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--chars", type=int, default=100_000, help="characters of the long prompt")
     parser.add_argument("--streams", type=int, default=16, help="streams running meanwhile")
     parser.add_argument("--tokens", type=int, default=2048, help="max_tokens of each stream")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the two modes")
-    add_json_arg(parser)
     args = parser.parse_args()
     bench = Bench("bench_loop_stall", args)
     configure_logging("warning")

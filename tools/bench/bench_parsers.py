@@ -20,7 +20,6 @@ the size; a parser that re-reads what it holds takes about 64 times as long.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +30,7 @@ from deltaserve.server.tool_parsers.hermes import HermesToolParser
 from deltaserve.server.tool_parsers.qwen3_xml import Qwen3XmlToolParser
 from deltaserve.tools.bench.harness import (
     Bench,
-    add_json_arg,
+    bench_parser,
     describe_box,
     interleaved,
     scaled,
@@ -48,9 +47,8 @@ TOOLS = [
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "path": {"type": "string"},
-                    "body": {"type": "string"},
-                    "mode": {"type": "integer"},
+                    name: {"type": t}
+                    for name, t in [("path", "string"), ("body", "string"), ("mode", "integer")]
                 },
             },
         },
@@ -132,13 +130,10 @@ def time_case(text: str, make: Callable[[], OutputParser], piece: int, reps: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=4000, help="about this many pieces per reply")
     parser.add_argument("--chars", type=int, default=4, help="characters per piece (default %(default)s)")
     parser.add_argument("--reps", type=int, default=5, help="interleaved rounds of streamed and whole")
-    add_json_arg(parser)
     parser.add_argument(
         "--unterminated", metavar="KIB,...", help="time unterminated blocks of these sizes instead"
     )

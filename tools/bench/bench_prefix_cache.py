@@ -47,7 +47,7 @@ from deltaserve.cache.arena import blocks_per_page
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.cli import add_config_args, config_from_args
 from deltaserve.logs import configure_logging
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, interleaved, spread
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread
 
 WORDS = (
     "cache state model token prefix turn reply agent tool result query answer memory block "
@@ -211,30 +211,17 @@ def pressure(args: argparse.Namespace) -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     add_config_args(ap)
-    ap.add_argument(
-        "--pressure", action="store_true", help="more conversations than the pools hold (see above)"
-    )
-    ap.add_argument("--conversations", type=int, default=8, help="--pressure: conversations taking turns")
-    ap.add_argument(
-        "--checkpoint-slots", type=int, default=3, help="--pressure: checkpoint pool, in checkpoints"
-    )
-    ap.add_argument(
-        "--kv-conversations", type=int, default=4, help="--pressure: KV for about this many conversations"
-    )
-    ap.add_argument("--kv-blocks", type=int, help="--pressure: KV blocks (overrides --kv-conversations)")
-    ap.add_argument(
-        "--policies", default="default,v1", help="--pressure: cache.checkpoint_policy values to compare"
-    )
-    ap.add_argument(
-        "--host", action="store_true", help="--pressure: also the host tier and the all-device ideal"
-    )
-    ap.add_argument(
-        "--one-budget",
-        action="store_true",
-        help="--pressure: also the first policy with the same bytes as one budget for KV and checkpoints",
-    )
+    p = ap.add_argument_group("memory pressure (see above)")
+    p.add_argument("--pressure", action="store_true", help="more conversations than the pools hold")
+    p.add_argument("--conversations", type=int, default=8, help="conversations taking turns")
+    p.add_argument("--checkpoint-slots", type=int, default=3, help="checkpoint pool, in checkpoints")
+    p.add_argument("--kv-conversations", type=int, default=4, help="KV for about this many conversations")
+    p.add_argument("--kv-blocks", type=int, help="KV blocks (overrides --kv-conversations)")
+    p.add_argument("--policies", default="default,v1", help="cache.checkpoint_policy values to compare")
+    p.add_argument("--host", action="store_true", help="also the host tier and the all-device ideal")
+    p.add_argument("--one-budget", action="store_true", help="also the first policy, its bytes as one budget")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")
     ap.add_argument("--reply-tokens", type=int, default=48)
@@ -242,7 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat", type=int, default=3, help="interleaved warm and cold timings per turn (medians kept)"
     )
     ap.add_argument("--seed", type=int, default=0)
-    add_json_arg(ap)
     return ap
 
 

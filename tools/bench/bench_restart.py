@@ -30,7 +30,7 @@ import torch
 
 from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
 from deltaserve.logs import get_logger
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, interleaved, scaled, spread
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, scaled, spread
 
 log = get_logger("deltaserve.tools")
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="builtin:tiny-qwen3.5")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument(
@@ -147,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    add_json_arg(p)
     return p
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from deltaserve.engine.runner.memory import Resident, resident
 from deltaserve.logs import configure_logging, get_logger
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box
 
 log = get_logger("deltaserve.bench_rss")
 
@@ -37,16 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     from deltaserve.engine.cli import add_config_args
     from deltaserve.tools.workloads import add_workload_args
 
-    ap = argparse.ArgumentParser(
-        prog="bench_rss", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = bench_parser(__doc__, prog="bench_rss")
     add_config_args(ap)
     add_workload_args(ap)
     ap.add_argument("--model", metavar="PATH", help="model folder (sets model.path; default the config's)")
     ap.add_argument("--runs", type=int, default=2, help="runs of the workload (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per run (default %(default)s)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a measurement exceeds the expected RSS")
-    add_json_arg(ap)
     ap.add_argument("--log-level", default="info")
     return ap
 

@@ -14,7 +14,6 @@ deltas/s). Each side encodes and decodes, as in the engine. The two transports r
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import tempfile
@@ -27,7 +26,7 @@ from deltaserve.engine.messages import AddRequest, CoreMessage, FrontMessage, St
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.tools.bench.harness import (
     Bench,
-    add_json_arg,
+    bench_parser,
     describe_box,
     interleaved,
     repeat,
@@ -125,14 +124,10 @@ def bench_pipe(rtt: int, batches: int, streams: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=3)
     ap.add_argument("--rtt", type=int, default=3000, help="round trips (default %(default)s)")
     ap.add_argument("--batches", type=int, default=20000, help="step messages (default %(default)s)")
     ap.add_argument("--streams", type=int, default=64, help="deltas per step message (default %(default)s)")
-    ap.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds of the two (default %(default)s)"
-    )
-    add_json_arg(ap)
     args = ap.parse_args()
     bench = Bench("bench_transport", args)
     rounds: dict[str, list[dict[str, float]]] = {"zmq-ipc": [], "mp-pipe": []}

@@ -19,7 +19,8 @@
       {"tool": "bench_engine", "args": {...the command's options...},
        "box": {"before": box(), "after": box()}, "results": <the benchmark's own rows>}
 
-  ``add_json_arg(parser)`` adds the ``--json PATH`` option that asks for it.
+  ``bench_parser(__doc__)`` makes a benchmark's parser with the ``--json PATH`` option that asks
+  for it (``add_json_arg(parser)`` adds the option to another parser).
 
 No torch import here: a benchmark that uses torch has loaded it before ``box()`` runs, and
 ``box()`` reads its thread count only then.
@@ -190,6 +191,20 @@ def describe_box(record: Mapping[str, Any]) -> str:
     busy = ", ".join(f"{p['name']} {p['cpu_pct']:.0f}%" for p in record["busy"][:4]) or "none"
     load = record["loadavg"][0] if record["loadavg"] else "?"
     return f"box: {record['cpus']} CPUs, load {load}, torch threads {record['torch_threads']}, busy: {busy}"
+
+
+def bench_parser(doc: str | None, *, rounds: int | None = None, **kwargs: Any) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring as the help (as written), ``--json PATH``, and with
+    ``rounds`` given, ``--rounds N`` (interleaved rounds; ``rounds`` is its default)."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )
+    add_json_arg(parser)
+    if rounds is not None:
+        parser.add_argument(
+            "--rounds", type=int, default=rounds, metavar="N", help="interleaved rounds (default %(default)s)"
+        )
+    return parser
 
 
 def add_json_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

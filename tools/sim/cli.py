@@ -168,27 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument(
         "--host-checkpoint-mb", type=float, default=0.0, help="host checkpoint pool in MiB (default 0: off)"
     )
-    h.add_argument(
-        "--host-memory-mb", type=float, default=0.0,
-        help="one host budget in MiB for KV and checkpoints, traded by value (pages of one checkpoint's "
-        "size, each one checkpoint or N KV blocks); instead of --host-kv-mb / --host-checkpoint-mb",
-    )  # fmt: skip
-    h.add_argument(
-        "--h2d-gbps", type=float, default=50.0,
-        help="host <-> device bandwidth in GB/s; each step's copies add bytes / bandwidth (default %(default)s)",
-    )  # fmt: skip
     d = parser.add_argument_group("disk tier")
     d.add_argument("--disk-gb", type=float, default=0.0, help="disk tier capacity in GiB (default 0: off)")
-    d.add_argument(
-        "--disk-read-gbps", type=float, default=2.0,
-        help="disk read bandwidth in GB/s, one reader: a hit from disk waits bytes / bandwidth "
-        "(default %(default)s: one NVMe SSD)",
-    )  # fmt: skip
-    d.add_argument(
-        "--disk-write-mbps", type=float, default=1000.0,
-        help="the disk tier's write budget in MB/s, write-through and write-back (DiskTier's "
-        "write_bytes_per_s; default %(default)s: half an NVMe's sustained writes)",
-    )  # fmt: skip
+    for group, flag, default, text in (
+        (h, "--host-memory-mb", 0.0, "one host budget in MiB for KV and checkpoints, traded by value (pages of one "
+         "checkpoint's size, each one checkpoint or N KV blocks); instead of --host-kv-mb / --host-checkpoint-mb"),
+        (h, "--h2d-gbps", 50.0, "host <-> device bandwidth in GB/s; each step's copies add bytes / bandwidth "
+         "(default %(default)s)"),
+        (d, "--disk-read-gbps", 2.0, "disk read bandwidth in GB/s, one reader: a hit from disk waits bytes / "
+         "bandwidth (default %(default)s: one NVMe SSD)"),
+        (d, "--disk-write-mbps", 1000.0, "the disk tier's write budget in MB/s, write-through and write-back "
+         "(DiskTier's write_bytes_per_s; default %(default)s: half an NVMe's sustained writes)"),
+    ):  # fmt: skip
+        group.add_argument(flag, type=float, default=default, help=text)
     t = parser.add_argument_group("virtual time")
     t.add_argument("--step-ms", type=float, default=15.0, help="per step (default %(default)s)")
     t.add_argument("--ms-per-token", type=float, default=0.2, help="per computed token (default %(default)s)")
