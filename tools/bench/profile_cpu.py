@@ -34,9 +34,10 @@ from torch import nn
 
 from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
 from deltaserve.engine.byte_size import bytes_arg
+from deltaserve.engine.core.step_phases import TimedPhases
 from deltaserve.logs import configure_logging
 from deltaserve.models.linear import linear
-from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box, repeat, scaled, spread
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, repeat, scaled, spread
 
 BANDWIDTH_BYTES = 256 * 1024**2  # per array: far beyond any last-level cache
 
@@ -98,26 +99,14 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-class ForwardTimer:
-    """Wraps the runner's model forward: seconds spent in it since the last ``take``."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.seconds = 0.0
-        model = core.runner.model
-        inner = model.forward
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        model.forward = timed  # type: ignore[method-assign]
+class ForwardTimer(TimedPhases):
+    """The engine's step-phase recorder (``engine/core/step_phases.py``), read for the time in the
+    forward phase (the model plus the state copies around it) since the last ``take``."""
 
     def take(self) -> float:
-        s, self.seconds = self.seconds, 0.0
-        return s
+        seconds = self.ns["forward"] / 1e9
+        self.reset()
+        return seconds
 
 
 @dataclass
@@ -125,7 +114,7 @@ class StepTimes:
     case: str
     steps: int
     step_ms: float  # median wall time of EngineCore.step()
-    forward_ms: float  # median time inside the model forward
+    forward_ms: float  # median time in the forward phase (engine/core/step_phases.py)
     cpu_ms: float  # median process CPU time of a step: robust to other processes on the cores
     bound_ms: float = 0.0
     step_ms_spread: dict[str, float] = field(default_factory=dict)  # harness.spread of the wall times
@@ -138,9 +127,9 @@ class StepTimes:
 class StepRunner:
     """An engine and random distinct prompts."""
 
-    def __init__(self, core: EngineCore, seed: int = 0) -> None:
+    def __init__(self, core: EngineCore, timer: ForwardTimer, seed: int = 0) -> None:
         self.core = core
-        self.timer = ForwardTimer(core)
+        self.timer = timer
         self.rng = random.Random(seed)
         # ids from a small range: any tokenizer's special ids stay out of the prompts
         self.vocab = min(int(core.vocab_size), 32000)
@@ -211,7 +200,7 @@ def profile_table(run: Callable[[], object], top: int) -> tuple[str, float, floa
     return table, wall, in_ops
 
 
-def build_engine(args: argparse.Namespace) -> EngineCore:
+def build_engine(args: argparse.Namespace, timer: ForwardTimer) -> EngineCore:
     config = EngineConfig.from_dict(
         {
             "model": {"path": args.model},
@@ -222,7 +211,7 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
             "logging": {"level": "warning", "stats_interval_s": 0},
         }
     )
-    return EngineCore(config)
+    return EngineCore(config, phases=timer)
 
 
 def run_profiles(h: StepRunner, args: argparse.Namespace) -> dict[str, Any]:
@@ -272,7 +261,7 @@ def report(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="builtin:tiny-qwen3.5", help="model folder or builtin:<name>")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--context", type=int, default=64, help="prompt tokens of each decoding sequence")
@@ -283,7 +272,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="rows of each op table")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     p.add_argument("--cache-bytes", type=bytes_arg, default=1024**3, help="bytes or a size: 1GiB")
-    add_json_arg(p)
     return p.parse_args(argv)
 
 
@@ -297,10 +285,11 @@ def main(argv: list[str] | None = None) -> None:
         bw[t] = measure_bandwidth()
         gflops[t] = measure_gemm_gflops()
     torch.set_num_threads(args.threads)
-    core = build_engine(args)
+    timer = ForwardTimer()
+    core = build_engine(args, timer)
     nbytes = weight_bytes(core.runner.model)
     bound_ms = nbytes / (bw[args.threads].best * 1e9) * 1e3
-    h = StepRunner(core)
+    h = StepRunner(core, timer)
     h.decode(1, args.context, 2)  # warm-up: allocator, first calls
     times = [h.decode(1, args.context, args.decode_steps), h.decode(4, args.context, args.decode_steps)]
     if args.prefill_reps:
