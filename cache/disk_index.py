@@ -1,7 +1,7 @@
 """DiskIndex: which disk items exist and which one goes next (pure: no I/O, no lock, torch-free).
 
 The one eviction rule of the disk tier, shared by the persistent store (``cache/disk_store.py``,
-which calls it under its lock) and the simulator's store (``tools/sim_disk.py``).
+which calls it under its lock) and the simulator's store (``tools/sim/disk.py``).
 
 Rule: GreedyDual-Size-Frequency over *leaves*. An item's priority is H = L + freq * cost / size,
 where a checkpoint's size is its own bytes plus the KV path only it keeps useful (walking up

@@ -29,7 +29,7 @@ Layout (``cache/disk_format.py``: the header, the names, ``index.bin``): ``manif
 open lists directories, opens no item); ``tmp/`` (writes in progress, emptied at open);
 ``index.bin`` (frequencies and GDSF's L saved at close; lost in a crash: frequency 1).
 
-Why files and not segments (measured with ``tools/bench_disk_store.py``; docs/cache.md, "The
+Why files and not segments (measured with ``tools/bench/bench_disk_store.py``; docs/cache.md, "The
 disk tier"): a full cache evicts by value, not by age, so segments must compact to reclaim
 space (1.6 records copied per record written with 20 % of the disk dead, 3.9 with 10 %);
 a file is freed by an unlink, so the whole capacity is usable. Two writer threads overlap

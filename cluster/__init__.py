@@ -10,7 +10,7 @@ Modules: ``affinity`` (the routing logic: pure Python, no Ray, no torch), ``conf
 deployment), ``remote`` (the ingress's engine over a handle), ``app`` (the Serve
 application), ``local`` (start / join a cluster and deploy), ``cli`` (``deltaserve serve
 --replicas``). The bench (prefix vs pow2 vs one engine under loadgen) is a tool:
-``python -m deltaserve.tools.bench_cluster``.
+``python -m deltaserve.tools.bench.bench_cluster``.
 
 Ray is an optional dependency (``pip install 'deltaserve[cluster]'``); only ``router``,
 ``replica``, ``app``, ``local`` and ``cli`` (when run) need it.

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.types import AdmitStatus, PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
+from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.policy import PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.policy_guard import PolicyGuard
@@ -138,6 +139,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.phases = StepPhases()  # where a step's time goes (EngineCore installs its recorder)
         self.guard = PolicyGuard(policy)
         self._inflight: SchedulerOutput | None = None
 
@@ -406,7 +408,9 @@ class Scheduler:
             StepItem(s.request.cache, s.request.token_ids, s.start, s.end, s.is_decode)  # type: ignore[arg-type]
             for s in seqs
         ]
+        self.phases.enter("cache_plan")
         plan = self.cache.plan_step(items)
+        self.phases.enter("schedule")
         out = SchedulerOutput(seqs=seqs, plan=plan, preempted=step.preempted, step=self.step_count)
         # (cached properties: known here without counting)
         out.num_decodes = len(decodes)

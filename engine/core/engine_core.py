@@ -41,6 +41,7 @@ from deltaserve.engine.core.builder import (
 from deltaserve.engine.core.grammar_wait import GrammarWait
 from deltaserve.engine.core.overlap import Overlap
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
+from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.front.client import RequestInput
 from deltaserve.engine.front.detokenizer import IncrementalDetokenizer, NoDetokenizer
@@ -77,7 +78,8 @@ class EngineCore:
 
     Construction loads the model (or takes ``loaded``), plans the cache capacity from one
     memory budget (``deltaserve.engine.core.sizing``), builds the scheduler and cache manager,
-    and allocates the cache tensors. ``capacity`` tells what was built.
+    and allocates the cache tensors. ``capacity`` tells what was built. ``phases``: a recorder
+    of where each step's time goes (``engine/core/step_phases.py``; default: none recorded).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class EngineCore:
         *,
         loaded: LoadedModel | None = None,
         detokenize: bool = True,
+        phases: StepPhases | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         # False in the core process: outputs carry token ids only, and stop strings are the
@@ -123,6 +126,8 @@ class EngineCore:
         self.runner = build_runner(
             config, self.loaded, self.spec, self.ops, self.capacity, self.cache, self.device
         )
+        self.phases = phases or StepPhases()
+        self.runner.phases = self.scheduler.phases = self.phases
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
         # constraints compiled against the vocabulary (cached) on the grammar workers; a request
@@ -321,6 +326,7 @@ class EngineCore:
         self.releaser.worked()
         outputs = self._admit_parked() if self.parked else []
         outputs += self._step()
+        self.phases.close()
         if not self.has_work():
             self.releaser.idle()
         return outputs
@@ -343,6 +349,7 @@ class EngineCore:
     def _step(self) -> list[RequestOutput]:
         if self.overlap is not None:
             return self.overlap.step()
+        self.phases.enter("schedule")
         out = self.scheduler.schedule()
         if out is None:
             self.cache.wait_for_disk()  # nothing runs: a read from disk may let a request in
@@ -358,11 +365,13 @@ class EngineCore:
         except Exception as e:  # one failed step ends only its own requests
             return outputs + self.step_failed(out, e)
         self.scheduler.observe_step(out, time.perf_counter() - started)  # the step-time model
+        self.phases.enter("cache_commit")
         try:
             self.scheduler.update(out, sampled)
         except Exception as e:
             return outputs + self.recover_failed_update(out, e)
         self.counters["tokens.computed"] += out.num_tokens
+        self.phases.enter("outputs")
         process = self.process_token
         for s, token in zip(out.seqs, sampled, strict=True):
             if token is not None:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from deltaserve.cache.manager import CacheManager
+    from deltaserve.engine.core.step_phases import StepPhases
     from deltaserve.engine.runner.model_runner import ModelRunner
     from deltaserve.engine.runner.request_state import RequestState
     from deltaserve.scheduler.scheduler import Scheduler
@@ -79,6 +80,7 @@ class StepHost(Protocol):
     runner: ModelRunner
     states: dict[str, RequestState]
     counters: dict[str, int]
+    phases: StepPhases
 
     @property
     def num_constrained(self) -> int: ...
@@ -131,6 +133,7 @@ class Overlap:
         N+1, then process N's tokens while N+1 runs; N's outputs."""
         outputs: list[RequestOutput] = []
         prev, self.flight = self.flight, None
+        self.core.phases.enter("cache_commit")
         if prev is not None and not self._commit_ahead(prev, outputs):
             prev = None  # its commit failed: that step's requests have ended
         self.apply_deferred()
@@ -139,6 +142,7 @@ class Overlap:
             # constraint, step N is processed before N+1 is scheduled (no overlap)
             self._process_result(prev, outputs)
             prev = None
+        self.core.phases.enter("schedule")
         out = self.core.scheduler.schedule()
         if out is not None:
             self.flight = self._submit(out, prev, outputs)
@@ -257,6 +261,7 @@ class Overlap:
             return  # host-tier copies only
         self._observe(flight.out, result)
         core, seqs, deferred = self.core, flight.out.seqs, self.deferred
+        core.phases.enter("outputs")
         finished = RequestStatus.FINISHED
         logprobs = result.logprobs
         for row, i in enumerate(flight.prep.sample_seq):

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from deltaserve.cache.types import Transfer
+from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.runner.batch_buffer import BatchBuffer
@@ -187,6 +188,7 @@ class ModelRunner:
         self.grammars: Grammars | None = None  # the engine's (set by EngineCore): constrained rows' masks
         # running requests with a constraint (kept by EngineCore): while 0, steps build no mask
         self.num_constrained = 0
+        self.phases = StepPhases()  # where a step's time goes (EngineCore installs its recorder)
         self.host: HostPool | None = None
         self.disk: DiskIO | None = None  # the disk tier's copies (``EngineCore`` attaches it)
         if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots or sizes.num_host_pages:
@@ -301,6 +303,7 @@ class ModelRunner:
         While ``num_constrained`` is not 0, the constrained rows get a token mask, built here
         from their matchers (other steps do not look).
         """
+        self.phases.enter("build_batch")
         seqs, bs = out.seqs, self.sizes.block_size
         n, nd = len(seqs), out.num_decodes
         input_ids, starts, ends = _token_ids(seqs, nd)
@@ -409,6 +412,7 @@ class ModelRunner:
         memory asynchronously and ``StepResult.token_list`` waits for them.
         """
         out = prep.out
+        self.phases.enter("forward")
         if self.host is not None:
             self.host.wait()  # loads of earlier steps have landed before anything reads them
         batch, ph_dst, ph_src = self._device_batch(prep)
@@ -428,7 +432,9 @@ class ModelRunner:
             num_sampled = len(prep.sample_seq)
             fill_prompt_logprobs(logits[num_sampled:], prep.prompt_slices)
             logits = logits[:num_sampled]
+        self.phases.enter("sample")
         tokens, logprobs = self._sample(logits, prep)
+        self.phases.close()
         result = StepResult(out.step, tokens, logprobs)
         self._last = result
         return result

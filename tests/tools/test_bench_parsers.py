@@ -1,4 +1,4 @@
-"""tools/bench_parsers.py: its replies parse as intended, streamed and whole alike, and it times them;
+"""tools/bench/bench_parsers.py: its replies parse as intended, streamed and whole alike, and it times them;
 its unterminated replies are one open block each."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from deltaserve.server.output_parser import collect
-from deltaserve.tools.bench_parsers import replies, time_case, time_stream, unterminated
+from deltaserve.tools.bench.bench_parsers import replies, time_case, time_stream, unterminated
 
 
 def test_the_benchmark_replies_parse_as_intended() -> None:

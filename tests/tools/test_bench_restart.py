@@ -1,8 +1,8 @@
-"""tools/bench_restart.py: a restarted engine's turn 2 is served from disk, outputs unchanged."""
+"""tools/bench/bench_restart.py: a restarted engine's turn 2 is served from disk, outputs unchanged."""
 
 from __future__ import annotations
 
-from deltaserve.tools import bench_restart
+from deltaserve.tools.bench import bench_restart
 
 
 def test_restart_bench_serves_turn_two_from_disk() -> None:
@@ -13,3 +13,5 @@ def test_restart_bench_serves_turn_two_from_disk() -> None:
     assert result["hit_tokens_disk"] >= 2 * 192  # both conversations, whole checkpoint units
     assert result["store_opened"]["items"] > 0
     assert len(result["cold_ttft_ms"]) == len(result["disk_warm_ttft_ms"]) == 2
+    # the two engines ran as interleaved pairs: one measure per conversation on each
+    assert result["cold_ttft_spread_ms"]["n"] == result["disk_warm_ttft_spread_ms"]["n"] == 2

@@ -1,4 +1,4 @@
-"""tools/bench_rss.py: RSS after start-up and after each run, against the capacity line."""
+"""tools/bench/bench_rss.py: RSS after start-up and after each run, against the capacity line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.tools import bench_rss
+from deltaserve.tools.bench import bench_rss
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="Linux only")
 
@@ -17,7 +17,9 @@ def test_rows_after_start_and_each_run(tmp_path: Path, capsys: pytest.CaptureFix
     argv = ["--runs", "2", "--sessions", "2", "--turns", "2", "--prefix-len", "64", "--prompt-len", "16"]
     rows = bench_rss.main([*argv, "--output-len", "4", "--json", str(out), "--log-level", "warning"])
     assert [r["when"] for r in rows] == ["start", "run1", "run2"]
-    saved = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "bench_rss" and doc["args"]["runs"] == 2 and set(doc["box"]) == {"before", "after"}
+    saved = doc["results"]
     expected = saved["capacity"]["expected_rss_mib"]
     assert saved["capacity"]["budget_mib"] == bench_rss.DEFAULT_BUDGET / 2**20
     for r in rows:
@@ -27,7 +29,8 @@ def test_rows_after_start_and_each_run(tmp_path: Path, capsys: pytest.CaptureFix
     assert all(r["run_s"] > 0 for r in rows[1:])
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["when", "rss_mib", "rss_anon_mib"]
-    assert [line.split()[0] for line in table[1:]] == ["start", "run1", "run2"]
+    assert [line.split()[0] for line in table[1:4]] == ["start", "run1", "run2"]
+    assert table[4].startswith("box: ") and table[5] == f"wrote {out}"
 
 
 def test_config_file_keeps_its_budget_and_model_sets_the_path(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deltaserve.tools.simulate_cache import build_parser, main, sim_config_from_args
-from deltaserve.tools.simulation import MiB
+from deltaserve.tools.sim.cli import build_parser, main, sim_config_from_args
+from deltaserve.tools.sim.simulation import MiB
 
 COMMON = ["--workload", "chat", "--sessions", "12", "--turns", "4", "--prefix-len", "200",
           "--checkpoint-bytes", str(2 * MiB), "--kv-bytes-per-token", "2048", "--check"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""tools/profile_cpu.py on the built-in tiny model: a roofline, the three step cases with
+"""tools/bench/profile_cpu.py on the built-in tiny model: a roofline, the three step cases with
 consistent times, the op tables; and its byte count takes a tied weight once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltaserve.tools import profile_cpu
+from deltaserve.tools.bench import profile_cpu
 
 
 def test_weight_bytes_counts_a_tied_weight_once() -> None:
@@ -33,7 +33,9 @@ def test_profile_cpu_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFix
         )
     finally:
         torch.set_num_threads(threads)
-    data = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "profile_cpu" and doc["box"]["after"]["torch_threads"] == 1
+    data = doc["results"]
     assert (
         data["weight_bytes"] > 0 and data["bandwidth"]["1"]["copy_gbs"] > 0 and data["gemm_gflops"]["1"] > 0
     )
@@ -41,6 +43,7 @@ def test_profile_cpu_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFix
     for s in data["steps"]:
         assert 0 < s["forward_ms"] <= s["step_ms"] and s["bound_ms"] > 0
         assert s["ratio"] == pytest.approx(s["step_ms"] / s["bound_ms"])
+        assert s["step_ms_spread"]["min"] <= s["step_ms"] <= s["step_ms_spread"]["max"]
     text = capsys.readouterr().out
     assert "decode bound" in text
     assert "top ops: decode b=4" in text and "top ops: prefill 64" in text

@@ -1,4 +1,4 @@
-"""The simulator's disk tier (``tools/sim_disk.py``): the in-memory store evicts by value per
+"""The simulator's disk tier (``tools/sim/disk.py``): the in-memory store evicts by value per
 byte, leaves first; reads take their bytes over the bandwidth in simulated time; a run whose
 reuse outgrows device and host memory hits on disk, and never without one."""
 
@@ -11,9 +11,9 @@ import pytest
 
 from deltaserve.cache.types import DiskItemKind
 from deltaserve.engine.config import EngineConfig
-from deltaserve.tools.sim_disk import SimReader, SimStore
-from deltaserve.tools.simulate_cache import build_parser, main, sim_config_from_args, simulate
-from deltaserve.tools.simulation import GiB, MiB, SimConfig
+from deltaserve.tools.sim.cli import build_parser, main, sim_config_from_args, simulate
+from deltaserve.tools.sim.disk import SimReader, SimStore
+from deltaserve.tools.sim.simulation import GiB, MiB, SimConfig
 from deltaserve.tools.workloads import ArrivalParams, Codec, WorkloadParams, make_workload
 
 KV, CKPT = DiskItemKind.KV, DiskItemKind.CHECKPOINT

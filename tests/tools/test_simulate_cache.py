@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.tools.simulate_cache import (
+from deltaserve.tools.sim.cli import (
     SimConfig,
     compare_policies,
     main,
@@ -159,7 +159,7 @@ def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_bounds_bracket_the_policies(tiny_codec: Codec) -> None:
     """KV-only LRU <= KV-only Belady; the oracle bounds the simulated policies; more KV never
     lowers the KV bounds."""
-    from deltaserve.tools.simulate_cache import offline_bounds
+    from deltaserve.tools.sim.cli import offline_bounds
 
     w = make_workload(WorkloadParams(name="chat", **TINY["chat"]), tiny_codec)  # type: ignore[arg-type]
     engine = EngineConfig.load(None, {"scheduler.max_num_batched_tokens": 256})
@@ -180,7 +180,7 @@ def test_bounds_bracket_the_policies(tiny_codec: Codec) -> None:
 def test_model_path_supplies_sizes_and_seeds_repeat(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from deltaserve.tools.model_sizes import model_sizes, sizes_from_config
+    from deltaserve.tools.sim.model_sizes import model_sizes, sizes_from_config
 
     tiny = model_sizes("builtin:tiny-qwen3.5")
     # 2 attention layers x K,V x 2 KV heads x 64 x bf16; 6 GDN layers x (conv 512 x 3 bf16 + 4x64x64 fp32)

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
-from deltaserve.tools.workloads.chat import _ChatLike, lognormal_tokens
+from deltaserve.tools.workloads.chat import _ChatLike, _UserTurns, lognormal_tokens
 from deltaserve.tools.workloads.request import RequestSpec
 
 
@@ -60,7 +61,7 @@ class AgentWorkload(_ChatLike):
         return int(self.p["sessions"]) * per
 
 
-class SWEAgentWorkload(_ChatLike):
+class SWEAgentWorkload(_UserTurns):
     """SWE-agent-like trajectories: a long system prompt with the tool documentation
     (shared by every trajectory), an issue to solve, then ``min_turns``..``turns`` steps of
     action (the model's output, re-sent as generated) and observation (a tool result of
@@ -68,6 +69,8 @@ class SWEAgentWorkload(_ChatLike):
     tool latency (``think_time``)."""
 
     name = "swe-agent"
+    rid_prefix = "swe"
+    next_rng = "observation"
     default_concurrency = 10
     defaults = {
         "sessions": 20, "turns": 16, "min_turns": 8, "prefix_len": 2000, "prompt_len": 600,
@@ -90,21 +93,6 @@ class SWEAgentWorkload(_ChatLike):
             )  # fmt: skip
         return out
 
-    def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
-        s, t = spec.meta["session_index"], spec.turn + 1
-        if t >= spec.meta["turns"]:
-            return []
-        rng = self.rng("observation", s, t)
+    def _next_message(self, rng: random.Random) -> dict[str, str]:
         n = lognormal_tokens(rng, float(self.p["tool_len"]), 1.0, 8000)
-        obs = {"role": "user", "content": "OBSERVATION:\n" + self.text.text(rng, n, lead_space=False)}
-        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [obs])
-        return [
-            RequestSpec(
-                rid=f"swe-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),
-                session=spec.session, turn=t, parent=spec.rid, delay_s=self.think(s, t),
-                meta=spec.meta, state=hist,
-            )
-        ]  # fmt: skip
-
-    def expected_requests(self) -> int:
-        return sum(self._turns(s) for s in range(int(self.p["sessions"])))
+        return {"role": "user", "content": "OBSERVATION:\n" + self.text.text(rng, n, lead_space=False)}

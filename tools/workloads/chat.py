@@ -132,18 +132,23 @@ class ChatWorkload(_ChatLike):
 
 
 class _UserTurns(_ChatLike):
-    """Conversations whose every follow-up is the (re-sent) reply plus a new user question,
-    after a think time, for ``_turns(session)`` turns; request ids ``{rid_prefix}-s{S}-t{T}``."""
+    """Conversations whose every follow-up is the (re-sent) reply plus a new message (a user
+    question unless ``_next_message`` says otherwise), after a think time, for
+    ``_turns(session)`` turns; request ids ``{rid_prefix}-s{S}-t{T}``."""
 
     rid_prefix = ""
+    next_rng = "user"  # the random stream of each follow-up: rng(next_rng, session, turn)
+
+    def _next_message(self, rng: random.Random) -> dict[str, str]:
+        user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
+        return {"role": "user", "content": user}
 
     def follow_ups(self, spec: RequestSpec, reply_ids: Sequence[int]) -> list[RequestSpec]:
         s, t = spec.meta["session_index"], spec.turn + 1
         if t >= spec.meta["turns"]:
             return []
-        rng = self.rng("user", s, t)
-        user = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), lead_space=False, end="?")
-        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [{"role": "user", "content": user}])
+        rng = self.rng(self.next_rng, s, t)
+        ids, hist = self._extend(spec, self._resent(spec, reply_ids), [self._next_message(rng)])
         return [
             RequestSpec(
                 rid=f"{self.rid_prefix}-s{s}-t{t}", prompt_ids=ids, max_tokens=self.jitter(rng, int(self.p["output_len"])),

@@ -4,6 +4,7 @@ cluster bench), and the params they make."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from deltaserve.tools.workloads.arrivals import DEFAULT_CONCURRENCY, ArrivalParams
 from deltaserve.tools.workloads.registry import PRESSURE_WORKLOADS, WORKLOADS
@@ -70,33 +71,14 @@ def add_workload_args(parser: argparse.ArgumentParser, *, default: str = "chat",
 def params_from_args(
     args: argparse.Namespace, name: str | None = None, block_size: int = 16
 ) -> WorkloadParams:
+    """The workload's parameters from ``add_workload_args``' options (each field of
+    ``WorkloadParams`` is the option of its name; ``name`` and ``block_size`` are given)."""
+    given = {"name": name or args.workload, "block_size": block_size}
     return WorkloadParams(
-        name=name or args.workload,
-        seed=args.seed,
-        num_requests=args.num_requests,
-        sessions=args.sessions,
-        turns=args.turns,
-        prefix_len=args.prefix_len,
-        prompt_len=args.prompt_len,
-        output_len=args.output_len,
-        tool_len=args.tool_len,
-        num_prefixes=args.num_prefixes,
-        suffixes_per_prefix=args.suffixes_per_prefix,
-        branches=args.branches,
-        branch_at=args.branch_at,
-        think_time=args.think_time,
-        len_jitter=args.len_jitter,
-        block_size=block_size,
-        chat_tokenize=args.chat_tokenize,
-        trace=args.trace,
-        time_scale=args.time_scale,
-        min_turns=args.min_turns,
-        session_prefix_len=args.session_prefix_len,
-        replies=args.replies,
-        depth=args.depth,
-        beam=args.beam,
-        tenants=args.tenants,
-        volatile_every=args.volatile_every,
+        **{
+            f.name: given[f.name] if f.name in given else getattr(args, f.name)
+            for f in fields(WorkloadParams)
+        }
     )
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from deltaserve.tools.workloads.request import RequestSpec
 from deltaserve.tools.workloads.text import WORDS
 from deltaserve.tools.workloads.workload import SLOT, Workload
@@ -64,7 +66,25 @@ class PrefixRepetitionWorkload(Workload):
         return out
 
 
-class ShiftedPrefixWorkload(Workload):
+class _Singles(Workload):
+    def _singles(self, key: str, rid: str, prefix: list[int], meta: dict[str, Any]) -> list[RequestSpec]:
+        """``num_requests`` requests ``{rid}-{i}``: ``prefix``, then a text of about ``prompt_len``
+        tokens from ``rng(key, i)`` whose first word no other request's text starts with."""
+        used: set[int] = set()
+        out = []
+        for i in range(int(self.p["num_requests"])):
+            rng = self.rng(key, i)
+            text = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), distinct_first=used)
+            out.append(
+                RequestSpec(
+                    rid=f"{rid}-{i}", prompt_ids=prefix + self.codec.encode(text),
+                    max_tokens=int(self.p["output_len"]), session=f"{rid}-{i}", meta=dict(meta),
+                )
+            )  # fmt: skip
+        return out
+
+
+class ShiftedPrefixWorkload(_Singles):
     name = "shifted-prefix"
     defaults = {"num_requests": 12, "prefix_len": 300, "prompt_len": 256}
 
@@ -76,34 +96,12 @@ class ShiftedPrefixWorkload(Workload):
         while len(prefix) % bs == 0:  # the point of this workload: the prefix ends mid-block
             text = text[:-1] + " " + rng.choice(WORDS) + "."
             prefix = self.codec.encode(text)
-        used: set[int] = set()
-        out = []
-        for i in range(int(self.p["num_requests"])):
-            rng = self.rng("unique", i)
-            part = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), distinct_first=used)
-            out.append(
-                RequestSpec(
-                    rid=f"shifted-{i}", prompt_ids=prefix + self.codec.encode(part),
-                    max_tokens=int(self.p["output_len"]), session=f"shifted-{i}", meta={"prefix_tokens": len(prefix)},
-                )
-            )  # fmt: skip
-        return out
+        return self._singles("unique", "shifted", prefix, {"prefix_tokens": len(prefix)})
 
 
-class RandomWorkload(Workload):
+class RandomWorkload(_Singles):
     name = "random"
     defaults = {"num_requests": 16, "prompt_len": 256}
 
     def roots(self) -> list[RequestSpec]:
-        used: set[int] = set()
-        out = []
-        for i in range(int(self.p["num_requests"])):
-            rng = self.rng("prompt", i)
-            text = self.text.text(rng, self.jitter(rng, int(self.p["prompt_len"])), distinct_first=used)
-            out.append(
-                RequestSpec(
-                    rid=f"random-{i}", prompt_ids=self.codec.encode(text),
-                    max_tokens=int(self.p["output_len"]), session=f"random-{i}",
-                )
-            )  # fmt: skip
-        return out
+        return self._singles("prompt", "random", [], {})

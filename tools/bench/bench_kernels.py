@@ -9,22 +9,25 @@ For the decode-step kernels (and the copy) the table also shows the achieved mem
 the Triton op (bytes it must move / time) and that as a fraction of ``--peak-gbps`` (default:
 H100 SXM HBM3, 3350 GB/s).
 
-    python tools/bench_kernels.py                      # needs CUDA; says so and exits 0 otherwise
-    python tools/bench_kernels.py --interpret          # tiny shapes, Triton interpreter, on the CPU
+    python tools/bench/bench_kernels.py                      # needs CUDA; says so and exits 0 otherwise
+    python tools/bench/bench_kernels.py --interpret          # tiny shapes, Triton interpreter, on the CPU
 
-Timing: ``triton.testing.do_bench`` (median, L2 flushed between runs) on CUDA; one call after a
-warm-up call under the interpreter (only a smoke test: interpreter times mean nothing).
+Timing: the backends of a case run as ``--rounds`` interleaved rounds (``harness.interleaved``),
+each round one ``triton.testing.do_bench`` (median, L2 flushed between runs) on CUDA, or one call
+under the interpreter after a warm-up round (only a smoke test: interpreter times mean nothing);
+the table shows the median round, ``--json`` adds each backend's spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread, timed
 
 Thunk = Callable[[], object]
 
@@ -48,6 +51,14 @@ class Shapes:
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+        """(k heads, v heads, k dim, v dim, conv dim, conv kernel; q heads, KV heads, head dim, block size)."""
+        return (
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.conv_dim, self.conv_kernel,
+            self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
+        )  # fmt: skip
 
 
 QWEN35_08B = Shapes(16, 16, 128, 128, 4, 8, 2, 256, 16, 18, (1, 32, 128), 4096, 4096)
@@ -82,15 +93,7 @@ def _decode_cases(s: Shapes, inp: _Inputs, n: int) -> list[Case]:
     """One decode step of ``n`` sequences: GDN recurrence, conv update, paged attention over
     ``s.context`` tokens each, KV store."""
     device, dtype, randn, idx, itemsize = inp.device, inp.dtype, inp.randn, inp.idx, inp.itemsize
-    hk, hv, dk, dv, cdim, kw = (
-        s.num_k_heads,
-        s.num_v_heads,
-        s.head_k_dim,
-        s.head_v_dim,
-        s.conv_dim,
-        s.conv_kernel,
-    )
-    hq, hkv, hd, bs = s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size
+    hk, hv, dk, dv, cdim, kw, hq, hkv, hd, bs = s.dims
     slots = idx(range(n))
     cases: list[Case] = []
 
@@ -137,15 +140,7 @@ def _decode_cases(s: Shapes, inp: _Inputs, n: int) -> list[Case]:
 def _prefill_cases(s: Shapes, inp: _Inputs) -> list[Case]:
     """One ``s.prefill``-token prompt, capturing states every 2048 tokens (64 on tiny shapes)."""
     device, dtype, randn, idx = inp.device, inp.dtype, inp.randn, inp.idx
-    hk, hv, dk, dv, cdim, kw = (
-        s.num_k_heads,
-        s.num_v_heads,
-        s.head_k_dim,
-        s.head_v_dim,
-        s.conv_dim,
-        s.conv_kernel,
-    )
-    hq, hkv, hd, bs = s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size
+    hk, hv, dk, dv, cdim, kw, hq, hkv, hd, bs = s.dims
     t = s.prefill
     cu = idx([0, t])
     captures = list(range(64, t + 1, 2048 if t > 2048 else 64))
@@ -222,21 +217,17 @@ def _cases(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Case]:
     return cases + _prefill_cases(s, inp) + [_restore_case(s, inp)]
 
 
-def _time_ms(thunk: Thunk, device: torch.device) -> float:
+def _timer(thunk: Thunk, device: torch.device) -> Callable[[], float]:
+    """One round's measure of ``thunk`` in milliseconds."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(thunk, warmup=10, rep=50, return_mode="median"))
-    thunk()  # warm-up (and under the interpreter: nothing to compile)
-    start = time.perf_counter()
-    thunk()
-    return (time.perf_counter() - start) * 1e3
+        return lambda: float(triton.testing.do_bench(thunk, warmup=10, rep=50, return_mode="median"))
+    return lambda: timed(thunk)[0] * 1e3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, rounds=3)
     parser.add_argument(
         "--peak-gbps", type=float, default=3350.0, help="GPU peak memory bandwidth (default: H100 SXM)"
     )
@@ -250,21 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _row(case: Case, backends: dict[str, object], device: torch.device, peak_gbps: float) -> str:
-    """One case timed on every backend: times, speedup, the Triton op's bandwidth."""
-    times = {b: _time_ms(case.setup(ops), device) for b, ops in backends.items()}
-    tri, ref = times["triton"], times.get("reference")
+def _row(
+    case: Case, backends: dict[str, object], device: torch.device, peak_gbps: float, rounds: int
+) -> tuple[str, dict[str, dict[str, float]]]:
+    """One case timed on every backend (interleaved rounds): the table row (median times,
+    speedup, the Triton op's bandwidth) and each backend's spread in ms."""
+    cases = {b: _timer(case.setup(ops), device) for b, ops in backends.items()}
+    ms = {b: spread(t) for b, t in interleaved(cases, rounds, warmup=device.type != "cuda").items()}
+    tri, ref = ms["triton"]["median"], ms["reference"]["median"] if "reference" in ms else None
     speedup = f"{ref / tri:7.1f}x" if ref else ""
     bw = pct = ""
     if case.nbytes is not None:
         gbps = case.nbytes / (tri * 1e-3) / 1e9
         bw, pct = f"{gbps:8.1f}", f"{100 * gbps / peak_gbps:6.1f}%"
     ref_s = f"{ref:13.3f}" if ref is not None else f"{'-':>13s}"
-    return f"{case.op:28s} {case.shape:26s} {ref_s} {tri:10.3f} {speedup:>8s} {bw:>8s} {pct:>7s}"
+    return f"{case.op:28s} {case.shape:26s} {ref_s} {tri:10.3f} {speedup:>8s} {bw:>8s} {pct:>7s}", ms
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    bench = Bench("bench_kernels", args)
 
     if args.interpret:
         # Must precede the first import of the Triton kernels (triton.jit reads it at decoration).
@@ -291,11 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'op':28s} {'case':26s} {'reference ms':>13s} {'triton ms':>10s} {'speedup':>8s} {'GB/s':>8s} {'% peak':>7s}"
     print(header)
     print("-" * len(header))
+    results = []
     with torch.inference_mode():
         for case in _cases(shapes, device, dtype):
-            print(_row(case, backends, device, args.peak_gbps), flush=True)
+            row, ms = _row(case, backends, device, args.peak_gbps, args.rounds)
+            print(row, flush=True)
+            results.append({"op": case.op, "case": case.shape, "bytes": case.nbytes, "ms": ms})
     if device.type != "cuda":
         print("(interpreter timings are a smoke test only; bandwidth figures are meaningless here)")
+    print(describe_box(bench.before))
+    bench.write(args.json, {"device": name, "shapes": str(shapes), "cases": results})
     return 0
 
 

@@ -4,18 +4,18 @@ tokenized off the loop (``server/offload.py``) and, in the same run, on it.
 The built-in model is served in this process (``BackgroundServer``); ``--streams`` streaming
 chats run while one chat of ``--chars`` characters is sent. A probe on the server's event
 loop sleeps 1 ms at a time and records how late it wakes: the longest lateness is the longest
-time no stream got a byte out. Each mode runs ``--repeats`` times, alternating.
+time no stream got a byte out. The two modes run as ``--repeats`` interleaved rounds
+(``harness.interleaved_async``).
 
-    python tools/bench_loop_stall.py [--chars 100000] [--streams 16] [--repeats 3]
+    python tools/bench/bench_loop_stall.py [--chars 100000] [--streams 16] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -25,6 +25,14 @@ from deltaserve.logs import configure_logging
 from deltaserve.server import offload
 from deltaserve.server.app import create_app
 from deltaserve.server.serving import BackgroundServer
+from deltaserve.tools.bench.harness import (
+    Bench,
+    bench_parser,
+    describe_box,
+    interleaved_async,
+    scaled,
+    spread,
+)
 
 
 async def _stream(http: httpx.AsyncClient, tokens: int) -> None:
@@ -64,38 +72,43 @@ async def one_run(url: str, chars: int, streams: int, tokens: int) -> float:
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig.load(None, {"cache.memory_bytes": 512 << 20, "logging.stats_interval_s": 0})
     engine = AsyncEngine(config)
-    results: dict[str, list[float]] = {"off the loop": [], "on the loop": []}
     threshold = offload.LONG_PROMPT_CHARS
     async with engine, BackgroundServer(create_app(engine)) as srv:
-        for _ in range(args.repeats):
-            for mode in results:
-                offload.LONG_PROMPT_CHARS = threshold if mode == "off the loop" else 10**12
-                results[mode].append(await one_run(srv.url, args.chars, args.streams, args.tokens))
-    offload.LONG_PROMPT_CHARS = threshold
-    return {mode: {"runs_ms": [round(x * 1000, 1) for x in xs], "median_ms": round(statistics.median(xs) * 1000, 1)}
+
+        def mode(chars: int) -> Callable[[], Awaitable[float]]:
+            async def run() -> float:
+                offload.LONG_PROMPT_CHARS = chars
+                return await one_run(srv.url, args.chars, args.streams, args.tokens)
+
+            return run
+
+        try:
+            results = await interleaved_async(
+                {"off the loop": mode(threshold), "on the loop": mode(10**12)}, args.repeats
+            )
+        finally:
+            offload.LONG_PROMPT_CHARS = threshold
+    return {mode: {"runs_ms": [round(x * 1000, 1) for x in xs], "ms": scaled(spread(xs), 1000, 1)}
             for mode, xs in results.items()}  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--chars", type=int, default=100_000, help="characters of the long prompt")
     parser.add_argument("--streams", type=int, default=16, help="streams running meanwhile")
     parser.add_argument("--tokens", type=int, default=2048, help="max_tokens of each stream")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the two modes")
     args = parser.parse_args()
+    bench = Bench("bench_loop_stall", args)
     configure_logging("warning")
     install_uvloop()
     out = asyncio.run(amain(args))
     for mode, r in out.items():
-        print(f"{mode:>13}: longest loop stall median {r['median_ms']:8.1f} ms  (runs {r['runs_ms']})")
-    on, off = out["on the loop"]["median_ms"], out["off the loop"]["median_ms"]
+        print(f"{mode:>13}: longest loop stall median {r['ms']['median']:8.1f} ms  (runs {r['runs_ms']})")
+    on, off = out["on the loop"]["ms"]["median"], out["off the loop"]["ms"]["median"]
     print(f"on / off: {on / off:.1f}x" if off else "")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    print(describe_box(bench.before))
+    bench.write(args.json, out)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ Prints, on stdout, the process's resident memory after start-up and after each r
 anonymous, file-backed, peak), next to the capacity line's ``expected_rss_mib`` (weights + cache
 pools + one step's activations + a fixed overhead) and their ratio; progress goes to stderr.
 
-    python tools/bench_rss.py                                    # built-in model, 256 MiB cache
-    python tools/bench_rss.py --model /work/scratch/q08 --set cache.memory_bytes=4294967296 \\
+    python tools/bench/bench_rss.py                                    # built-in model, 256 MiB cache
+    python tools/bench/bench_rss.py --model /work/scratch/q08 --set cache.memory_bytes=4294967296 \\
         --sessions 4 --turns 3 --prefix-len 400 --prompt-len 64 --output-len 16 --concurrency 4
-    python tools/bench_rss.py --set engine.release_memory=false  # without giving memory back
+    python tools/bench/bench_rss.py --set engine.release_memory=false  # without giving memory back
 
 Exit status 1 when ``--check`` is given and a measurement exceeds the expected resident memory.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 from deltaserve.engine.runner.memory import Resident, resident
 from deltaserve.logs import configure_logging, get_logger
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box
 
 log = get_logger("deltaserve.bench_rss")
 
@@ -37,16 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     from deltaserve.engine.cli import add_config_args
     from deltaserve.tools.workloads import add_workload_args
 
-    ap = argparse.ArgumentParser(
-        prog="bench_rss", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = bench_parser(__doc__, prog="bench_rss")
     add_config_args(ap)
     add_workload_args(ap)
     ap.add_argument("--model", metavar="PATH", help="model folder (sets model.path; default the config's)")
     ap.add_argument("--runs", type=int, default=2, help="runs of the workload (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per run (default %(default)s)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a measurement exceeds the expected RSS")
-    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--log-level", default="info")
     return ap
 
@@ -127,15 +124,15 @@ async def run_all(args: argparse.Namespace, core: Any) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    bench = Bench("bench_rss", args)
     from deltaserve.engine import EngineCore
 
     core = EngineCore(make_config(args))
     log.info("bench_rss.capacity", **core.capacity.describe())
     rows = asyncio.run(run_all(args, core))
     print(format_rows(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"capacity": core.capacity.describe(), "rows": rows}, f, indent=2)
+    print(describe_box(bench.before))
+    bench.write(args.json, {"capacity": core.capacity.describe(), "rows": rows})
     over = [r["when"] for r in rows if r["ratio"] is not None and r["ratio"] > 1.0]
     if args.check and over:
         print(f"over the expected resident memory: {', '.join(over)}", file=sys.stderr)

@@ -2,28 +2,37 @@
 """Transport between a front end and the engine-core process: ZeroMQ (ipc://) vs a
 multiprocessing pipe, for msgspec-encoded messages of ``engine/messages.py``.
 
-    python tools/bench_transport.py [--rtt 3000] [--batches 20000] [--streams 64]
+    python tools/bench/bench_transport.py [--rtt 3000] [--batches 20000] [--streams 64] [--rounds 3]
 
 Round trip: the front end sends one ``AddRequest`` (a 128-token prompt), the core answers one
 ``StepOutputs`` of one delta (p50 / p99 microseconds). Throughput: the core sends ``StepOutputs``
 of ``--streams`` one-token deltas as fast as it can; the front end decodes them (batches/s and
-deltas/s). Each side encodes and decodes, as in the engine.
+deltas/s). Each side encodes and decodes, as in the engine. The two transports run as
+``--rounds`` interleaved rounds (``harness.interleaved``); each figure is the median round's,
+``--json`` keeps every round's.
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
-import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from deltaserve.engine.messages import AddRequest, CoreMessage, FrontMessage, StepOutputs, TokenDelta
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.tools.bench.harness import (
+    Bench,
+    bench_parser,
+    describe_box,
+    interleaved,
+    repeat,
+    spread,
+    timed,
+)
 
 
 def _reply(n: int) -> StepOutputs:
@@ -64,21 +73,23 @@ def _core_pipe(conn: Any, rtt: int, batches: int, streams: int) -> None:
 def _front(send: Any, recv: Any, rtt: int, batches: int) -> dict[str, float]:
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreMessage)
     add = AddRequest("0:0", list(range(128)), SamplingParams(max_tokens=64))
-    times = []
-    for _ in range(rtt):
-        t0 = time.perf_counter()
+
+    def round_trip() -> None:
         send(enc.encode(add))
         dec.decode(recv())
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    t0 = time.perf_counter()
+
+    times = sorted(repeat(round_trip, rtt))
     deltas = 0
-    for _ in range(batches):
-        deltas += len(dec.decode(recv()).deltas)  # type: ignore[union-attr]
-    dt = time.perf_counter() - t0
+
+    def stream() -> None:
+        nonlocal deltas
+        for _ in range(batches):
+            deltas += len(dec.decode(recv()).deltas)  # type: ignore[union-attr]
+
+    dt, _ = timed(stream)
     send(b"done")
     return {
-        "rtt_p50_us": statistics.median(times) * 1e6,
+        "rtt_p50_us": spread(times)["median"] * 1e6,
         "rtt_p99_us": times[int(0.99 * len(times))] * 1e6,
         "batches_per_s": batches / dt,
         "deltas_per_s": deltas / dt,
@@ -113,18 +124,29 @@ def bench_pipe(rtt: int, batches: int, streams: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=3)
     ap.add_argument("--rtt", type=int, default=3000, help="round trips (default %(default)s)")
     ap.add_argument("--batches", type=int, default=20000, help="step messages (default %(default)s)")
     ap.add_argument("--streams", type=int, default=64, help="deltas per step message (default %(default)s)")
     args = ap.parse_args()
+    bench = Bench("bench_transport", args)
+    rounds: dict[str, list[dict[str, float]]] = {"zmq-ipc": [], "mp-pipe": []}
+
+    def case(name: str, fn: Callable[[int, int, int], dict[str, float]]) -> Callable[[], None]:
+        return lambda: rounds[name].append(fn(args.rtt, args.batches, args.streams))
+
+    interleaved({"zmq-ipc": case("zmq-ipc", bench_zmq), "mp-pipe": case("mp-pipe", bench_pipe)}, args.rounds)
     print(f"{'transport':<10} {'rtt p50 us':>11} {'rtt p99 us':>11} {'steps/s':>10} {'deltas/s':>11}")
-    for name, fn in (("zmq-ipc", bench_zmq), ("mp-pipe", bench_pipe)):
-        r = fn(args.rtt, args.batches, args.streams)
+    results = {}
+    for name, rs in rounds.items():
+        r = results[name] = {k: spread([x[k] for x in rs]) for k in rs[0]}
         print(
-            f"{name:<10} {r['rtt_p50_us']:>11.1f} {r['rtt_p99_us']:>11.1f} "
-            f"{r['batches_per_s']:>10.0f} {r['deltas_per_s']:>11.0f}"
+            f"{name:<10} {r['rtt_p50_us']['median']:>11.1f} {r['rtt_p99_us']['median']:>11.1f} "
+            f"{r['batches_per_s']['median']:>10.0f} {r['deltas_per_s']['median']:>11.0f}"
         )
+    print(f"(medians of {args.rounds} interleaved rounds)")
+    print(describe_box(bench.before))
+    bench.write(args.json, {name: {"median": r, "rounds": rounds[name]} for name, r in results.items()})
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ Prints, for one model on this machine:
 * the top ops of a ``torch.profiler`` trace of decode steps (batch 4) and of one prefill
   (self CPU time), and the step time outside any op (Python: scheduling, bookkeeping).
 
-    python tools/profile_cpu.py --model /path/to/folder --threads 1
-    python tools/profile_cpu.py                     # the built-in tiny model (a smoke run)
+    python tools/bench/profile_cpu.py --model /path/to/folder --threads 1
+    python tools/bench/profile_cpu.py                     # the built-in tiny model (a smoke run)
 
 Prompts are random token ids, distinct per request, so nothing hits the prefix cache.
 Greedy decoding with EOS ignored: every request decodes as many tokens as asked.
@@ -23,13 +23,10 @@ Greedy decoding with EOS ignored: every request decodes as many tokens as asked.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -37,8 +34,10 @@ from torch import nn
 
 from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
 from deltaserve.engine.byte_size import bytes_arg
+from deltaserve.engine.core.step_phases import TimedPhases
 from deltaserve.logs import configure_logging
 from deltaserve.models.linear import linear
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, repeat, scaled, spread
 
 BANDWIDTH_BYTES = 256 * 1024**2  # per array: far beyond any last-level cache
 
@@ -54,13 +53,13 @@ class Bandwidth:
 
 
 def _best_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    """The fastest of ``reps`` calls after a warm-up one: a bandwidth or FLOP roof is what the
+    machine can do, so the least disturbed call is the estimate (not the median)."""
+
+    def call() -> None:
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+
+    return spread(repeat(call, reps, warmup=1))["min"]
 
 
 def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, reps: int = 5) -> Bandwidth:
@@ -100,26 +99,14 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-class ForwardTimer:
-    """Wraps the runner's model forward: seconds spent in it since the last ``take``."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.seconds = 0.0
-        model = core.runner.model
-        inner = model.forward
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        model.forward = timed  # type: ignore[method-assign]
+class ForwardTimer(TimedPhases):
+    """The engine's step-phase recorder (``engine/core/step_phases.py``), read for the time in the
+    forward phase (the model plus the state copies around it) since the last ``take``."""
 
     def take(self) -> float:
-        s, self.seconds = self.seconds, 0.0
-        return s
+        seconds = self.ns["forward"] / 1e9
+        self.reset()
+        return seconds
 
 
 @dataclass
@@ -127,21 +114,22 @@ class StepTimes:
     case: str
     steps: int
     step_ms: float  # median wall time of EngineCore.step()
-    forward_ms: float  # median time inside the model forward
+    forward_ms: float  # median time in the forward phase (engine/core/step_phases.py)
     cpu_ms: float  # median process CPU time of a step: robust to other processes on the cores
     bound_ms: float = 0.0
+    step_ms_spread: dict[str, float] = field(default_factory=dict)  # harness.spread of the wall times
 
     @property
     def ratio(self) -> float:
         return self.step_ms / self.bound_ms if self.bound_ms else 0.0
 
 
-class Harness:
+class StepRunner:
     """An engine and random distinct prompts."""
 
-    def __init__(self, core: EngineCore, seed: int = 0) -> None:
+    def __init__(self, core: EngineCore, timer: ForwardTimer, seed: int = 0) -> None:
         self.core = core
-        self.timer = ForwardTimer(core)
+        self.timer = timer
         self.rng = random.Random(seed)
         # ids from a small range: any tokenizer's special ids stay out of the prompts
         self.vocab = min(int(core.vocab_size), 32000)
@@ -175,8 +163,7 @@ class Harness:
             self.core.step()
         walls, fwds, cpus = zip(*(self.timed_step() for _ in range(steps)), strict=True)
         self.drain()
-        med = statistics.median
-        return StepTimes(f"decode b={batch}", steps, 1e3 * med(walls), 1e3 * med(fwds), 1e3 * med(cpus))
+        return _step_times(f"decode b={batch}", walls, fwds, cpus)
 
     def prefill(self, length: int, reps: int) -> StepTimes:
         """One request of ``length`` prompt tokens, prefilled in one step (``reps`` times)."""
@@ -188,8 +175,14 @@ class Harness:
             fwds.append(fwd)
             cpus.append(cpu)
             self.drain()
-        med = statistics.median
-        return StepTimes(f"prefill {length}", reps, 1e3 * med(walls), 1e3 * med(fwds), 1e3 * med(cpus))
+        return _step_times(f"prefill {length}", walls, fwds, cpus)
+
+
+def _step_times(case: str, walls: Sequence[float], fwds: Sequence[float], cpus: Sequence[float]) -> StepTimes:
+    """The medians in ms, and the wall times' spread."""
+    wall = scaled(spread(walls), 1e3, 6)
+    fwd, cpu = (1e3 * spread(x)["median"] for x in (fwds, cpus))
+    return StepTimes(case, len(walls), wall["median"], fwd, cpu, step_ms_spread=wall)
 
 
 def profile_table(run: Callable[[], object], top: int) -> tuple[str, float, float]:
@@ -207,7 +200,7 @@ def profile_table(run: Callable[[], object], top: int) -> tuple[str, float, floa
     return table, wall, in_ops
 
 
-def build_engine(args: argparse.Namespace) -> EngineCore:
+def build_engine(args: argparse.Namespace, timer: ForwardTimer) -> EngineCore:
     config = EngineConfig.from_dict(
         {
             "model": {"path": args.model},
@@ -218,10 +211,10 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
             "logging": {"level": "warning", "stats_interval_s": 0},
         }
     )
-    return EngineCore(config)
+    return EngineCore(config, phases=timer)
 
 
-def run_profiles(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
+def run_profiles(h: StepRunner, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     h.add(4, args.context, args.profile_steps + 3)
     while any(r.num_output_tokens == 0 for r in h.core.scheduler.requests.values()):
@@ -268,7 +261,7 @@ def report(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="builtin:tiny-qwen3.5", help="model folder or builtin:<name>")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--context", type=int, default=64, help="prompt tokens of each decoding sequence")
@@ -279,23 +272,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="rows of each op table")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     p.add_argument("--cache-bytes", type=bytes_arg, default=1024**3, help="bytes or a size: 1GiB")
-    p.add_argument("--json", type=Path, help="also write the numbers here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging("warning")
+    bench = Bench("profile_cpu", args)
     bw, gflops = {}, {}
     for t in sorted({1, args.threads}):
         torch.set_num_threads(t)
         bw[t] = measure_bandwidth()
         gflops[t] = measure_gemm_gflops()
     torch.set_num_threads(args.threads)
-    core = build_engine(args)
+    timer = ForwardTimer()
+    core = build_engine(args, timer)
     nbytes = weight_bytes(core.runner.model)
     bound_ms = nbytes / (bw[args.threads].best * 1e9) * 1e3
-    h = Harness(core)
+    h = StepRunner(core, timer)
     h.decode(1, args.context, 2)  # warm-up: allocator, first calls
     times = [h.decode(1, args.context, args.decode_steps), h.decode(4, args.context, args.decode_steps)]
     if args.prefill_reps:
@@ -311,16 +305,16 @@ def main(argv: list[str] | None = None) -> None:
         outside = prof["wall_s"] - prof["in_ops_s"]
         print(f"\ntop ops: {case}  (wall {prof['wall_s'] * 1e3:.1f} ms, outside ops {outside * 1e3:.1f} ms)")
         print(prof["table"])
-    if args.json:
-        data = {
-            "threads": args.threads,
-            "weight_bytes": nbytes,
-            "bandwidth": {t: asdict(b) for t, b in bw.items()},
-            "gemm_gflops": gflops,
-            "bound_ms": bound_ms,
-            "steps": [{**asdict(s), "ratio": s.ratio} for s in times],
-        }
-        args.json.write_text(json.dumps(data, indent=1))
+    print(describe_box(bench.before))
+    data = {
+        "threads": args.threads,
+        "weight_bytes": nbytes,
+        "bandwidth": {t: asdict(b) for t, b in bw.items()},
+        "gemm_gflops": gflops,
+        "bound_ms": bound_ms,
+        "steps": [{**asdict(s), "ratio": s.ratio} for s in times],
+    }
+    bench.write(args.json, data)
     core.close()
 
 

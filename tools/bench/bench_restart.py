@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Turn N+1 of a conversation after a restart: time to first token, cold vs disk-warm.
 
-    python tools/bench_restart.py                                   # the built-in tiny model
-    python tools/bench_restart.py --model /tmp/q08 --prefix-len 2000 --conversations 3
+    python tools/bench/bench_restart.py                                   # the built-in tiny model
+    python tools/bench/bench_restart.py --model /tmp/q08 --prefix-len 2000 --conversations 3
 
 One run: an engine with a disk tier serves turn 1 of ``--conversations`` conversations (one
 at a time) and is closed (what the disk lacks is written, the store flushed), as a server is
 on a deploy. Then turn 2 (turn 1 + its answer + a new user message) is served one request at
 a time by (a) a fresh engine without a disk tier — a restart today: every prompt is computed
-— and (b) a fresh engine on the same disk path. Prints each one's TTFT (median, and per
-request), the tokens served from disk, and checks that the greedy outputs are equal.
+— and (b) a fresh engine on the same disk path (sharing (a)'s weights), the two as interleaved
+pairs (``harness.interleaved``: conversation i on (a) and on (b), the order alternating).
+Prints each one's TTFT (median with min-max, and per request), the tokens served from disk,
+and checks that the greedy outputs are equal.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import argparse
 import gc
 import random
 import shutil
-import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,12 @@ import torch
 
 from deltaserve.engine import EngineConfig, EngineCore, SamplingParams
 from deltaserve.logs import get_logger
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, scaled, spread
 
 log = get_logger("deltaserve.tools")
 
 
-def _engine(args: argparse.Namespace, disk: Path | None) -> EngineCore:
+def _engine(args: argparse.Namespace, disk: Path | None, loaded: Any = None) -> EngineCore:
     dotted: dict[str, Any] = {
         "model.path": args.model,
         "cache.memory_bytes": args.memory_mb * 2**20,
@@ -43,7 +46,7 @@ def _engine(args: argparse.Namespace, disk: Path | None) -> EngineCore:
     if disk is not None:
         dotted["cache.disk_path"] = str(disk)
         dotted["cache.disk_write_bytes_per_s"] = None
-    return EngineCore(EngineConfig.load(None, dotted))
+    return EngineCore(EngineConfig.load(None, dotted), loaded=loaded)
 
 
 def _serve_one(core: EngineCore, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
@@ -90,24 +93,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c, a in zip(turn1, answers, strict=True)
         ]
         cold = _engine(args, None)
-        cold_ttft, cold_out = _turn(cold, turn2, args.output_len)
-        del cold
-        gc.collect()
-        warm = _engine(args, root / "store")
+        warm = _engine(args, root / "store", loaded=cold.loaded)
         opened = warm.disk.store.describe() if warm.disk is not None else {}
-        warm_ttft, warm_out = _turn(warm, turn2, args.output_len)
+        outs: dict[str, list[list[int]]] = {"cold": [], "disk_warm": []}
+
+        def serve(name: str, core: EngineCore) -> Callable[[], float]:
+            prompts = iter(turn2)
+
+            def one() -> float:
+                ttft, out = _serve_one(core, next(prompts), args.output_len)
+                outs[name].append(out)
+                return ttft
+
+            return one
+
+        ttfts = interleaved({"cold": serve("cold", cold), "disk_warm": serve("disk_warm", warm)}, len(turn2))
+        cold_ttft, warm_ttft = ttfts["cold"], ttfts["disk_warm"]
         stats = warm.stats()
         warm.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    assert warm_out == cold_out, "a disk hit changed a greedy output"
+    assert outs["disk_warm"] == outs["cold"], "a disk hit changed a greedy output"
     result = {
         "model": args.model,
         "prompt_tokens": [len(p) for p in turn2],
         "cold_ttft_ms": [round(1000 * t, 1) for t in cold_ttft],
         "disk_warm_ttft_ms": [round(1000 * t, 1) for t in warm_ttft],
-        "cold_ttft_median_ms": round(1000 * statistics.median(cold_ttft), 1),
-        "disk_warm_ttft_median_ms": round(1000 * statistics.median(warm_ttft), 1),
+        "cold_ttft_median_ms": round(1000 * spread(cold_ttft)["median"], 1),
+        "disk_warm_ttft_median_ms": round(1000 * spread(warm_ttft)["median"], 1),
+        "cold_ttft_spread_ms": scaled(spread(cold_ttft), 1000, 1),
+        "disk_warm_ttft_spread_ms": scaled(spread(warm_ttft), 1000, 1),
         "hit_tokens_disk": stats["prefix_cache.hit_tokens_disk"],
         "query_tokens": stats["prefix_cache.query_tokens"],
         "disk_read_wait_ms": stats["disk.read_wait_ms"],
@@ -120,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="builtin:tiny-qwen3.5")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument(
@@ -136,9 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    result = run(build_parser().parse_args())
+    args = build_parser().parse_args()
+    bench = Bench("bench_restart", args)
+    result = run(args)
     for key, value in result.items():
         print(f"{key}: {value}")
+    print(describe_box(bench.before))
+    bench.write(args.json, result)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ checkpoint per 32 KV blocks), closed, reopened and timed, then deleted; ``--open
 the same with 16 KiB items only (the file count's worst case). ``--crash``: a child writes
 in a loop and is SIGKILLed; the reopened store must verify every item it lists.
 
-    python tools/bench_disk_store.py [--mib 256] [--open-gb 10] [--open-small-gb 10] [--crash]
+The candidates of one item size run as ``--rounds`` interleaved rounds (``harness.interleaved``);
+the table shows each one's median round, ``--json`` every round.
+
+    python tools/bench/bench_disk_store.py [--mib 256] [--open-gb 10] [--open-small-gb 10] [--crash]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -34,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -49,6 +51,7 @@ from deltaserve.cache.disk_store import (
     decode_header,
     encode_header,
 )
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread, timed
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [
@@ -274,21 +277,24 @@ def throughput(name: str, root: Path, size: int, total: int) -> tuple[float, flo
     count = max(4, total // size)
     payloads = [payload_of(k, size) for k in range(min(count, 8))]
     store = CANDIDATES[name](root / f"{name}-{size}")
-    t0 = time.perf_counter()
-    for k in range(1, count + 1):
-        store.put(ItemKind.KV, k, k - 1, payloads[k % len(payloads)])
-    store.flush()
-    write = count * size / (time.perf_counter() - t0) / 1e6
-    rates = []
+
+    def write_all() -> None:
+        for k in range(1, count + 1):
+            store.put(ItemKind.KV, k, k - 1, payloads[k % len(payloads)])
+        store.flush()
+
+    def read_all() -> None:
+        for k in order:
+            assert store.read(ItemKind.KV, k) is not None
+
+    write = count * size / timed(write_all)[0] / 1e6
     order = list(range(1, count + 1))
     random.Random(size).shuffle(order)  # hits come from anywhere: no free readahead
+    rates = []
     for cold in (False, True):
         if cold:
             store.drop_cache()
-        t0 = time.perf_counter()
-        for k in order:
-            assert store.read(ItemKind.KV, k) is not None
-        rates.append(count * size / (time.perf_counter() - t0) / 1e6)
+        rates.append(count * size / timed(read_all)[0] / 1e6)
     store.close()
     shutil.rmtree(root / f"{name}-{size}")
     return write, rates[0], rates[1]
@@ -312,17 +318,18 @@ def open_time(name: str, root: Path, total: int, kv: int, ckpt: int) -> tuple[in
     path = root / f"open-{name}"
     cache: dict[int, bytes] = {}
     store = CANDIDATES[name](path)
-    t0 = time.perf_counter()
-    for kind, key, parent, size in mixed_items(total, kv, ckpt, 32):
-        data = cache.setdefault(size, payload_of(size, size))
-        store.put(kind, key, parent, data)
-    store.flush()
-    items = len(store.listed())
-    store.close()
-    written = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    store = CANDIDATES[name](path)
-    reopened = time.perf_counter() - t0
+
+    def write_all() -> int:
+        for kind, key, parent, size in mixed_items(total, kv, ckpt, 32):
+            data = cache.setdefault(size, payload_of(size, size))
+            store.put(kind, key, parent, data)
+        store.flush()
+        listed = len(store.listed())
+        store.close()
+        return listed
+
+    written, items = timed(write_all)
+    reopened, store = timed(lambda: CANDIDATES[name](path))
     assert len(store.listed()) == items, (len(store.listed()), items)
     store.close()
     shutil.rmtree(path)
@@ -404,7 +411,7 @@ def compaction_amplification(slack: float, segment_items: int = 64, segments: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=1)
     ap.add_argument("--candidates", default="files,segments,sqlite")
     ap.add_argument("--mib", type=int, default=256, help="bytes written per item size")
     ap.add_argument("--open-gb", type=float, default=0.0)
@@ -415,6 +422,13 @@ def main() -> None:
     ap.add_argument("--amplification", action="store_true", help="segments: compaction model")
     ap.add_argument("--writers", default="", help="files: writer threads to compare, e.g. 1,2,4")
     args = ap.parse_args()
+    bench = Bench("bench_disk_store", args)
+    results: dict[str, list[dict[str, object]]] = {
+        "throughput": [],
+        "open": [],
+        "amplification": [],
+        "crash": [],
+    }
     names = args.candidates.split(",")
     if args.writers:  # files with N writer threads, side by side (same machine, same run)
         for n in args.writers.split(","):
@@ -427,12 +441,21 @@ def main() -> None:
             f"{'layout':9} {'item':10} {'size':>9} {'write MB/s':>10} {'read warm':>10} {'read cold':>10} {'files/GB':>9}"
         )
         for label, size in [] if args.no_table else SIZES:
+            rounds: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
+
+            def case(name: str, size: int = size, out: dict[str, list] = rounds) -> Callable[[], None]:
+                return lambda: out[name].append(throughput(name, root, size, args.mib * MiB))
+
+            interleaved({name: case(name) for name in names}, args.rounds)
             for name in names:
-                w, rw, rc = throughput(name, root, size, args.mib * MiB)
+                w, rw, rc = (spread(x)["median"] for x in zip(*rounds[name], strict=True))
                 fpg = FILES_PER_GB[name](size)
                 print(
                     f"{name:9} {label:10} {size // KiB:>7}Ki {w:>10.0f} {rw:>10.0f} {rc:>10.0f} {fpg:>9.0f}",
                     flush=True,
+                )
+                results["throughput"].append(
+                    {"layout": name, "item": label, "size": size, "mb_s": rounds[name], "files_per_gb": fpg}
                 )
         for gb, kv, ckpt, label in (
             (args.open_gb, 384 * KiB, 19 * MiB, "0.8B mix"),
@@ -440,15 +463,20 @@ def main() -> None:
         ):
             for name in names if gb else []:
                 items, w, r = open_time(name, root, int(gb * (1 << 30)), kv, ckpt)
+                results["open"].append(
+                    {"layout": name, "gb": gb, "mix": label, "items": items, "write_s": w, "reopen_s": r}
+                )
                 print(
                     f"open {name:9} {gb:g} GB {label}: {items} items, written in {w:.1f} s, reopened in {r * 1e3:.0f} ms",
                     flush=True,
                 )
         for slack in (0.1, 0.2, 0.3, 0.5) if args.amplification else ():
             amp = compaction_amplification(slack)
+            results["amplification"].append({"slack": slack, "copied_per_written": amp})
             print(f"segments compaction at {slack:.0%} slack: {amp:.2f} copied per written", flush=True)
         for name in names if args.crash else []:
             listed, bad, partial = crash(name, root, args.crash)
+            results["crash"].append({"layout": name, "listed": listed, "bad": bad, "torn": partial})
             print(
                 f"crash {name:9} {args.crash} x kill -9: {listed} items listed, {bad} failed to verify"
                 f" ({partial} torn writes left in tmp/)",
@@ -456,6 +484,8 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print(describe_box(bench.before))
+    bench.write(args.json, results)
 
 
 if __name__ == "__main__":

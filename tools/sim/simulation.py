@@ -4,7 +4,7 @@
 Only the model is replaced: every scheduled step "samples" the next token of a deterministic
 synthetic reply of the requested length (``workloads.synthetic_reply``), and the clock advances
 ``step_s`` + ``token_s`` per computed token (+ host copies over ``h2d_gbps``) per step, which
-sets arrivals, think times and concurrency. With a disk tier (``disk_bytes``; ``tools/sim_disk.py``)
+sets arrivals, think times and concurrency. With a disk tier (``disk_bytes``; ``tools/sim/disk.py``)
 a hit that extends to disk waits for its read (bytes over ``disk_read_gbps``, one reader)
 while the others run, then loads like a host hit; the runner's disk saves land in the
 in-memory store at once and add no step time (a writer thread), bounded by the write rate.
@@ -28,7 +28,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
 from deltaserve.scheduler import Request
 from deltaserve.tools.metrics import RequestRecord, hit_rate, hit_rate_per_turn
-from deltaserve.tools.sim_disk import SimDiskTier, SimStore
+from deltaserve.tools.sim.disk import SimDiskTier, SimStore
 from deltaserve.tools.workloads import (
     ArrivalParams,
     RequestSpec,

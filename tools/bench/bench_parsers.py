@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Host cost of parsing chat replies: µs per streamed token for the reply parsers.
 
-    python tools/bench_parsers.py                 # each case, a reply of ~4,000 tokens
-    python tools/bench_parsers.py --tokens 20000 --json out.json
-    python tools/bench_parsers.py --unterminated 64,1024 --chars 16   # abuse: seconds per reply
+    python tools/bench/bench_parsers.py                 # each case, a reply of ~4,000 tokens
+    python tools/bench/bench_parsers.py --tokens 20000 --json out.json
+    python tools/bench/bench_parsers.py --unterminated 64,1024 --chars 16   # abuse: seconds per reply
 
 A reply is split into pieces of ``--chars`` characters (a token's text is 3-4 characters on
 average) and fed to a fresh ``OutputParser`` per repetition, as a stream feeds it; the whole
@@ -20,17 +20,24 @@ the size; a parser that re-reads what it holds takes about 64 times as long.
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 from deltaserve.server.output_parser import OutputParser
 from deltaserve.server.reasoning import Qwen3ReasoningParser
 from deltaserve.server.tool_parsers.hermes import HermesToolParser
 from deltaserve.server.tool_parsers.qwen3_xml import Qwen3XmlToolParser
+from deltaserve.tools.bench.harness import (
+    Bench,
+    bench_parser,
+    describe_box,
+    interleaved,
+    scaled,
+    show,
+    spread,
+    timed,
+)
 
 TOOLS = [
     {
@@ -40,9 +47,8 @@ TOOLS = [
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "path": {"type": "string"},
-                    "body": {"type": "string"},
-                    "mode": {"type": "integer"},
+                    name: {"type": t}
+                    for name, t in [("path", "string"), ("body", "string"), ("mode", "integer")]
                 },
             },
         },
@@ -94,49 +100,46 @@ def unterminated(chars: int) -> dict[str, tuple[str, Callable[[], OutputParser]]
     }
 
 
+def _stream(pieces: list[str], make: Callable[[], OutputParser]) -> float:
+    """Seconds to feed ``pieces`` through a fresh parser (its construction not timed)."""
+    parser = make()
+    seconds, _ = timed(lambda: [parser.feed(p) for p in pieces] + parser.finish())
+    return seconds
+
+
 def time_stream(text: str, make: Callable[[], OutputParser], piece: int) -> float:
     """Seconds to stream ``text`` in pieces of ``piece`` characters through a fresh parser."""
-    parser = make()
-    t0 = time.perf_counter()
-    for i in range(0, len(text), piece):
-        parser.feed(text[i : i + piece])
-    parser.finish()
-    return time.perf_counter() - t0
+    return _stream([text[i : i + piece] for i in range(0, len(text), piece)], make)
 
 
-def time_case(text: str, make: Callable[[], OutputParser], piece: int, reps: int) -> dict[str, float]:
+def time_case(text: str, make: Callable[[], OutputParser], piece: int, reps: int) -> dict[str, Any]:
+    """Streamed and whole parses of ``text`` as ``reps`` interleaved rounds: µs per piece."""
     pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
-    streamed, whole = [], []
-    for _ in range(reps):
-        parser = make()
-        t0 = time.perf_counter()
-        for s in pieces:
-            parser.feed(s)
-        parser.finish()
-        streamed.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+
+    def whole() -> None:
         make().parse(text)
-        whole.append(time.perf_counter() - t0)
+
+    times = interleaved({"stream": lambda: _stream(pieces, make), "whole": whole}, reps)
+    per_token = {k: scaled(spread(v), 1e6 / len(pieces)) for k, v in times.items()}
     return {
         "tokens": len(pieces),
-        "stream_us_per_token": 1e6 * statistics.median(streamed) / len(pieces),
-        "whole_us_per_token": 1e6 * statistics.median(whole) / len(pieces),
+        "stream_us_per_token": per_token["stream"]["median"],
+        "whole_us_per_token": per_token["whole"]["median"],
+        "us_per_token": per_token,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=4000, help="about this many pieces per reply")
     parser.add_argument("--chars", type=int, default=4, help="characters per piece (default %(default)s)")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved rounds of streamed and whole")
     parser.add_argument(
         "--unterminated", metavar="KIB,...", help="time unterminated blocks of these sizes instead"
     )
     args = parser.parse_args()
-    results: dict[str, dict[str, float]] = {}
+    bench = Bench("bench_parsers", args)
+    results: dict[str, dict[str, Any]] = {}
     if args.unterminated:
         for kib in (int(k) for k in args.unterminated.split(",")):
             for name, (text, make) in unterminated(kib * 1024).items():
@@ -147,17 +150,17 @@ def main() -> None:
                     continue
                 results.setdefault(name, {})[f"{kib}KiB_s"] = seconds
                 print(f"{name:20s} {kib:6d} KiB in {args.chars}-char pieces  {seconds:8.3f} s", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        bench.write(args.json, results)
         return
     for name, (text, make) in replies(args.tokens * args.chars // 2).items():
         r = results[name] = time_case(text, make, args.chars, args.reps)
         print(
             f"{name:20s} {r['tokens']:6.0f} tokens  stream {r['stream_us_per_token']:6.2f} µs/token"
             f"  whole {r['whole_us_per_token']:6.2f} µs/token"
+            f"  (min-max {show(r['us_per_token']['stream'])} / {show(r['us_per_token']['whole'])})"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(describe_box(bench.before))
+    bench.write(args.json, results)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What the simulator prints and plots: result tables, the sweep, the offline bounds of a run
-(``tools/cache_bounds.py``), the seeds-by-workload summary, and the recommended pool size."""
+(``tools/sim/bounds.py``), the seeds-by-workload summary, and the recommended pool size."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltaserve.tools.cache_bounds import checkpoint_belady, kv_only_belady, kv_only_lru
-from deltaserve.tools.simulation import GiB, MiB, SimConfig, SimResult
+from deltaserve.tools.sim.bounds import checkpoint_belady, kv_only_belady, kv_only_lru
+from deltaserve.tools.sim.simulation import GiB, MiB, SimConfig, SimResult
 from deltaserve.tools.workloads import Workload, expand
 
 
 @dataclass
 class Bounds:
-    """Offline ceilings at the run's memory (``tools/cache_bounds.py``), requests one by one
+    """Offline ceilings at the run's memory (``tools/sim/bounds.py``), requests one by one
     in the oracle run's submission order."""
 
     kv_lru: float  # KV alone, LRU: what plain prefix caching of that KV memory hits

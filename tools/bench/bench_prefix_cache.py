@@ -11,7 +11,7 @@ TTFT ratio warm ÷ cold is printed beside the ideal ratio, uncached ÷ all promp
 (what a perfect cache with zero overhead would give), plus the token hit rate, checkpoint
 memory, skips and evictions.
 
-    python tools/bench_prefix_cache.py [--turns 10] [--user-tokens 220] [--reply-tokens 48]
+    python tools/bench/bench_prefix_cache.py [--turns 10] [--user-tokens 220] [--reply-tokens 48]
 
 ``--pressure``: memory pressure. ``--conversations`` conversations, more than
 the pools hold (``--checkpoint-slots`` checkpoints, KV for about ``--kv-conversations`` of
@@ -22,7 +22,7 @@ the value model ``default`` and the simpler ``v1``) and to a cache-off engine: p
 the token hit rate and warm TTFT (turns after the first) beside cold TTFT, measured in the
 same run; outputs must equal the cache-off ones.
 
-    python tools/bench_prefix_cache.py --pressure [--conversations 8] [--checkpoint-slots 3]
+    python tools/bench/bench_prefix_cache.py --pressure [--conversations 8] [--checkpoint-slots 3]
 
 ``--pressure --host``: the host tier. Two more engines see the same prompts:
 ``host`` (the first policy with the same device pools plus a host tier that holds every
@@ -38,16 +38,16 @@ cache trades between KV and checkpoints by value (docs/cache.md, "One budget").
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
-from pathlib import Path
+from typing import Any
 
 from deltaserve.cache.arena import blocks_per_page
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.cli import add_config_args, config_from_args
 from deltaserve.logs import configure_logging
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, spread
 
 WORDS = (
     "cache state model token prefix turn reply agent tool result query answer memory block "
@@ -152,12 +152,12 @@ def _pressure_summary(
     for p, core in warm.items():
         hit = sum(int(r[f"{p}.cached"]) for r in warm_rows)  # type: ignore[arg-type]
         times = [1000 * float(r[f"{p}.ttft_s"]) for r in warm_rows]  # type: ignore[arg-type]
-        s = core.stats()
-        summary[p] = {"hit_rate": hit / q, "warm_ttft_ms_mean": statistics.mean(times),
-                      "warm_ttft_ms_median": statistics.median(times), "cold_ttft_ms_mean": cold_ms, "stats": s}  # fmt: skip
+        s, mean, ms = core.stats(), statistics.mean(times), spread(times)
+        summary[p] = {"hit_rate": hit / q, "warm_ttft_ms_mean": mean, "warm_ttft_ms_median": ms["median"],
+                      "warm_ttft_ms": ms, "cold_ttft_ms_mean": cold_ms, "stats": s}  # fmt: skip
         print(
-            f"{p:>10}{100 * hit / q:>9.1f}%{statistics.mean(times):>9.1f}{statistics.median(times):>8.1f}"
-            f"{statistics.mean(times) / cold_ms:>11.3f}{s['checkpoints.stored']:>8}{s['checkpoints.evicted']:>9}"
+            f"{p:>10}{100 * hit / q:>9.1f}%{mean:>9.1f}{ms['median']:>8.1f}"
+            f"{mean / cold_ms:>11.3f}{s['checkpoints.stored']:>8}{s['checkpoints.evicted']:>9}"
             f"{s['checkpoints.skipped_pool']:>10}{s['checkpoints.skipped_value']:>11}{s['kv.evicted_blocks']:>11}"
         )
     return summary
@@ -176,7 +176,7 @@ def _print_host(summary: dict[str, object], host_core: EngineCore) -> None:
     )
 
 
-def pressure(args: argparse.Namespace) -> None:
+def pressure(args: argparse.Namespace) -> dict[str, object]:
     """More conversations than the pools hold, the same prompts through every policy."""
     base = {"scheduler.max_num_batched_tokens": 8192, "cache.checkpoint_interval": 0}
     probe = EngineCore(config_from_args(args, base))
@@ -207,54 +207,39 @@ def pressure(args: argparse.Namespace) -> None:
     summary = _pressure_summary(rows, warm, cold_ms)
     if args.host:
         _print_host(summary, warm["host"])
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2, default=str))
+    return {"rows": rows, "summary": summary}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     add_config_args(ap)
-    ap.add_argument(
-        "--pressure", action="store_true", help="more conversations than the pools hold (see above)"
-    )
-    ap.add_argument("--conversations", type=int, default=8, help="--pressure: conversations taking turns")
-    ap.add_argument(
-        "--checkpoint-slots", type=int, default=3, help="--pressure: checkpoint pool, in checkpoints"
-    )
-    ap.add_argument(
-        "--kv-conversations", type=int, default=4, help="--pressure: KV for about this many conversations"
-    )
-    ap.add_argument("--kv-blocks", type=int, help="--pressure: KV blocks (overrides --kv-conversations)")
-    ap.add_argument(
-        "--policies", default="default,v1", help="--pressure: cache.checkpoint_policy values to compare"
-    )
-    ap.add_argument(
-        "--host", action="store_true", help="--pressure: also the host tier and the all-device ideal"
-    )
-    ap.add_argument(
-        "--one-budget",
-        action="store_true",
-        help="--pressure: also the first policy with the same bytes as one budget for KV and checkpoints",
-    )
+    p = ap.add_argument_group("memory pressure (see above)")
+    p.add_argument("--pressure", action="store_true", help="more conversations than the pools hold")
+    p.add_argument("--conversations", type=int, default=8, help="conversations taking turns")
+    p.add_argument("--checkpoint-slots", type=int, default=3, help="checkpoint pool, in checkpoints")
+    p.add_argument("--kv-conversations", type=int, default=4, help="KV for about this many conversations")
+    p.add_argument("--kv-blocks", type=int, help="KV blocks (overrides --kv-conversations)")
+    p.add_argument("--policies", default="default,v1", help="cache.checkpoint_policy values to compare")
+    p.add_argument("--host", action="store_true", help="also the host tier and the all-device ideal")
+    p.add_argument("--one-budget", action="store_true", help="also the first policy, its bytes as one budget")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=220, help="approximate words per user message")
     ap.add_argument("--reply-tokens", type=int, default=48)
     ap.add_argument(
-        "--repeat", type=int, default=3, help="warm replicas and cold timings per turn (medians kept)"
+        "--repeat", type=int, default=3, help="interleaved warm and cold timings per turn (medians kept)"
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
     return ap
 
 
 def _conversation_rows(
     args: argparse.Namespace, warms: list[EngineCore], cold: EngineCore
-) -> list[dict[str, float | int]]:
+) -> list[dict[str, Any]]:
     """Each turn timed on every warm replica and as often cold; the medians, and the ideal."""
     tok = cold.tokenizer
     rng = random.Random(args.seed)
     messages = [{"role": "system", "content": "You are a helpful assistant for cache experiments."}]
-    rows: list[dict[str, float | int]] = []
+    rows: list[dict[str, Any]] = []
     for turn in range(args.turns):
         messages.append(
             {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(args.user_tokens))}
@@ -263,35 +248,46 @@ def _conversation_rows(
             tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
             add_special_tokens=False,
         )
-        warm_times, cold_times, replies, cached_seen = [], [], [], set()
-        for i in range(args.repeat):
-            t_w, reply, cached = ttft(warms[i], prompt, args.reply_tokens)
-            warm_times.append(t_w)
-            replies.append(reply)
-            cached_seen.add(cached)
-            t_c, reply_cold, _ = ttft(cold, prompt, args.reply_tokens)
-            cold_times.append(t_c)
-            assert reply_cold == reply, f"turn {turn}: cache hit changed the output"
+        replies: list[list[int]] = []
+        cold_replies: list[list[int]] = []
+        cached_seen: set[int] = set()
+        replicas = iter(warms)
+
+        def warm() -> float:
+            t, reply, cached = ttft(next(replicas), prompt, args.reply_tokens)  # noqa: B023 (called at once)
+            replies.append(reply)  # noqa: B023
+            cached_seen.add(cached)  # noqa: B023
+            return t
+
+        def cold_run() -> float:
+            t, reply, _ = ttft(cold, prompt, args.reply_tokens)  # noqa: B023 (called at once)
+            cold_replies.append(reply)  # noqa: B023
+            return t
+
+        times = interleaved({"warm": warm, "cold": cold_run}, args.repeat)
+        assert all(r == replies[0] for r in cold_replies), f"turn {turn}: cache hit changed the output"
         assert len(cached_seen) == 1 and all(r == replies[0] for r in replies), "warm replicas diverged"
-        reply = replies[0]
-        t_warm, t_cold = statistics.median(warm_times), statistics.median(cold_times)
+        reply, cached = replies[0], cached_seen.pop()
+        t_warm, t_cold = spread(times["warm"]), spread(times["cold"])
         ideal = (len(prompt) - cached) / len(prompt)
         rows.append(
             {
                 "turn": turn,
                 "prompt_tokens": len(prompt),
                 "cached_tokens": cached,
-                "ttft_warm_s": t_warm,
-                "ttft_cold_s": t_cold,
-                "ratio": t_warm / t_cold,
+                "ttft_warm_s": t_warm["median"],
+                "ttft_cold_s": t_cold["median"],
+                "ratio": t_warm["median"] / t_cold["median"],
                 "ideal": ideal,
+                "ttft_warm_spread_s": t_warm,
+                "ttft_cold_spread_s": t_cold,
             }
         )
         messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
     return rows
 
 
-def _print_conversation(rows: list[dict[str, float | int]], warm: EngineCore) -> dict[str, object]:
+def _print_conversation(rows: list[dict[str, Any]], warm: EngineCore) -> dict[str, object]:
     """The per-turn table and the totals; the warm engine's stats."""
     print(
         f"\n{'turn':>4}{'prompt':>8}{'cached':>8}{'hit%':>7}{'warm ms':>9}{'cold ms':>9}{'ratio':>8}{'ideal':>8}{'ratio/ideal':>12}"
@@ -324,8 +320,11 @@ def _print_conversation(rows: list[dict[str, float | int]], warm: EngineCore) ->
 def main() -> None:
     args = build_parser().parse_args()
     configure_logging("warning")
+    bench = Bench("bench_prefix_cache", args)
     if args.pressure:
-        pressure(args)
+        results = pressure(args)
+        print(describe_box(bench.before))
+        bench.write(args.json, results)
         return
     base = {"scheduler.max_num_batched_tokens": 8192, "cache.num_kv_blocks": 4096}
     warm_cfg = config_from_args(args, base)
@@ -334,15 +333,15 @@ def main() -> None:
     cold = EngineCore(cold_cfg, loaded=base_core.loaded)
     # The warm side can be timed only once per cache state, so the whole conversation is
     # replayed on ``--repeat`` fresh warm engines (greedy: identical prompts and cache
-    # states) and the per-turn median is kept; the cold side is timed as often per prompt.
+    # states), interleaved with as many cold timings, and the per-turn medians are kept.
     warms = [base_core] + [EngineCore(warm_cfg, loaded=base_core.loaded) for _ in range(args.repeat - 1)]
     tok = base_core.tokenizer
     for core in (*warms, cold):
         ttft(core, tok.encode("warm up", add_special_tokens=False), 2)
     rows = _conversation_rows(args, warms, cold)
     s = _print_conversation(rows, base_core)
-    if args.json:
-        args.json.write_text(json.dumps({"turns": rows, "stats": s}, indent=2, default=str))
+    print(describe_box(bench.before))
+    bench.write(args.json, {"turns": rows, "stats": s})
 
 
 if __name__ == "__main__":

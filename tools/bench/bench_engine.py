@@ -11,17 +11,14 @@ Greedy decoding, EOS ignored, so both sides produce exactly ``max_tokens`` per r
 (the output tokens are also compared: they must be identical). Prints output tokens/s and
 the engine ÷ transformers ratios.
 
-    python tools/bench_engine.py [--num 32] [--max-tokens 32] [--config FILE] [--set k=v]
+    python tools/bench/bench_engine.py [--num 32] [--max-tokens 32] [--config FILE] [--set k=v]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +26,7 @@ import torch
 from deltaserve.engine import EngineCore, SamplingParams
 from deltaserve.engine.cli import add_config_args, config_from_args
 from deltaserve.logs import configure_logging
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, interleaved, show, spread
 
 
 def run_engine(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -60,7 +58,7 @@ def hf_generate(model: object, batch: list[list[int]], max_tokens: int) -> list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     add_config_args(ap)
     ap.add_argument("--num", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -68,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mixed-min", type=int, default=16)
     ap.add_argument("--mixed-max", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3, help="alternating repetitions; medians are reported")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="interleaved rounds of the four runs; medians are reported"
+    )
     return ap
 
 
@@ -89,27 +88,32 @@ def _timed(
 ) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
     """Seconds per repetition of each side and workload, and the last repetition's outputs.
 
-    The sides alternate and each one's median is kept: load from other processes on a shared
-    machine then hits both sides alike instead of skewing one ratio."""
-    times: dict[str, list[float]] = {"hf_mixed": [], "eng_mixed": [], "hf_static": [], "eng_static": []}
+    The sides run as interleaved pairs (``harness.interleaved``): load from other processes on a
+    shared machine then hits both sides alike instead of skewing one ratio."""
     outputs: dict[str, list[list[int]]] = {}
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
+
+    def hf_mixed() -> None:
         outputs["hf_mixed"] = [hf_generate(hf, [p], args.max_tokens)[0] for p in mixed]
-        times["hf_mixed"].append(time.perf_counter() - t0)
+
+    def eng_mixed() -> float:
         t, outputs["eng_mixed"] = run_engine(core, mixed, args.max_tokens)
-        times["eng_mixed"].append(t)
-        t0 = time.perf_counter()
+        return t
+
+    def hf_static() -> None:
         outputs["hf_static"] = hf_generate(hf, static, args.max_tokens)
-        times["hf_static"].append(time.perf_counter() - t0)
+
+    def eng_static() -> float:
         t, outputs["eng_static"] = run_engine(core, static, args.max_tokens)
-        times["eng_static"].append(t)
-    return times, outputs
+        return t
+
+    cases = {"hf_mixed": hf_mixed, "eng_mixed": eng_mixed, "hf_static": hf_static, "eng_static": eng_static}
+    return interleaved(cases, args.repeat), outputs
 
 
 def main() -> None:
     args = build_parser().parse_args()
     configure_logging("warning")
+    bench = Bench("bench_engine", args)
     # Prefix caching off: repetitions must not turn into cache hits (this measures batching).
     base = {
         "scheduler.max_num_seqs": max(args.num, 8),
@@ -129,16 +133,17 @@ def main() -> None:
     hf_generate(hf, [mixed[0]], 4)
 
     times, outputs = _timed(core, hf, mixed, static, args)
-    med = statistics.median
-    results: dict[str, dict[str, float]] = {
+    s = {name: spread(t) for name, t in times.items()}
+    results: dict[str, Any] = {
         "mixed": {
-            "hf_one_at_a_time_tok_s": n_out / med(times["hf_mixed"]),
-            "engine_tok_s": n_out / med(times["eng_mixed"]),
+            "hf_one_at_a_time_tok_s": n_out / s["hf_mixed"]["median"],
+            "engine_tok_s": n_out / s["eng_mixed"]["median"],
         },
         "static": {
-            "hf_static_batch_tok_s": n_out / med(times["hf_static"]),
-            "engine_tok_s": n_out / med(times["eng_static"]),
+            "hf_static_batch_tok_s": n_out / s["hf_static"]["median"],
+            "engine_tok_s": n_out / s["eng_static"]["median"],
         },
+        "seconds": s,
     }
     same_mixed = sum(a == b for a, b in zip(outputs["hf_mixed"], outputs["eng_mixed"], strict=True))
     same_static = sum(a == b for a, b in zip(outputs["hf_static"], outputs["eng_static"], strict=True))
@@ -157,8 +162,10 @@ def main() -> None:
         f"{r['engine_tok_s'] / r['hf_static_batch_tok_s']:>7.2f}x{same_static:>8}/{args.num}"
     )
     print("(mixed: transformers one request at a time; static: transformers one static batch)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    print(f"(medians of {args.repeat} interleaved rounds; seconds min-max: ", end="")
+    print(", ".join(f"{name} {show(v)}" for name, v in s.items()) + ")")
+    print(describe_box(bench.before))
+    bench.write(args.json, results)
 
 
 if __name__ == "__main__":

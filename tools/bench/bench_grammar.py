@@ -9,7 +9,7 @@ by adding plain-text tokens, as no real-size tokenizer is available offline) it 
 * mask: the time to fill the token bitmask of a batch of 64 matchers, per decode step (median
   over the steps of a valid instance), each matcher advancing by the instance's tokens.
 
-Run: ``python -m deltaserve.tools.bench_grammar [--batch 64] [--big-vocab 150000]``.
+Run: ``python -m deltaserve.tools.bench.bench_grammar [--batch 64] [--big-vocab 150000]``.
 Both packages must be installed for the comparison (only xgrammar is a dependency of
 deltaserve; ``--engines xgrammar`` runs it alone). Every step's token is checked to be accepted
 by every matcher, so the masks are timed on a valid path.
@@ -22,88 +22,75 @@ Measured on the development machine (2 CPU cores, batch 64; ms): xgrammar compil
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import random
-import statistics
 import string
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from deltaserve.tools.bench.harness import Bench, bench_parser, describe_box, spread, timed
+
+
+def _object(properties: dict[str, Any], required: list[str], **extra: Any) -> dict[str, Any]:
+    """A JSON-schema object (``type``, ``properties``, ``required``, then ``extra``, in that order)."""
+    return {"type": "object", "properties": properties, "required": required, **extra}
+
+
+def _typed(**types: str | list[str]) -> dict[str, dict[str, Any]]:
+    """Properties of plain types: ``name="string"`` -> ``{"name": {"type": "string"}}``."""
+    return {name: {"type": t} for name, t in types.items()}
+
+
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "email": {"type": "string"},
-            "admin": {"type": "boolean"},
-        },
-        "required": ["name", "age", "email", "admin"],
-        "additionalProperties": False,
-    },
-    "order": {
-        "type": "object",
-        "properties": {
+    "person": _object(
+        _typed(name="string", age="integer", email="string", admin="boolean"),
+        ["name", "age", "email", "admin"],
+        additionalProperties=False,
+    ),
+    "order": _object(
+        {
             "id": {"type": "string"},
             "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
             "items": {
                 "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
+                "items": _object(
+                    {
                         "sku": {"type": "string"},
                         "qty": {"type": "integer", "minimum": 1},
                         "price": {"type": "number"},
                     },
-                    "required": ["sku", "qty", "price"],
-                },
+                    ["sku", "qty", "price"],
+                ),
             },
-            "address": {
-                "type": "object",
-                "properties": {
-                    "street": {"type": "string"},
-                    "city": {"type": "string"},
-                    "zip": {"type": "string"},
-                },
-                "required": ["street", "city"],
-            },
+            "address": _object(_typed(street="string", city="string", zip="string"), ["street", "city"]),
         },
-        "required": ["id", "status", "items", "address"],
-    },
+        ["id", "status", "items", "address"],
+    ),
     "tool_calls": {
         "type": "array",
         "minItems": 1,
         "items": {
             "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
+                _object(
+                    {
                         "name": {"const": f"fn_{k}"},
-                        "parameters": {
-                            "type": "object",
-                            "properties": {
-                                f"arg{j}": {"type": t} for j, t in enumerate(["string", "integer", "number"])
-                            },
-                            "required": ["arg0"],
-                        },
+                        "parameters": _object(_typed(arg0="string", arg1="integer", arg2="number"), ["arg0"]),
                     },
-                    "required": ["name", "parameters"],
-                }
+                    ["name", "parameters"],
+                )
                 for k in range(4)
             ]
         },
     },
-    "wide": {
-        "type": "object",
-        "properties": {f"field_{k}": {"type": ["string", "integer", "boolean"][k % 3]} for k in range(30)},
-        "required": [f"field_{k}" for k in range(30)],
-    },
+    "wide": _object(
+        {f"field_{k}": {"type": ["string", "integer", "boolean"][k % 3]} for k in range(30)},
+        [f"field_{k}" for k in range(30)],
+    ),
 }
 
 INSTANCES: dict[str, Any] = {
@@ -126,7 +113,7 @@ class Row:
     schema: str
     cold_ms: float
     cached_ms: float
-    mask_ms: float
+    mask_ms: dict[str, float]  # ms per step: harness.spread over the steps
 
 
 def big_tokenizer(base: Any, size: int) -> Any:
@@ -144,9 +131,9 @@ def big_tokenizer(base: Any, size: int) -> Any:
 
 
 def _time(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    value = fn()
-    return (time.perf_counter() - t0) * 1e3, value
+    """Milliseconds of one call, and its value."""
+    seconds, value = timed(fn)
+    return seconds * 1e3, value
 
 
 class XGrammar:
@@ -175,7 +162,7 @@ class XGrammar:
         cached, _ = _time(build)
         return cold, cached, compiled
 
-    def mask_ms(self, compiled: Any, tokens: list[int], batch: int) -> float:
+    def mask_ms(self, compiled: Any, tokens: list[int], batch: int) -> dict[str, float]:
         xgr = self.xgr
         matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
         bitmask = xgr.allocate_token_bitmask(batch, self.info.vocab_size)
@@ -185,7 +172,7 @@ class XGrammar:
             times.append(ms)
             for m in matchers:
                 assert m.accept_token(t)
-        return statistics.median(times)
+        return spread(times)
 
 
 class LLGuidance:
@@ -218,7 +205,7 @@ class LLGuidance:
         cached, _ = _time(build)
         return cold, cached, grammar
 
-    def mask_ms(self, grammar: Any, tokens: list[int], batch: int) -> float:
+    def mask_ms(self, grammar: Any, tokens: list[int], batch: int) -> dict[str, float]:
         matchers = [self.ll.LLMatcher(self.tok, grammar) for _ in range(batch)]
         bitmask = self.llt.allocate_token_bitmask(batch, self.vocab)
         pairs = [(m, i) for i, m in enumerate(matchers)]
@@ -228,7 +215,7 @@ class LLGuidance:
             times.append(ms)
             for m in matchers:
                 assert m.consume_token(t), m.get_error()
-        return statistics.median(times)
+        return spread(times)
 
 
 ENGINES: dict[str, type[XGrammar] | type[LLGuidance]] = {"xgrammar": XGrammar, "llguidance": LLGuidance}
@@ -248,12 +235,13 @@ def run(tokenizer: Any, batch: int, threads: int, engines: list[str]) -> list[Ro
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--big-vocab", type=int, default=150_000, help="0: only the built-in tokenizer")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--engines", default="xgrammar,llguidance", help="comma-separated: xgrammar, llguidance")
     args = ap.parse_args(argv)
+    bench = Bench("bench_grammar", args)
     torch.set_num_threads(1)
     from deltaserve.models.builtin import build_tokenizer
 
@@ -264,11 +252,17 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{'engine':<11} {'vocab':>7} {'schema':<11} {'compile cold ms':>15} {'cached ms':>10} {'mask/step ms':>12}"
     )
+    rows = []
     for tok in tokenizers:
         for r in run(tok, args.batch, args.threads, args.engines.split(",")):
             print(
-                f"{r.engine:<11} {r.vocab:>7} {r.schema:<11} {r.cold_ms:>15.2f} {r.cached_ms:>10.3f} {r.mask_ms:>12.3f}"
+                f"{r.engine:<11} {r.vocab:>7} {r.schema:<11} {r.cold_ms:>15.2f} {r.cached_ms:>10.3f}"
+                f" {r.mask_ms['median']:>12.3f}  ({r.mask_ms['min']:.3f}-{r.mask_ms['max']:.3f})"
             )
+            rows.append(dataclasses.asdict(r))
+    print("(mask/step: median over the instance's steps, min-max)")
+    print(describe_box(bench.before))
+    bench.write(args.json, rows)
 
 
 if __name__ == "__main__":

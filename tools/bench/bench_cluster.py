@@ -2,9 +2,9 @@
 
 ::
 
-    python -m deltaserve.tools.bench_cluster                               # 2 replicas, chat workload
-    python -m deltaserve.tools.bench_cluster --replicas 2 --sessions 16 --turns 5 --json bench.json
-    python -m deltaserve.tools.bench_cluster --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
+    python -m deltaserve.tools.bench.bench_cluster                               # 2 replicas, chat workload
+    python -m deltaserve.tools.bench.bench_cluster --replicas 2 --sessions 16 --turns 5 --json bench.json
+    python -m deltaserve.tools.bench.bench_cluster --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
 
 One process, in order: a local Ray cluster with N replicas and ``--router prefix``, then the
 same with ``--router pow2`` (each application deployed, measured, deleted), then Ray is stopped
@@ -12,19 +12,21 @@ and one engine is served by ``deltaserve serve``'s app in this process. Each col
 ``tools/loadgen.py``'s OpenAI backend (streamed token-id completions, TTFT from SSE arrival,
 cached tokens from ``usage``) on the identical workload (deterministic under ``--seed``; greedy
 outputs, so every column sends the same follow-up turns). The table is loadgen's, plus the
-requests each replica served.
+requests each replica served. The columns run one after another, not as interleaved rounds
+(``tools/bench/harness.py``): each must start on cold caches and the Ray cluster is stopped
+before the single engine starts; ``--json`` writes the harness's shape, the box's load included.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from deltaserve.logs import configure_logging, get_logger
+from deltaserve.tools.bench.harness import Bench, add_json_arg, describe_box
 
 log = get_logger("deltaserve.cluster")
 
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deltaserve.tools.workloads import add_workload_args
 
     p = argparse.ArgumentParser(
-        prog="python -m deltaserve.tools.bench_cluster",
+        prog="python -m deltaserve.tools.bench.bench_cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--routers", nargs="+", default=["prefix", "pow2"], choices=["prefix", "pow2"])
     g.add_argument("--no-single", action="store_true", help="skip the single-engine column")
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests per column (own cache salt)")
-    g.add_argument("--json", metavar="FILE")
+    add_json_arg(g)
     g.add_argument("--log-level", default="warning")
     return p
 
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from deltaserve.engine.cli import config_from_args
     from deltaserve.tools.workloads import HFCodec
 
+    bench = Bench("bench_cluster", args)
     cfg = config_from_args(args)
     args._block_size = cfg.cache.block_size
     codec = HFCodec(load_tokenizer(str(cfg.model.path)))
@@ -111,17 +114,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table([(r.label, r.summary) for r in runs], agreement_rows(runs)))
     for label, per in routed.items():
         print(f"{label}: requests per replica {sorted(per.values(), reverse=True)}")
-    doc = {
+    results = {
         "workload": title,
-        "argv": sys.argv[1:],
         "runs": [{"label": r.label, "summary": r.summary, "wall_s": r.wall_s} for r in runs],
         "routed_per_replica": routed,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"wrote {args.json}")
-    return doc
+    print(describe_box(bench.before))
+    return bench.write(args.json, results)
 
 
 async def _single(cfg: Any, args: argparse.Namespace, codec: Any) -> Any:
