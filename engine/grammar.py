@@ -22,7 +22,7 @@ nanobind objects still alive when the interpreter tears down their modules are r
 Each constrained request owns a ``GrammarMatcher`` (``RequestState.matcher``) that advances
 with every token the request accepts. ``fill_masks`` writes the next-token bitmask of a batch
 of matchers (one int32 row of ``ceil(vocab / 32)`` words per logits row; bit set = allowed).
-The engine uses xgrammar (tools/bench_grammar.py measured it against llguidance).
+The engine uses xgrammar (tools/bench/bench_grammar.py measured it against llguidance).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ oneDNN (``mkldnn._linear_pointwise``) on the weight as it is stored (no packed c
 extra memory) instead of aten's BLAS path. Why: the BLAS torch ships (MKL) does not use the
 AVX-512 kernels on non-Intel CPUs and streams a weight poorly for a handful of rows; on a
 2-core AMD EPYC host oneDNN ran a 512-row prefill GEMM about 2x faster and a decode GEMM
-1.2x (1 row) to 1.5x (4 rows) faster (``tools/profile_cpu.py`` measures the whole step).
+1.2x (1 row) to 1.5x (4 rows) faster (``tools/bench/profile_cpu.py`` measures the whole step).
 Results agree with the BLAS path to float rounding (summation order differs).
 
 One exception, measured on the same host: a float32 product of 2 to 4 rows with a weight at
