@@ -257,8 +257,9 @@ class CheckpointStore:
         for want, c in self.eviction.order(wants):
             if remaining is not None and remaining <= 0:
                 self.counters["checkpoints.skipped_budget"] += 1
-                if self.note_skip is not None:
-                    self.note_skip(items[c.item_index].seq.hashes[c.boundary // bs - 1])
+                hashes = items[c.item_index].seq.hashes  # (an output's may not reach it yet)
+                if self.note_skip is not None and 0 < c.boundary // bs <= len(hashes):
+                    self.note_skip(hashes[c.boundary // bs - 1])
             elif self.stage(plan, c.item_index, want) and remaining is not None:
                 remaining -= 1
         plan.captures.sort(key=lambda c: (c.item_index, c.boundary))

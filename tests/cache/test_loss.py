@@ -212,8 +212,15 @@ def test_a_disk_hit_past_its_deadline_is_a_disk_wait() -> None:
 
 
 def test_record_capacity_bounds() -> None:
-    assert record_capacity(10) == 1024 and record_capacity(5000) == 10_000
-    assert record_capacity(10**9) == 1 << 18
+    assert record_capacity(10) == 1 << 16 and record_capacity(25_500) == 204_000
+    assert record_capacity(10**9) == 1 << 20
+
+
+def test_the_records_hold_the_host_tier_s_blocks_too() -> None:
+    # one host budget of checkpoint-sized pages: 10 pages of ceil(1000 / 64) = 16 blocks
+    cm = make(num_host_pages=10, checkpoint_bytes=1000, kv_block_bytes=64, num_kv_blocks=10_000)
+    assert cm.loss.evicted.capacity == 8 * (10_000 + 160)
+    assert cm.loss.outcomes.capacity == cm.loss.evicted.capacity
 
 
 # ---------------------------------------------------------------------- randomized, via the scheduler
@@ -222,9 +229,10 @@ class Params:
         self.max_tokens = max_tokens
 
 
-def scheduler(host: bool, pages: bool) -> Scheduler:
+def scheduler(host: bool, pages: bool, staging: int | None = None) -> Scheduler:
     cfg: dict[str, Any] = dict(
         block_size=16, num_kv_blocks=48, num_live_slots=6, num_checkpoint_slots=4, checkpoint_bytes=1,
+        staging_bytes=staging,
     )  # fmt: skip
     if host:
         cfg.update(num_host_kv_blocks=40, num_host_checkpoint_slots=6)
@@ -239,7 +247,7 @@ def scheduler(host: bool, pages: bool) -> Scheduler:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_causes_sum_to_misses_after_every_step(host: bool, pages: bool, seed: int) -> None:
     rng = random.Random(seed)
-    s = scheduler(host, pages)
+    s = scheduler(host, pages, staging=1 if seed else None)  # one capture a step: the rest skipped
     cm = s.cache
     done: list[Request] = []
     n = 0
