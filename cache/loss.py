@@ -32,7 +32,7 @@ Torch-free.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from deltaserve.cache.disk_link import DiskLink
 from deltaserve.cache.prefix_index import PrefixIndex
@@ -56,6 +56,16 @@ MISS_KEYS = tuple(MISS_PREFIX + c for c in MISS_CAUSES)
 
 # what a disk fetch given up is counted as (``DiskTier.given_up``)
 GIVEN_UP_CAUSES = ("read_budget", "disk_wait")
+
+
+class Asked(NamedTuple):
+    """What a query's admission knew beyond its match."""
+
+    whole_prompt: bool = False  # it computes its whole prompt (prompt log-probabilities)
+    given_up: str | None = None  # why its disk hit was dropped (``GIVEN_UP_CAUSES``), if it was
+
+
+PLAIN = Asked()
 
 
 class _Record:
@@ -130,18 +140,12 @@ class LossAttribution:
 
     # ------------------------------------------------------------------ counting
     def attribute(
-        self,
-        query_tokens: int,
-        hit_tokens: int,
-        seq: SeqCache | None,
-        *,
-        whole_prompt: bool = False,
-        given_up: str | None = None,
+        self, query_tokens: int, hit_tokens: int, seq: SeqCache | None, asked: Asked = PLAIN
     ) -> None:
         """Count the ``query_tokens - hit_tokens`` misses of one query by cause (module
         docstring). Without its request view (``seq`` None) or with prefix caching off, every
         miss is ``cold``: nothing was looked up."""
-        split = self.split(query_tokens, hit_tokens, seq, whole_prompt=whole_prompt, given_up=given_up)
+        split = self.split(query_tokens, hit_tokens, seq, asked)
         assert sum(split.values()) == query_tokens - hit_tokens, "miss causes do not sum to the misses"
         counters = self.counters
         for cause, n in split.items():
@@ -152,13 +156,7 @@ class LossAttribution:
         self.counters[MISS_PREFIX + "preemption"] += tokens
 
     def split(
-        self,
-        query_tokens: int,
-        hit_tokens: int,
-        seq: SeqCache | None,
-        *,
-        whole_prompt: bool = False,
-        given_up: str | None = None,
+        self, query_tokens: int, hit_tokens: int, seq: SeqCache | None, asked: Asked = PLAIN
     ) -> dict[str, int]:
         """The misses of one query by cause (only the causes with tokens); sums to
         ``query_tokens - hit_tokens``."""
@@ -181,6 +179,7 @@ class LossAttribution:
 
         path = self._kv_path(hashes, end)
         kv_end = len(path)
+        whole_prompt, given_up = asked
         if whole_prompt:  # the hit it gave up: the deepest checkpoint on its path
             would = kv_end
             while self.has_gdn and would > start and not path[would - 1].has_checkpoint:

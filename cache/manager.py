@@ -44,7 +44,7 @@ from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import make_eviction
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.load_queue import LoadQueue
-from deltaserve.cache.loss import MISS_KEYS, LossAttribution
+from deltaserve.cache.loss import MISS_KEYS, PLAIN, Asked, LossAttribution
 from deltaserve.cache.manager_config import GDN_CHUNK_SIZE, CacheManagerConfig, checkpoint_unit
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
@@ -315,7 +315,7 @@ class CacheManager:
     def _count_admission(self, seq: SeqCache, query: int, preempted_tokens: int | None, whole: bool) -> None:
         if preempted_tokens is None:  # (``given_up``: why its disk hit was dropped, if it was)
             lost = self.disk.given_up(seq.request_id) if self.disk is not None else None
-            self.record_query(query, seq.num_cached_tokens, seq, whole_prompt=whole, given_up=lost)
+            self.record_query(query, seq.num_cached_tokens, seq, Asked(whole, lost))
         else:  # a preemption's recompute, less what the cache serves it (never a gain)
             served = min(seq.num_cached_tokens, preempted_tokens)
             self.note_recompute_hit(served)
@@ -356,11 +356,11 @@ class CacheManager:
         return self.load_queue.land(plan, failed)
 
     def record_query(
-        self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None, **why: object
+        self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None, asked: Asked = PLAIN
     ) -> None:
-        """Count one prompt lookup in the hit-rate stats (once per request, by the caller) and
-        its misses by cause (``LossAttribution.attribute``, given ``why``); with ``seq``, the
-        eviction strategy also learns which earlier capture it would reuse."""
+        """Count one prompt lookup in the hit-rate stats (once per request, by the caller) and its
+        misses by cause (``LossAttribution.attribute``, given what was ``asked``); with ``seq``,
+        the eviction strategy also learns which earlier capture it would reuse."""
         counters = self._counters
         counters["prefix_cache.queries"] += 1
         counters["prefix_cache.query_tokens"] += query_tokens
@@ -370,7 +370,7 @@ class CacheManager:
         counters["prefix_cache.hit_tokens_host"] += host
         counters["prefix_cache.hit_tokens_disk"] += disk
         counters["prefix_cache.hit_tokens_device"] += hit_tokens - host - disk
-        self.loss.attribute(query_tokens, hit_tokens, seq, **why)  # type: ignore[arg-type]
+        self.loss.attribute(query_tokens, hit_tokens, seq, asked)
         if seq is not None and self.budget is not None:
             self.budget.on_query(seq.hashes, (query_tokens - 1) // self.block_size, hit_tokens)
         if seq is not None and self.has_gdn and self.enabled:
