@@ -49,6 +49,8 @@ class CheckpointStore:
         # shared budget: a capture that found no room (key, depth in blocks), a "ghost" whose
         # later hits would have needed more checkpoint memory
         self.on_skip = on_skip
+        # every declined capture, by the key of the block it would end (the loss attribution)
+        self.note_skip: Callable[[int], None] | None = None
         self.kv = kv
         self.tree = kv.tree
         self.eviction = eviction
@@ -124,6 +126,9 @@ class CheckpointStore:
             return -1, reason
         if isinstance(node, SeqCache):  # a decoding request's tracked output gives way
             slot = node.tracking_slot
+            boundary = node.tracking_boundary // self.kv.block_size
+            if self.tree.on_checkpoint_gone is not None and 0 < boundary <= len(node.hashes):
+                self.tree.on_checkpoint_gone(node.hashes[boundary - 1])  # an output, gone
             self.untrack(node, finished=False)
             node.tracking_boundary = 0
             self.slots.set_state(slot, state)
@@ -252,6 +257,9 @@ class CheckpointStore:
         for want, c in self.eviction.order(wants):
             if remaining is not None and remaining <= 0:
                 self.counters["checkpoints.skipped_budget"] += 1
+                hashes = items[c.item_index].seq.hashes  # (an output's may not reach it yet)
+                if self.note_skip is not None and 0 < c.boundary // bs <= len(hashes):
+                    self.note_skip(hashes[c.boundary // bs - 1])
             elif self.stage(plan, c.item_index, want) and remaining is not None:
                 remaining -= 1
         plan.captures.sort(key=lambda c: (c.item_index, c.boundary))
@@ -268,6 +276,8 @@ class CheckpointStore:
             depth = want.boundary // self.kv.block_size
             if self.on_skip is not None and 0 < depth <= len(seq.hashes):
                 self.on_skip(seq.hashes[depth - 1], depth)
+            if self.note_skip is not None and 0 < depth <= len(seq.hashes):
+                self.note_skip(seq.hashes[depth - 1])
         return slot
 
     def end_tracking(self, seq: SeqCache, publish: bool) -> None:

@@ -113,6 +113,7 @@ class DiskTier:
         self._reader = reader or ReaderPool()
         self.fetches: dict[str, DiskFetch] = {}
         self._gave_up: set[str] = set()  # requests whose read found nothing (until they end)
+        self._lost: dict[str, str] = {}  # request id -> why its last disk hit was given up
         self.buffered = 0  # bytes reserved by fetches
         self.pending: deque[Node] = deque(maxlen=4096)  # write-through candidates, newest last
         self.saves: list[DiskSave] = []
@@ -156,7 +157,9 @@ class DiskTier:
         nbytes = (bounds[0] - hit_blocks) * self.kv_block_bytes + self.checkpoint_bytes
         if self.buffered + nbytes > self.read_buffer_bytes:
             self.counters["disk.fetch_refused"] += 1
+            self._lost[request_id] = "read_budget"
             return None
+        self._lost.pop(request_id, None)
         now = self.clock()
         deadline = None if self.read_timeout_s is None else now + self.read_timeout_s
         f = DiskFetch(request_id, hit_blocks, keys, bounds, nbytes, now, deadline)
@@ -199,6 +202,7 @@ class DiskTier:
         if now < f.deadline:
             return
         f.timed_out = True
+        self._lost[f.request_id] = "disk_wait"
         if f.future is not None:
             f.future.cancel()  # (if it has not started; a running read finishes into nothing)
         self.counters["disk.read_timeouts"] += 1
@@ -229,10 +233,16 @@ class DiskTier:
         if running:
             wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
 
+    def given_up(self, request_id: str) -> str | None:
+        """Why the request's disk hit was last given up: ``read_budget`` (its fetch found the
+        read buffers full), ``disk_wait`` (read past the deadline); None if it was not."""
+        return self._lost.get(request_id)
+
     def forget(self, request_id: str) -> None:
-        """The request has ended (or left the queue): its fetch and its mark go."""
+        """The request has ended (or left the queue): its fetch and its marks go."""
         self.discard(request_id)
         self._gave_up.discard(request_id)
+        self._lost.pop(request_id, None)
 
     def discard(self, request_id: str) -> None:
         """Forget a request's fetch (used, or the request is gone); a read still running

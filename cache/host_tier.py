@@ -371,6 +371,8 @@ class HostTier:
             self.saves = [t for t in self.saves if not (t.node is node and t.kind is TransferKind.CKPT_SAVE)]
         node.host_slot = None
         node.ckpt_moving = False
+        if self.tree.on_checkpoint_gone is not None:
+            self.tree.on_checkpoint_gone(node.key)
         del self.attached[slot]
         self._give_back_slot(slot)
         self.tree.version += 1

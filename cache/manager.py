@@ -44,6 +44,7 @@ from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.eviction_policies import make_eviction
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.load_queue import LoadQueue
+from deltaserve.cache.loss import MISS_KEYS, PLAIN, Asked, LossAttribution
 from deltaserve.cache.manager_config import GDN_CHUNK_SIZE, CacheManagerConfig, checkpoint_unit
 from deltaserve.cache.planning import plan_captures
 from deltaserve.cache.prefix_index import PrefixIndex
@@ -90,6 +91,7 @@ COUNTER_KEYS = (
     "host.checkpoints_refused",
     "prefix_cache.hit_tokens_disk", "disk.loads_completed", "disk.kv_loaded_blocks",
     "disk.checkpoints_loaded", "disk.bytes_loaded", "disk.failed_loads", "disk.load_wait_ms",
+    *MISS_KEYS,
 )  # fmt: skip
 
 
@@ -201,6 +203,8 @@ class CacheManager:
             has_gdn=self.has_gdn,
             enabled=self.enabled,
         )
+        # where the misses went (``cache/loss.py``): told of every eviction and declined capture
+        self.loss = LossAttribution.wire(self.kv, self.ckpts, self.disk_link, config, self.unit)
         # the admission steps, for callers that take them one by one (``cache/admitter.py``)
         self.match = self.admitter.match
         self.admit = self.admitter.admit
@@ -240,6 +244,7 @@ class CacheManager:
             self.ckpts.counters,
             self.load_queue.counters,
             self.host.counters,
+            self.loss.counters,
         ]
         if self.budget is not None:
             parts.append(self.budget.counters)
@@ -298,20 +303,23 @@ class CacheManager:
         # nothing changed since the match: admission found the same hit (or the disk's beyond it)
         assert seq.num_cached_tokens == hit + seq.disk_hit_tokens
         if seq.loads:
-            self._count_admission(seq, len(token_ids), preempted_tokens)
+            self._count_admission(seq, len(token_ids), preempted_tokens, whole_prompt)
             self.stage_loads(seq)
             return Admission(AdmitStatus.LOADING, seq, seq.num_cached_tokens, seq.num_cached_tokens)
         if not self.allocate(seq, end, admission=True):
             self.free(seq, publish_output=False)
             return Admission(AdmitStatus.NO_FIT)
-        self._count_admission(seq, len(token_ids), preempted_tokens)
+        self._count_admission(seq, len(token_ids), preempted_tokens, whole_prompt)
         return Admission(AdmitStatus.ADMITTED, seq, hit, end)
 
-    def _count_admission(self, seq: SeqCache, query_tokens: int, preempted_tokens: int | None) -> None:
-        if preempted_tokens is None:
-            self.record_query(query_tokens, seq.num_cached_tokens, seq)
+    def _count_admission(self, seq: SeqCache, query: int, preempted_tokens: int | None, whole: bool) -> None:
+        if preempted_tokens is None:  # (``given_up``: why its disk hit was dropped, if it was)
+            lost = self.disk.given_up(seq.request_id) if self.disk is not None else None
+            self.record_query(query, seq.num_cached_tokens, seq, Asked(whole, lost))
         else:  # a preemption's recompute, less what the cache serves it (never a gain)
-            self.note_recompute_hit(min(seq.num_cached_tokens, preempted_tokens))
+            served = min(seq.num_cached_tokens, preempted_tokens)
+            self.note_recompute_hit(served)
+            self.loss.recompute(preempted_tokens - served)
 
     @property
     def num_free_live_slots(self) -> int:
@@ -347,9 +355,12 @@ class CacheManager:
         """The plan's copies ran; the requests whose loads failed (``LoadQueue.land``)."""
         return self.load_queue.land(plan, failed)
 
-    def record_query(self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None) -> None:
-        """Count one prompt lookup in the hit-rate stats (once per request, by the caller);
-        with ``seq``, the eviction strategy also learns which earlier capture it would reuse."""
+    def record_query(
+        self, query_tokens: int, hit_tokens: int, seq: SeqCache | None = None, asked: Asked = PLAIN
+    ) -> None:
+        """Count one prompt lookup in the hit-rate stats (once per request, by the caller) and its
+        misses by cause (``LossAttribution.attribute``, given what was ``asked``); with ``seq``,
+        the eviction strategy also learns which earlier capture it would reuse."""
         counters = self._counters
         counters["prefix_cache.queries"] += 1
         counters["prefix_cache.query_tokens"] += query_tokens
@@ -359,6 +370,7 @@ class CacheManager:
         counters["prefix_cache.hit_tokens_host"] += host
         counters["prefix_cache.hit_tokens_disk"] += disk
         counters["prefix_cache.hit_tokens_device"] += hit_tokens - host - disk
+        self.loss.attribute(query_tokens, hit_tokens, seq, asked)
         if seq is not None and self.budget is not None:
             self.budget.on_query(seq.hashes, (query_tokens - 1) // self.block_size, hit_tokens)
         if seq is not None and self.has_gdn and self.enabled:
@@ -584,3 +596,4 @@ class CacheManager:
         if self.budget is not None:
             self.budget.check_integrity()
         self.tiers.check_integrity(nodes, active, self._inflight)
+        self.loss.check(self._counters)

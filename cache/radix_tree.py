@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -104,6 +104,10 @@ class RadixTree:
         self._host_heap: list[tuple[bool, int, int, Node]] = []
         self._tie = itertools.count()
         self.by_block: dict[int, Node] = {}  # device block id -> the node holding it
+        # observers (the loss attribution, ``cache/loss.py``): a node leaves the tree; a
+        # checkpoint leaves a tier (the key of the block it ends)
+        self.on_remove: Callable[[Node], None] | None = None
+        self.on_checkpoint_gone: Callable[[int], None] | None = None
 
     def tick(self) -> int:
         return next(self._clock)
@@ -140,6 +144,8 @@ class RadixTree:
         if node.children or node.ref_count or node.parent is None:
             raise RuntimeError(f"cannot remove {node}")
         parent = node.parent
+        if self.on_remove is not None:
+            self.on_remove(node)
         del parent.children[node.key]
         if node.block_id >= 0:
             parent.device_children -= 1
@@ -231,6 +237,8 @@ class RadixTree:
         if node.ckpt_pins:
             raise RuntimeError(f"detach of pinned checkpoint on {node}")
         node.checkpoint_slot = None
+        if self.on_checkpoint_gone is not None:
+            self.on_checkpoint_gone(node.key)
         self.num_checkpoints -= 1
         self.version += 1
         self._maybe_push_leaf(node)

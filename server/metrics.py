@@ -36,7 +36,8 @@ Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling
   ``checkpoints_evicted``, ``checkpoints_skipped{reason=budget|pool|value}``, ``kv_evicted_blocks``,
   ``kv_moved_blocks``, ``checkpoints_evicted_for_kv``, ``cache_page_conversions{to=kv|checkpoint}``,
   ``engine_requests{outcome=finished|aborted|failed}``, ``engine_steps``, ``engine_steps_failed``,
-  ``prefix_cache_hits_by_tier{tier=device|host|disk}``; with a disk tier ``disk_bytes_written``,
+  ``prefix_cache_hits_by_tier{tier=device|host|disk}``, ``prefix_cache_miss_tokens{cause}`` (every
+  prompt token not served from the cache under one cause: ``cache/loss.py``); with a disk tier ``disk_bytes_written``,
   ``disk_bytes_read``, ``disk_queue_drops``, ``disk_write_errors``, ``disk_damaged_items``,
   ``disk_evicted_items``, ``disk_reads``, ``disk_read_wait_seconds``, ``disk_read_timeouts``,
   ``disk_load_wait_seconds`` and gauges ``disk_cache_bytes``, ``disk_cache_items``, ``disk_cache_capacity_bytes``.
@@ -50,6 +51,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from deltaserve.cache.loss import MISS_CAUSES, MISS_PREFIX
 
 PREFIX = "deltaserve:"
 #: the label every series has: the first served name
@@ -123,7 +126,7 @@ _DISK_COUNTERS = {
 
 
 def _tiers(s: dict[str, Any], model: str) -> Iterator[Any]:
-    """Prefix hits by the tier that served them; the disk tier's counters and gauges."""
+    """Prefix hits by the tier that served them, misses by cause; the disk tier's counters and gauges."""
     hits = CounterMetricFamily(
         PREFIX + "prefix_cache_hits_by_tier",
         "Prompt tokens served from the prefix cache, by the tier their KV came from.",
@@ -132,6 +135,14 @@ def _tiers(s: dict[str, Any], model: str) -> Iterator[Any]:
     for tier in ("device", "host", "disk"):
         hits.add_metric([model, tier], float(s.get(f"prefix_cache.hit_tokens_{tier}", 0)))
     yield hits
+    misses = CounterMetricFamily(
+        PREFIX + "prefix_cache_miss_tokens",
+        "Prompt tokens not served from the prefix cache, by cause (preemption: recomputed after one).",
+        labels=[MODEL_LABEL, "cause"],
+    )
+    for cause in MISS_CAUSES:
+        misses.add_metric([model, cause], float(s.get(MISS_PREFIX + cause, 0)))
+    yield misses
     if "disk.capacity_bytes" not in s:
         return
     for key, (name, doc, scale) in _DISK_COUNTERS.items():

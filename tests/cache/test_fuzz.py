@@ -49,6 +49,8 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert seq.num_cached_tokens <= len(toks) - 1
         assert seq.num_cached_tokens % self.cm.unit == 0 or not self.cm.has_gdn
+        # its misses by cause: check_integrity proves they sum to the misses after every rule
+        self.cm.record_query(len(toks), seq.num_cached_tokens, seq)
         self.reqs[rid] = (seq, toks, [seq.num_cached_tokens])
 
     @precondition(lambda self: bool(self.reqs))

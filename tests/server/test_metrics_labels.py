@@ -64,6 +64,17 @@ async def test_every_series_has_model_name_and_the_phases_add_up(served: Served)
     # the mean per output token after the first: decode time over the 4 gaps
     assert s["time_per_output_token_seconds"] == pytest.approx(s["request_decode_time_seconds"] / 4)
     assert delta["deltaserve:request_success_total{finished_reason=length}"] == 1
+    # every prompt token the cache did not serve is under one cause (preemption: outside the query)
+    misses = {k: v for k, v in delta.items() if k.startswith("deltaserve:prefix_cache_miss_tokens_total{")}
+    assert len(misses) == 13
+    queried = delta["deltaserve:prefix_cache_queries_total"] - delta["deltaserve:prefix_cache_hits_total"]
+    assert queried > 0
+    assert (
+        sum(
+            v for k, v in misses.items() if k != "deltaserve:prefix_cache_miss_tokens_total{cause=preemption}"
+        )
+        == queried
+    )
 
 
 def promql_metrics(expr: str) -> list[str]:
