@@ -10,7 +10,10 @@ usual serving-benchmark ones):
 * throughput — completed requests, output tokens and prompt+output tokens per second of
   the run's duration (first send to last finish);
 * prefix hit rate — sum of ``num_cached_tokens`` / sum of ``num_prompt_tokens``; per turn
-  for multi-turn workloads.
+  for multi-turn workloads;
+* missed by cause — the engine's ``prefix_cache.miss_tokens.<cause>`` counters over the run
+  (``cache/loss.py``) / its ``prefix_cache.query_tokens``: the query causes sum to one minus
+  the engine hit rate; ``preemption`` (recomputed after a preemption) is outside that sum.
 
 Percentiles interpolate linearly between closest ranks (numpy's default).
 
@@ -24,6 +27,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from deltaserve.cache.loss import MISS_CAUSES, MISS_PREFIX
 
 
 @dataclass
@@ -169,6 +174,10 @@ PROMETHEUS_STATS: dict[str, tuple[tuple[str, ...], ...]] = {
     "checkpoints.skipped_budget": (("deltaserve:checkpoints_skipped_total{reason=budget}",),),
     "checkpoints.skipped_pool": (("deltaserve:checkpoints_skipped_total{reason=pool}",),),
     "kv.usage": (("deltaserve:kv_cache_usage_perc",), ("vllm:kv_cache_usage_perc",)),
+    **{
+        MISS_PREFIX + cause: ((f"deltaserve:prefix_cache_miss_tokens_total{{cause={cause}}}",),)
+        for cause in MISS_CAUSES
+    },
 }
 
 
@@ -279,7 +288,36 @@ def _engine_summary(es: Mapping[str, Any]) -> dict[str, Any]:
         },
         "preemptions": es.get("scheduler.preemptions"),
         "kv_evicted_blocks": es.get("kv.evicted_blocks"),
+        "missed": _missed(es),
     }
+
+
+#: the table's miss rows: (summary key under ``missed``, label, the engine's causes summed)
+MISS_ROWS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("cold", "missed: cold", ("cold",)),
+    ("kv_evicted_device", "missed: KV evicted (device)", ("kv_evicted_device",)),
+    ("kv_evicted_host", "missed: KV evicted (host)", ("kv_evicted_host",)),
+    ("kv_evicted_disk", "missed: KV evicted (disk)", ("kv_evicted_disk",)),
+    ("checkpoint_never_captured", "missed: checkpoint never captured", ("checkpoint_never_captured",)),
+    ("checkpoint_skipped", "missed: checkpoint skipped", ("checkpoint_skipped",)),
+    ("checkpoint_evicted", "missed: checkpoint evicted", ("checkpoint_evicted",)),
+    ("granularity", "missed: granularity", ("granularity",)),
+    ("in_flight", "missed: in flight", ("in_flight",)),
+    ("given_up", "missed: disk hit given up", ("read_budget", "disk_wait")),
+    ("prompt_logprobs", "missed: prompt logprobs", ("prompt_logprobs",)),
+    ("preemption", "recomputed after preemption", ("preemption",)),
+]
+
+
+def _missed(es: Mapping[str, Any]) -> dict[str, float | None]:
+    """Per ``MISS_ROWS`` key, its tokens / the prompt tokens looked up (None: not reported)."""
+    q = es.get("prefix_cache.query_tokens")
+    out: dict[str, float | None] = {}
+    for key, _, causes in MISS_ROWS:
+        values = [es.get(MISS_PREFIX + c) for c in causes]
+        known = [v for v in values if v is not None]
+        out[key] = math.fsum(known) / q if known and q else None
+    return out
 
 
 # ---------------------------------------------------------------------------- table
@@ -336,6 +374,10 @@ TABLE_LEGEND: list[tuple[str, str]] = [
     ("prefix hit rate (engine)", "the engine's own counters over the run, warm-up removed: hit / looked-up "
      "prompt tokens of every request it admitted (failed and aborted too); over HTTP read from the "
      "server's /metrics (deltaserve, vLLM, llama-server); - where the backend has none"),
+    ("missed: / recomputed after preemption", "the engine's prompt tokens not served from its cache, "
+     "by cause (cache/loss.py; docs/cache.md \"Where the hits went\"), as a share of those looked up, warm-up "
+     "removed; over HTTP from deltaserve's /metrics. The missed rows sum to 100% - the engine hit rate; "
+     "recomputed after preemption is outside that sum. Rows without tokens are left out"),
     ("hit rate turn N", "the requests' hit rate over turn N only (multi-turn workloads; turn 0 is each "
      "conversation's first message, cold unless it shares a prefix)"),
     ("checkpoints stored / skipped / evicted", "GDN state checkpoints the engine captured / did not "
@@ -358,6 +400,7 @@ def format_legend(columns: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> str:
         (label, note)
         for label, note in TABLE_LEGEND
         if (label != "hit rate turn N" or _turn_rows(columns) or not columns)
+        and (not label.startswith("missed:") or _miss_rows(columns) or not columns)
         and (label not in ("same prompts / outputs as first", "/first column") or multi or not columns)
     ]
     width = max(len(label) for label, _ in shown)
@@ -405,6 +448,8 @@ def format_table(
 ) -> str:
     """Summaries side by side; every column after the first gets a ratio to the first."""
     rows: list[tuple[str, str, str]] = list(TABLE_ROWS) + _turn_rows(columns)
+    at = next(i for i, (_, path, _) in enumerate(rows) if path == "engine_hit_rate") + 1
+    rows[at:at] = _miss_rows(columns)  # under the engine hit rate they complete
     header = ["metric"]
     for i, (label, _) in enumerate(columns):
         header.append(label)
@@ -440,6 +485,15 @@ def _turn_rows(columns: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[s
     if len(turns) <= 1:
         return []
     return [(f"hit rate turn {t}", f"hit_rate_per_turn.{t}", "pct") for t in sorted(turns, key=int)]
+
+
+def _miss_rows(columns: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, str, str]]:
+    """A row per miss cause some column has tokens of (none for backends without the counters)."""
+    return [
+        (label, f"missed.{key}", "pct")
+        for key, label, _ in MISS_ROWS
+        if any(lookup(s, f"missed.{key}") for _, s in columns)
+    ]
 
 
 def _render(table: list[list[str]]) -> str:

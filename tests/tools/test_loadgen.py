@@ -157,5 +157,16 @@ def test_openai_backend_against_our_server_matches_the_engine(capsys: pytest.Cap
     # already cached), but every second turn hits its own first turn
     assert engine["hit_rate_per_turn"]["1"] > 0 and http["hit_rate_per_turn"]["1"] > 0
     assert runs[1].engine_stats["prefix_cache.query_tokens"] > 0  # read from /metrics, warm-up removed
+    # the misses by cause, in-process from the engine's stats and over HTTP from /metrics: the query
+    # causes make up the rest of the engine hit rate, and the first turns' prefixes were cold
+    for s in (engine, http):
+        assert s["missed"]["cold"] > 0
+        query = sum(v or 0.0 for k, v in s["missed"].items() if k != "preemption")
+        assert query == pytest.approx(1 - s["engine_hit_rate"])
+    cold = next(line for line in out.splitlines() if line.startswith("missed: cold"))
+    assert cold.split()[2:] == [
+        f"{100 * engine['missed']['cold']:.1f}%",
+        f"{100 * http['missed']['cold']:.1f}%",
+    ]
     assert runs[1].backend["kind"] == "openai" and runs[1].backend["model"] == "builtin:tiny-qwen3.5"
     assert "same outputs as first" in out and "4/4" in out

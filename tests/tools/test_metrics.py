@@ -6,11 +6,13 @@ import math
 
 import pytest
 
+from deltaserve.cache.loss import MISS_CAUSES
 from deltaserve.tools.metrics import (
     TABLE_ROWS,
     RequestRecord,
     distribution,
     e2e,
+    format_legend,
     format_table,
     hit_rate_per_turn,
     itls,
@@ -242,3 +244,79 @@ def test_prometheus_stats_of_deltaserve_select_labels() -> None:
 @pytest.mark.parametrize("text", ["", "<html><body>404 not found</body></html>", "just some words\n"])
 def test_prometheus_stats_of_other_text_is_empty(text: str) -> None:
     assert prometheus_stats(text) == {}
+
+
+# deltaserve's misses by cause as server/metrics.py exposes them: every cause, zeros too; the
+# query causes (128 + 48 + 16) are the queries' misses (640 - 448); preemption is outside them
+MISSES = {"cold": 128.0, "kv_evicted_host": 48.0, "checkpoint_evicted": 16.0, "preemption": 32.0}
+DELTASERVE_MISS_METRICS = (
+    DELTASERVE_METRICS
+    + "# HELP deltaserve:prefix_cache_miss_tokens_total Prompt tokens not served from the prefix cache, "
+    "by cause (preemption: recomputed after one).\n"
+    "# TYPE deltaserve:prefix_cache_miss_tokens_total counter\n"
+    + "".join(
+        f'deltaserve:prefix_cache_miss_tokens_total{{model_name="q08",cause="{c}"}} {MISSES.get(c, 0.0)}\n'
+        for c in MISS_CAUSES
+    )
+)
+
+
+def _miss_lines(table: str) -> list[list[str]]:
+    lines = table.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("prefix hit rate (engine)"))
+    rows = []
+    for line in lines[at + 1 :]:
+        if not line.startswith(("missed:", "recomputed")):
+            break
+        label, _, values = line.partition("  ")
+        rows.append([label, *values.split()])
+    return rows
+
+
+def test_miss_rows_from_deltaserve_metrics() -> None:
+    stats = prometheus_stats(DELTASERVE_MISS_METRICS)
+    assert {k: v for k, v in stats.items() if k.startswith("prefix_cache.miss_tokens.")} == {
+        f"prefix_cache.miss_tokens.{c}": MISSES.get(c, 0.0) for c in MISS_CAUSES
+    }
+    # the run's share (counters after minus before) of the prompt tokens looked up: before it,
+    # 320 looked up, 256 hit, 64 cold, 32 recomputed; in the run 320 looked up, 128 missed
+    before = DELTASERVE_MISS_METRICS
+    for old, new in ((" 640.0", " 320.0"), (" 448.0", " 256.0"), ('"cold"} 128.0', '"cold"} 64.0'),
+                     ('"kv_evicted_host"} 48.0', '"kv_evicted_host"} 0.0'),
+                     ('"checkpoint_evicted"} 16.0', '"checkpoint_evicted"} 0.0')):  # fmt: skip
+        before = before.replace(old, new)
+    s = summarize([], stats_delta(prometheus_stats(before), stats))
+    assert s["engine_hit_rate"] == pytest.approx(192 / 320)
+    assert s["missed"]["cold"] == pytest.approx(64 / 320) and s["missed"]["granularity"] == 0.0
+    assert s["missed"]["given_up"] == 0.0 and s["missed"]["preemption"] == 0.0  # 32 before and after
+    table = format_table([("openai", s)])
+    # under the engine hit rate, the causes with tokens only
+    assert _miss_lines(table) == [
+        ["missed: cold", "20.0%"],
+        ["missed: KV evicted (host)", "15.0%"],
+        ["missed: checkpoint evicted", "5.0%"],
+    ]
+    assert "missed: / recomputed after preemption" in format_legend([("openai", s)])
+
+
+def test_miss_rows_from_engine_stats_beside_a_backend_without_them() -> None:
+    """The in-process engine's stats (``engine.stats()`` keys) beside vLLM's /metrics, which has
+    no causes: its cells read -, and the rows show since the engine has tokens there."""
+    after = {"prefix_cache.query_tokens": 1000, "prefix_cache.hit_tokens": 600}
+    after |= {f"prefix_cache.miss_tokens.{c}": 0 for c in MISS_CAUSES}
+    after |= {"prefix_cache.miss_tokens.cold": 250, "prefix_cache.miss_tokens.kv_evicted_device": 100,
+              "prefix_cache.miss_tokens.read_budget": 30, "prefix_cache.miss_tokens.disk_wait": 10,
+              "prefix_cache.miss_tokens.granularity": 10, "prefix_cache.miss_tokens.preemption": 5}  # fmt: skip
+    engine = summarize([], stats_delta({}, after))
+    vllm = summarize([], prometheus_stats(VLLM_METRICS))
+    assert vllm["missed"] == dict.fromkeys(engine["missed"])  # no counters: none of them
+    assert _miss_lines(format_table([("engine", engine), ("vllm", vllm)])) == [
+        ["missed: cold", "25.0%", "-"],
+        ["missed: KV evicted (device)", "10.0%", "-"],
+        ["missed: granularity", "1.0%", "-"],
+        ["missed: disk hit given up", "4.0%", "-"],  # read budget + disk wait
+        ["recomputed after preemption", "0.5%", "-"],
+    ]
+    # a backend that reports no cause shows no miss row and no note of them
+    assert _miss_lines(format_table([("vllm", vllm)])) == []
+    assert "missed:" not in format_legend([("vllm", vllm)])

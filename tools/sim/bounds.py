@@ -13,7 +13,10 @@ measured against at the same KV memory:
 
 Both count hits as the simulator does: the longest cached prefix of full blocks, at most
 ``len(prompt) - 1`` tokens, summed over requests and divided by the prompt tokens. Requests
-come in the order the oracle run submitted them. Torch-free.
+come in the order the oracle run submitted them. ``kv_only_lru_split`` also says where the
+LRU bound's prompt tokens went (``KvLruSplit``: hit, compulsory, capacity, granularity, summing
+exactly to the prompt tokens), the counterpart of the engine's miss causes (``cache/loss.py``).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from deltaserve.cache.hashing import block_hashes
 from deltaserve.cache.manager import CacheManager, CacheManagerConfig
@@ -43,25 +47,72 @@ def _next_use(occurrences: dict[int, list[int]], never: int) -> Callable[[int, i
     return next_use
 
 
+@dataclass(frozen=True)
+class KvLruSplit:
+    """The prompt tokens of the KV-only LRU bound by outcome; the four parts sum to ``prompt``.
+
+    A prompt's blocks past its hit, up to its last usable full block, are ``compulsory`` when
+    no earlier request of the run wrote that block (its first reference; every deeper block is
+    one too, since hashes chain) and ``capacity`` when one did and LRU evicted it since (or the
+    request needs more blocks than the KV has: it is computed without the cache); the
+    tail past the last usable full block (at most ``len(prompt) - 1`` tokens can hit) is
+    ``granularity``."""
+
+    prompt: int = 0
+    hit: int = 0
+    compulsory: int = 0
+    capacity: int = 0
+    granularity: int = 0
+
+    def __post_init__(self) -> None:
+        parts = self.hit + self.compulsory + self.capacity + self.granularity
+        assert parts == self.prompt, f"KV-LRU split sums to {parts}, prompt tokens are {self.prompt}"
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit / self.prompt if self.prompt else 0.0
+
+
 def kv_only_lru(requests: Sequence[Served], kv_blocks: int, block_size: int) -> float:
     """Token hit rate of plain LRU KV prefix caching, one request at a time."""
+    return kv_only_lru_split(requests, kv_blocks, block_size).hit_rate
+
+
+def kv_only_lru_split(requests: Sequence[Served], kv_blocks: int, block_size: int) -> KvLruSplit:
+    """Plain LRU KV prefix caching, one request at a time: its prompt tokens by outcome."""
     cm = CacheManager(
         CacheManagerConfig(block_size=block_size, num_kv_blocks=kv_blocks, has_gdn=False, num_live_slots=0)
     )
-    hit = total = 0
+    bs = block_size
+    written: set[int] = set()  # every block hash a request of this run has written
+    prompt_total = hit = compulsory = capacity = granularity = 0
     for i, (prompt, output) in enumerate(requests):
         tokens = list(prompt) + list(output)
         computed = len(tokens) - 1 if output else len(tokens)  # the last sampled token is never computed
-        total += len(prompt)
-        if not cm.can_ever_fit(computed):
-            continue
-        seq = cm.admit(f"r{i}", tokens[: len(prompt)], b"", prompt_len=len(prompt))
-        assert seq is not None
-        hit += seq.num_cached_tokens
+        usable = (len(prompt) - 1) // bs if prompt else 0  # full blocks a hit may cover
+        prompt_total += len(prompt)
+        granularity += len(prompt) - usable * bs
+        seq = None
+        if cm.can_ever_fit(computed):
+            seq = cm.admit(f"r{i}", tokens[: len(prompt)], b"", prompt_len=len(prompt))
+            assert seq is not None
+        hashes = seq.hashes if seq is not None else block_hashes(tokens[: usable * bs], bs, b"")
+        served = seq.num_cached_tokens if seq is not None else 0
+        assert served % bs == 0 and served <= usable * bs, "a KV-only hit is whole usable blocks"
+        hit += served
+        for h in hashes[served // bs : usable]:
+            if h in written:
+                capacity += bs
+            else:
+                compulsory += bs
+        if seq is None:
+            continue  # never fits: computed without the cache, writing nothing to it
         assert cm.allocate(seq, computed)
         cm.publish(seq, tokens, computed)
+        assert len(seq.hashes) >= computed // bs
+        written.update(seq.hashes[: computed // bs])
         cm.free(seq, publish_output=False)
-    return hit / total if total else 0.0
+    return KvLruSplit(prompt_total, hit, compulsory, capacity, granularity)
 
 
 def _kv_hashes(

@@ -48,6 +48,7 @@ from deltaserve.logs import configure_logging, get_logger
 from deltaserve.tools.sim.model_sizes import model_sizes
 from deltaserve.tools.sim.report import (
     Bounds,
+    format_attribution,
     format_results,
     format_splits,
     format_summary,
@@ -406,6 +407,9 @@ def run_workload(
                 else ""
             )
         )
+    attribution = format_attribution(results, bounds)
+    if attribution:
+        print(attribution)
     summary.append(summary_row(name, args.seed, results, bounds))
     if budgets:
         sweeps[name] = sweep = sweep_budgets(workload, policies, cfg, arrival, budgets, oracle)

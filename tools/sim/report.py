@@ -1,14 +1,16 @@
 """What the simulator prints and plots: result tables, the sweep, the offline bounds of a run
-(``tools/sim/bounds.py``), the seeds-by-workload summary, and the recommended pool size."""
+(``tools/sim/bounds.py``), where each run's prompt tokens went beside the KV-LRU bound's split
+(``format_attribution``), the seeds-by-workload summary, and the recommended pool size."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
-from deltaserve.tools.sim.bounds import checkpoint_belady, kv_only_belady, kv_only_lru
+from deltaserve.cache.loss import QUERY_CAUSES
+from deltaserve.tools.sim.bounds import KvLruSplit, checkpoint_belady, kv_only_belady, kv_only_lru_split
 from deltaserve.tools.sim.simulation import GiB, MiB, SimConfig, SimResult
 from deltaserve.tools.workloads import Workload, expand
 
@@ -26,20 +28,47 @@ class Bounds:
     kv_lru_host: float | None = None
     #: with a disk tier: the same over every byte of every tier, the disk's too (None: no disk)
     kv_lru_disk: float | None = None
+    #: the prompt tokens of the widest KV-LRU bound computed (over every tier there is) by outcome
+    kv_lru_split: KvLruSplit = field(default_factory=KvLruSplit)
+    kv_lru_split_over: str = "the device KV"  # the bytes that bound has, in words
 
-    def to_dict(self) -> dict[str, float]:
+    #: the ceilings as hit rates (the summary's columns)
+    RATES: ClassVar[tuple[str, ...]] = (
+        "kv_lru",
+        "kv_belady",
+        "checkpoint_belady",
+        "kv_lru_host",
+        "kv_lru_disk",
+    )
+
+    def rates(self) -> dict[str, float | None]:
+        return {k: getattr(self, k) for k in self.RATES}
+
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
     bs = cfg.block_size
     unit = cfg.unit
+    device = kv_only_lru_split(oracle.served, cfg.kv_blocks, bs)
+    host = kv_only_lru_split(oracle.served, cfg.combined_kv_blocks, bs) if cfg.host_bytes else None
+    disk = kv_only_lru_split(oracle.served, cfg.all_tiers_kv_blocks, bs) if cfg.disk_bytes else None
+    widest, over = (
+        (disk, "every tier's bytes")
+        if disk is not None
+        else (host, "the memory tiers' bytes")
+        if host is not None
+        else (device, "the device KV")
+    )
     return Bounds(
-        kv_lru=kv_only_lru(oracle.served, cfg.kv_blocks, bs),
+        kv_lru=device.hit_rate,
         kv_belady=kv_only_belady(oracle.served, cfg.kv_blocks, bs),
         checkpoint_belady=checkpoint_belady(oracle.served, cfg.checkpoint_slots, bs, unit),
-        kv_lru_host=kv_only_lru(oracle.served, cfg.combined_kv_blocks, bs) if cfg.host_bytes else None,
-        kv_lru_disk=kv_only_lru(oracle.served, cfg.all_tiers_kv_blocks, bs) if cfg.disk_bytes else None,
+        kv_lru_host=host.hit_rate if host is not None else None,
+        kv_lru_disk=disk.hit_rate if disk is not None else None,
+        kv_lru_split=widest,
+        kv_lru_split_over=over,
     )
 
 
@@ -51,17 +80,7 @@ def summary_row(name: str, seed: int, results: Sequence[SimResult], bounds: Boun
         "seed": seed,
         **{p: by.get(p) for p in ("v1", "default", "oracle")},
     }
-    row.update(
-        bounds.to_dict()
-        if bounds
-        else {
-            "kv_lru": None,
-            "kv_belady": None,
-            "checkpoint_belady": None,
-            "kv_lru_host": None,
-            "kv_lru_disk": None,
-        }
-    )
+    row.update(bounds.rates() if bounds else dict.fromkeys(Bounds.RATES))
     default = next((r for r in results if r.policy == "default"), None)
     row["default_from_host"] = default.hit_tokens_host / max(default.prompt_tokens, 1) if default else None
     row["default_from_disk"] = default.hit_tokens_disk / max(default.prompt_tokens, 1) if default else None
@@ -156,6 +175,95 @@ def format_results(results: Sequence[SimResult]) -> str:
                 f"{r.disk_read_wait_s / max(r.disk_fetches, 1):.2f} s",
             ]
     return _grid(rows)
+
+
+#: the attribution table's summed columns: (header, the engine's causes, the KV-LRU bound's part
+#: of ``KvLruSplit``, if it has one); with the hit they cover every prompt token looked up
+ATTRIBUTION_COLUMNS: tuple[tuple[str, tuple[str, ...], str | None], ...] = (
+    ("cold", ("cold",), "compulsory"),
+    ("KV evicted", ("kv_evicted_device", "kv_evicted_host", "kv_evicted_disk"), "capacity"),
+    ("ckpt never", ("checkpoint_never_captured",), None),
+    ("ckpt skipped", ("checkpoint_skipped",), None),
+    ("ckpt evicted", ("checkpoint_evicted",), None),
+    ("granularity", ("granularity",), "granularity"),
+    ("in flight", ("in_flight",), None),
+    ("given up", ("read_budget", "disk_wait"), None),
+    ("logprobs", ("prompt_logprobs",), None),
+)
+# every query cause in exactly one column, so a row sums to 100 (a new cause must find its place)
+assert sorted(c for _, cs, _ in ATTRIBUTION_COLUMNS for c in cs) == sorted(QUERY_CAUSES)
+#: KV evicted by the tier it was last in: a breakdown of that column, shown with a host or disk tier
+_KV_TIERS = (("dev", "kv_evicted_device"), ("host", "kv_evicted_host"), ("disk", "kv_evicted_disk"))
+_ALWAYS = {"hit", "cold", "KV evicted", "granularity"}
+ATTRIBUTION_LEGEND = (
+    "cold: never cached (bound: compulsory); KV evicted: cached once, evicted (bound: capacity; dev/host/disk: "
+    "of it, by the tier last in); ckpt never/skipped/evicted: KV there, no checkpoint",
+    "granularity: the tail no hit may cover; in flight: computed by another request; given up: a disk hit "
+    "dropped; preempt*: recomputed after a preemption, not in the sum; - bound: minus the bound",
+)
+
+
+def _attribution_row(r: SimResult) -> dict[str, float]:
+    """A run's prompt tokens looked up by outcome, in % of them (the summed columns add up to 100)."""
+    q, miss = r.query_tokens, r.miss_tokens
+    row: dict[str, float] = {"hit": 100 * r.query_hit_tokens / q}
+    for header, causes, _ in ATTRIBUTION_COLUMNS:
+        row[header] = 100 * sum(miss.get(c, 0) for c in causes) / q
+    for header, cause in _KV_TIERS:
+        row[header] = 100 * miss.get(cause, 0) / q
+    row["preempt*"] = 100 * miss.get("preemption", 0) / q
+    return row
+
+
+def _bound_row(split: KvLruSplit) -> dict[str, float]:
+    """The bound's prompt tokens by outcome, in % of them, under the summed columns only."""
+    row = {"hit": 100 * split.hit / split.prompt}
+    for header, _, part in ATTRIBUTION_COLUMNS:
+        row[header] = 100 * getattr(split, part) / split.prompt if part else 0.0
+    return row
+
+
+def _cell(x: float | None, signed: bool = False) -> str:
+    if x is None:
+        return "-" if not signed else ""
+    if x == 0:
+        return "0"
+    return f"{x:{'+' if signed else ''}.{1 if abs(x) >= 1 else 2}f}"
+
+
+def format_attribution(results: Sequence[SimResult], bounds: Bounds | None) -> str:
+    """Where each run's prompt tokens went (% of those looked up): hit, then the misses by cause
+    (``cache/loss.py``) grouped into columns that sum to 100 with the hit, ``preempt*`` apart
+    (outside that sum); with ``bounds``, the KV-LRU bound's own split as a row (compulsory under
+    cold, capacity under KV evicted) and under each run its difference from it, column by
+    column: the gap to the bound by cause. Columns without tokens are left out; "" when no run
+    looked anything up."""
+    runs = [(r.policy, _attribution_row(r)) for r in results if r.query_tokens > 0]
+    if not runs:
+        return ""
+    split = bounds.kv_lru_split if bounds is not None else None
+    bound = _bound_row(split) if split is not None and split.prompt else None
+    summed = ["hit"] + [header for header, _, _ in ATTRIBUTION_COLUMNS]
+    tiered = any(row["host"] or row["disk"] for _, row in runs)
+    headers: list[str] = []
+    for h in summed:
+        if h in _ALWAYS or any(row[h] for _, row in runs) or (bound is not None and bound[h]):
+            headers.append(h)
+        if h == "KV evicted" and tiered:
+            headers += [t for t, _ in _KV_TIERS if t == "dev" or any(row[t] for _, row in runs)]
+    if any(row["preempt*"] for _, row in runs):
+        headers.append("preempt*")
+    table = [["run", *headers]]
+    if bound is not None:
+        table.append(["KV-LRU bound", *(_cell(bound.get(h)) for h in headers)])
+    for policy, row in runs:
+        table.append([policy, *(_cell(row[h]) for h in headers)])
+        if bound is not None:
+            gap = [_cell(row[h] - bound[h], True) if h in bound else "" for h in headers]
+            table.append(["  - bound", *gap])
+    over = f"; KV-LRU bound: KV alone, LRU, over {bounds.kv_lru_split_over}" if bound and bounds else ""
+    title = f"prompt tokens by outcome (% of each run's prompt tokens looked up{over}):"
+    return "\n".join([title, _grid(table), *ATTRIBUTION_LEGEND])
 
 
 def format_sweep(sweep: dict[int, list[SimResult]], cfg: SimConfig) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
 from deltaserve.cache.arena import PageUse, blocks_per_page
+from deltaserve.cache.loss import MISS_CAUSES, MISS_PREFIX
 from deltaserve.cache.manager import checkpoint_unit
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
@@ -209,6 +210,12 @@ class SimResult:
     disk_read_wait_s: float = 0.0  # simulated seconds requests waited for their reads, summed
     disk_evicted_items: int = 0
     disk_saves_skipped_rate: int = 0  # writes the rate left out
+    #: the cache's own counts (``cache/loss.py``): prompt tokens looked up and served at first
+    #: admission, and the misses by cause (``MISS_CAUSES``); the causes but ``preemption`` sum
+    #: to ``query_tokens - query_hit_tokens``
+    query_tokens: int = 0
+    query_hit_tokens: int = 0
+    miss_tokens: dict[str, int] = field(default_factory=dict)
     #: (prompt ids, reply ids) in submission order (for the offline bounds; not serialized)
     served: list[tuple[list[int], list[int]]] = field(default_factory=list, repr=False)
 
@@ -464,6 +471,9 @@ class Simulation:
             sim_time_s=self.clock,
             wall_s=time.perf_counter() - self.t_wall,
             **self._disk_result(),
+            query_tokens=c["prefix_cache.query_tokens"],
+            query_hit_tokens=c["prefix_cache.hit_tokens"],
+            miss_tokens={cause: c[MISS_PREFIX + cause] for cause in MISS_CAUSES},
             checkpoint_share=(
                 self.checkpoint_pages / (self.steps * budget.arena.num_pages)
                 if (budget := self.cache.budget) is not None and self.steps
