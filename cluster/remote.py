@@ -36,6 +36,7 @@ from deltaserve.engine.front.client import AbortingStream, EngineClient, ModelIn
 from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.logs import get_logger
+from deltaserve.models.tokenizer import load_tokenizer
 from deltaserve.scheduler.request import Request
 
 log = get_logger("deltaserve.cluster")
@@ -49,13 +50,6 @@ def route_hint(req: Request, *, block_size: int, unit: int) -> RouteHint:
     chained block hashes, with the request's salt)."""
     keys = route_keys(req.prompt_token_ids, block_size=block_size, unit=unit, salt=req.cache_salt)
     return RouteHint(tuple(keys), unit, req.num_prompt_tokens)
-
-
-def load_tokenizer(model_path: str) -> Any:
-    """The tokenizer the engine loads for ``model.path`` (``builtin:NAME`` is built on first use)."""
-    from deltaserve.models.loader import _load_tokenizer, _resolve_folder
-
-    return _load_tokenizer(_resolve_folder(model_path))
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -171,7 +171,7 @@ class EngineProcClient(EngineClient[ProcStream]):
     def _build_input(self, ready: Ready) -> tuple[InputProcessor, Any]:
         import copy
 
-        from deltaserve.cluster.remote import load_tokenizer
+        from deltaserve.models.tokenizer import load_tokenizer
 
         tokenizer = with_chat_template(
             load_tokenizer(str(self.config.model.tokenizer or self.config.model.path)), self.config.model

@@ -14,11 +14,12 @@ ray = pytest.importorskip("ray", reason="needs Ray: pip install 'deltaserve[clus
 from ray import exceptions as rx  # noqa: E402
 
 from deltaserve.cluster.affinity import route_keys  # noqa: E402
-from deltaserve.cluster.remote import RemoteEngine, is_replica_failure, load_tokenizer  # noqa: E402
+from deltaserve.cluster.remote import RemoteEngine, is_replica_failure  # noqa: E402
 from deltaserve.engine import EngineConfig, SamplingParams  # noqa: E402
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError  # noqa: E402
 from deltaserve.engine.front.client import RequestInput  # noqa: E402
 from deltaserve.engine.outputs import RequestOutput  # noqa: E402
+from deltaserve.models.tokenizer import load_tokenizer  # noqa: E402
 
 INFO = {
     "replica": "r0", "name": "builtin:tiny-qwen3.5", "model_type": "qwen3_5_text", "salt_parts": ["/m", "auto", "default"],
