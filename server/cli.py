@@ -21,10 +21,10 @@ stdout, then serves. SIGINT / SIGTERM drain: no new connections, in-flight reque
 ``--drain-timeout`` seconds to finish, what is left is aborted, and the process exits 0. A
 second signal exits at once (still 0: leftovers are aborted).
 
-By default (``engine.core_process = "separate"``) the engine core runs in a process of its own
-(``EngineProcClient``, docs/server.md): if that process dies, open streams end with an error,
+By default (``engine.core_process = "auto"``: ``separate`` here) the engine core runs in a process
+of its own (``AsyncEngine`` over ``ProcCoreClient``, docs/server.md): if that process dies, open streams end with an error,
 ``/health`` answers 503, and the server drains and exits 1 (a supervisor restarts it).
-``--in-process`` runs it on a thread of the server's process (``AsyncEngine``).
+``--in-process`` runs it on a thread of the server's process (``LocalCoreClient``).
 ``--api-server-count N`` (N > 1) runs N front-end processes around one core, sharing the port
 (``server/front_ends.py``).
 """
@@ -431,17 +431,14 @@ class BackgroundServer:
 
 
 def build_engine(engine_config: Any, address: str | None = None) -> Any:
-    """The ``EngineClient`` ``engine.core_process`` asks for: ``AsyncEngine`` (in this process) or
-    ``EngineProcClient`` (the core in its own process; joining the one at ``address`` if given)."""
+    """The ``AsyncEngine`` over the core ``engine.core_process`` asks for (``auto``: a process of
+    its own; joining the one at ``address`` if given)."""
     from deltaserve.engine.config import CoreProcess
+    from deltaserve.engine.front.async_engine import AsyncEngine, placement_client
 
-    if address is not None or engine_config.engine.core_process is CoreProcess.SEPARATE:
-        from deltaserve.engine.front.proc_client import EngineProcClient
-
-        return EngineProcClient(engine_config, address=address)
-    from deltaserve.engine import AsyncEngine
-
-    return AsyncEngine(engine_config)
+    if engine_config.engine.core_process is CoreProcess.AUTO:
+        engine_config = engine_config.replace(**{"engine.core_process": "separate"})
+    return AsyncEngine(engine_config, client=placement_client(engine_config, address=address))
 
 
 async def serve(
@@ -471,7 +468,7 @@ async def serve(
         if state["server"] is not None:
             state["server"].should_exit = True
 
-    if hasattr(engine, "on_core_death"):
+    if engine.core is None:  # a core process of its own (an in-process one dies with the loop)
         engine.on_core_death.append(core_died)
     try:
         sock = sock or bind_socket(server_config.host, server_config.port)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.messages import TokenDelta
 from deltaserve.logs import get_logger
 
 log = get_logger("deltaserve.engine")
@@ -65,11 +65,11 @@ class LoopPort(Protocol):
         arrived may be applied now or by the next ``take``."""
         ...
 
-    async def step(self) -> list[RequestOutput]:
+    async def step(self) -> list[TokenDelta]:
         """Run one ``EngineCore.step()``; its outputs."""
         ...
 
-    def emit(self, outputs: list[RequestOutput]) -> None:
+    def emit(self, outputs: list[TokenDelta]) -> None:
         """Hand a step's outputs (or an abort's) to their requests."""
         ...
 

@@ -1,7 +1,7 @@
 """Seeded chaos: random prompts sharing prefixes, multi-turn reuse of outputs, random
 aborts (``abort()``, ``break``, task cancel), tight KV, 1-2 checkpoint slots, a tiny staging
 budget, for each scheduling policy and both placements of the core (``in_process``:
-``AsyncEngine``; ``separate``: ``EngineProcClient`` over a core process). Checked:
+``AsyncEngine``; ``separate``: ``AsyncEngine`` over ``ProcCoreClient`` over a core process). Checked:
 
 * every request ends with a reason: finished + aborted == submitted, none failed;
 * integrity holds throughout (``await engine.check_integrity()`` from a concurrent task; in a

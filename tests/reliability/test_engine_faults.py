@@ -4,7 +4,7 @@ request, and the engine never dies silently.
 Each reported reproduction is a test here. EngineCore-level tests check integrity after
 every step (``run_to_completion``); engine-level tests bound every wait with a timeout so a
 regression shows as a failure, not a hang. The engine-level fault tests run over both
-placements of the core (``in_process``: ``AsyncEngine``; ``separate``: ``EngineProcClient`` and
+placements of the core (``in_process``: ``AsyncEngine``; ``separate``: ``AsyncEngine`` over ``ProcCoreClient`` and
 a core process, its faults injected through the core hook, tests/reliability/core_hooks.py).
 """
 
@@ -25,7 +25,6 @@ from deltaserve.engine import (
     RequestOutput,
     SamplingParams,
 )
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from deltaserve.scheduler import FCFSPolicy, PolicyContext, Request
 from tests.engine.conftest import greedy, run_to_completion
@@ -153,7 +152,7 @@ async def test_a_step_raising_anything_marks_the_engine_dead(
     with pytest.raises(EngineDeadError):
         await engine.check_integrity()
     await asyncio.wait_for(engine.shutdown(), TIMEOUT)  # never raises for a dead loop
-    if isinstance(engine, EngineProcClient):
+    if engine.core is None:
         assert engine.handle is not None and engine.handle.exitcode == 1
     else:
         assert engine.core is not None
@@ -345,7 +344,7 @@ async def test_a_raising_detokenizer_in_the_front_end_ends_only_its_request(
     error, the core aborts it, and the other request is untouched."""
     good_prompt = tokens(30, 2)
     async with open_engine("separate", tiny_loaded) as engine:
-        assert isinstance(engine, EngineProcClient)
+        assert engine.core is None
         bad = engine.generate(tokens(30, 1), greedy(8))
         good = engine.generate(good_prompt, greedy(8))
 
