@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -121,7 +120,6 @@ class AsyncEngine(EngineClient[RequestStream]):
         self._input: InputProcessor | None = None
         self._model: ModelInfo | None = None
         self._outputs: OutputProcessor | None = None
-        self._seq = itertools.count()
         self._closed = False
         self._dead: str | None = None
 
@@ -218,11 +216,7 @@ class AsyncEngine(EngineClient[RequestStream]):
         req = self.input_processor.process(inp)
         params: SamplingParams = req.sampling_params
         n = params.n
-        prefix = self.client.id_prefix
-        if prefix:
-            core_ids = [f"{prefix}{next(self._seq)}" for _ in range(n)]
-        else:  # the core's only front end: its ids are the user's (completion i > 0: "rid.i")
-            core_ids = [req.request_id] + [f"{req.request_id}.{i}" for i in range(1, n)]
+        core_ids = self.client.core_ids(req.request_id, n)
         self._outputs.check_free(req.request_id, core_ids)
         self.client.check_capacity(n)
         adds = [

@@ -56,9 +56,6 @@ class OutputSink(Protocol):
 class CoreClient(Protocol):
     """The front end's view of an engine core (module docstring)."""
 
-    #: prefix of the core request ids this front end makes ("" when it is the core's only front
-    #: end: the core's ids are then the user's request ids)
-    id_prefix: str
     #: the process the core runs in (this one for the in-process core); None before ``start``
     core_pid: int | None
 
@@ -66,6 +63,11 @@ class CoreClient(Protocol):
     def input_processor(self) -> InputProcessor | None: ...
 
     async def start(self, sink: OutputSink) -> Ready: ...
+
+    def core_ids(self, request_id: str, n: int) -> list[str]:
+        """The core request ids of a request's ``n`` completions (unique among this front end's
+        open ones as long as ``request_id`` is; the front end checks)."""
+        ...
 
     def add_requests(self, adds: list[AddRequest]) -> None: ...
 

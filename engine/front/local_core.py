@@ -39,9 +39,8 @@ log = get_logger("deltaserve.engine")
 
 class LocalCoreClient:
     """``CoreClient`` over an ``EngineCore`` in this process (module docstring). It is the
-    core's only front end: core request ids are the user's (``id_prefix`` empty)."""
+    core's only front end: core request ids are the user's."""
 
-    id_prefix = ""
     idle_period_s: float | None = None  # the loop's port: an idle core sleeps until woken
 
     def __init__(self, config: EngineConfig, *, core: EngineCore | None = None) -> None:
@@ -81,6 +80,10 @@ class LocalCoreClient:
         self._task = asyncio.create_task(self._run(), name="deltaserve-engine-loop")
         self._task.add_done_callback(self._on_loop_done)
         return self.core.ready(self.core.stats())
+
+    def core_ids(self, request_id: str, n: int) -> list[str]:
+        """The user's id, and ``id.i`` for completion ``i > 0``."""
+        return [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
 
     def add_requests(self, adds: list[AddRequest]) -> None:
         self._inbox.extend(request_of(a) for a in adds)

@@ -72,7 +72,7 @@ class ProcCoreClient:
         self.owner = address is None
         self.handle: CoreHandle | None = None
         self.core_pid: int | None = None
-        self.id_prefix = f"{os.getpid()}-{os.urandom(3).hex()}:"  # core ids of this front end
+        self._tag = f"{os.getpid()}-{os.urandom(3).hex()}"  # core ids of this front end: TAG:N
         self._sink: OutputSink | None = None
         self._seq = itertools.count()
         self._ctx: Any = None
@@ -184,6 +184,10 @@ class ProcCoreClient:
         return self._started and not self._closed and self._dead is None
 
     # ------------------------------------------------------------------ requests
+    def core_ids(self, request_id: str, n: int) -> list[str]:
+        """``TAG:N``: front ends sharing the core never collide on a user's request id."""
+        return [f"{self._tag}:{next(self._seq)}" for _ in range(n)]
+
     def add_requests(self, adds: list[AddRequest]) -> None:
         # DEALER with no high-water mark: each send queues at once, never blocks the event loop
         if self._sock is not None and self._dead is None:
