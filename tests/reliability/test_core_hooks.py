@@ -44,4 +44,4 @@ async def test_a_malformed_core_hook_fails_the_start(monkeypatch: pytest.MonkeyP
         match=r"^DELTASERVE_CORE_HOOK = 'tests.reliability.core_hooks': expected module:function$",
     ):
         await asyncio.wait_for(client.start(), TIMEOUT)
-    assert client.handle is not None and not client.handle.alive()
+    assert client.client.handle is not None and not client.client.handle.alive()  # type: ignore[attr-defined]

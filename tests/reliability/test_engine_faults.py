@@ -153,7 +153,7 @@ async def test_a_step_raising_anything_marks_the_engine_dead(
         await engine.check_integrity()
     await asyncio.wait_for(engine.shutdown(), TIMEOUT)  # never raises for a dead loop
     if engine.core is None:
-        assert engine.handle is not None and engine.handle.exitcode == 1
+        assert engine.client.handle is not None and engine.client.handle.exitcode == 1  # type: ignore[attr-defined]
     else:
         assert engine.core is not None
         assert_pools_free(engine.core)
