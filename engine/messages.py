@@ -58,13 +58,10 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
 
 def request_of(add: AddRequest) -> Request:
     """The scheduler ``Request`` of a front end's ``AddRequest`` (validated there: not again)."""
+    # (Request's first six fields, in order)
+    arrival = add.arrival_time or time.monotonic()
     return Request(
-        request_id=add.request_id,
-        prompt_token_ids=add.prompt_token_ids,
-        sampling_params=add.sampling_params,
-        priority=add.priority,
-        cache_salt=add.cache_salt,
-        arrival_time=add.arrival_time or time.monotonic(),
+        add.request_id, add.prompt_token_ids, add.sampling_params, add.priority, add.cache_salt, arrival
     )
 
 

@@ -108,19 +108,19 @@ class RequestStream(AbortingStream):
         self._queue.put_nowait(
             RequestOutput(
                 request_id=self.request_id,
-                token_ids=d.token_ids if error is None else [],
                 text=text,
-                finished=reason is not None,
-                finish_reason=reason,
-                num_prompt_tokens=d.num_prompt_tokens or c.num_prompt_tokens,
                 num_cached_tokens=d.num_cached_tokens,
-                error=error,
+                finish_reason=reason,
                 index=c.index,
+                token_ids=d.token_ids if error is None else [],
                 logprobs=d.logprobs,
+                error=error,
                 queue_time_s=d.queue_time_s,
                 prefill_time_s=d.prefill_time_s,
+                finished=reason is not None,
                 prompt_logprobs=d.prompt_logprobs,
                 prompt_token_ids=d.prompt_token_ids,
+                num_prompt_tokens=d.num_prompt_tokens or c.num_prompt_tokens,
             )
         )
 
