@@ -1,7 +1,8 @@
 """The EngineClient seam: what a front end (the OpenAI server) needs of an engine. Torch-free.
 
-``AsyncEngine`` (one engine in this process) and the cluster's ``RemoteEngine`` (replicas
-behind a router) both implement ``EngineClient``; the server is typed against it only.
+``AsyncEngine`` implements ``EngineClient`` in every placement of the engine core (this process,
+a core process, the cluster's replicas: ``engine/front/core_client.py``); the server and
+applications are typed against it only.
 
 * ``RequestInput`` (``engine/front/input_processor.py``, re-exported here) holds one request's
   fields, written once; ``generate`` packs them and the implementation's ``submit`` takes them
