@@ -177,21 +177,24 @@ async def test_a_cancelled_loop_task_marks_the_engine_dead(engine_factory: Any) 
 
 
 # ---------------------------------------------------------------------- 4: per-request faults
-def test_a_raising_detokenizer_ends_only_its_request(core_factory: Any) -> None:
+class _ExplodingStopIds(frozenset[int]):
+    def __contains__(self, token: object) -> bool:
+        raise RuntimeError("injected stop check fault")
+
+
+def test_a_raising_stop_check_ends_only_its_request(core_factory: Any) -> None:
     core: EngineCore = core_factory()
     bad = core.make_request(tokens(30, 1), greedy(8))
     good_prompt = tokens(30, 2)
     good = core.make_request(good_prompt, greedy(8))
     core.add_request(bad)
     core.add_request(good)
-
-    def explode(ids: list[int]) -> str:
-        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-
-    core.states[bad.request_id].detokenizer.add = explode  # type: ignore[method-assign]
+    core.states[bad.request_id].stop_ids = _ExplodingStopIds()
     outs = run_to_completion(core)
     assert outs[bad.request_id][-1].finish_reason == "error"
-    assert "output processing failed: UnicodeDecodeError" in (outs[bad.request_id][-1].error or "")
+    assert "output processing failed: RuntimeError: injected stop check fault" in (
+        outs[bad.request_id][-1].error or ""
+    )
     assert outs[good.request_id][-1].finish_reason == "length"
     assert text_tokens(outs[good.request_id]) == solo_greedy(core_factory, good_prompt, 8)
     assert core.stats()["requests.failed"] == 1
@@ -337,14 +340,15 @@ async def test_a_broken_policy_never_stops_the_engine(
         assert stats["scheduler.policy_errors"] > 0
 
 
+@pytest.mark.parametrize("placement", ["in_process", "separate"])
 async def test_a_raising_detokenizer_in_the_front_end_ends_only_its_request(
-    tiny_loaded: LoadedModel, core_factory: Any
+    tiny_loaded: LoadedModel, core_factory: Any, placement: str
 ) -> None:
-    """With a separate core the front end detokenizes: a fault there ends its request with an
+    """The front end detokenizes in every placement: a fault there ends its request with an
     error, the core aborts it, and the other request is untouched."""
     good_prompt = tokens(30, 2)
-    async with open_engine("separate", tiny_loaded) as engine:
-        assert engine.core is None
+    async with open_engine(placement, tiny_loaded) as engine:
+        assert (engine.core is None) == (placement == "separate")
         bad = engine.generate(tokens(30, 1), greedy(8))
         good = engine.generate(good_prompt, greedy(8))
 
