@@ -2,8 +2,8 @@
 
 The front-end seam (``engine/front/client.py``): ``EngineClient`` (what ``AsyncEngine``, the one
 front end, implements over the core client its placement picks: ``engine/front/core_client.py``),
-``RequestInput``, ``ModelInfo``; ``InputProcessor`` validates and tokenizes. Torch-heavy names (``AsyncEngine``, ``EngineCore``) load on first
-use, so torch-free tools (the cache simulator) can import ``engine.config``, ``engine.cli``
+``RequestInput``, ``ModelInfo``; ``InputProcessor`` validates and tokenizes. Torch-heavy names
+(``AsyncEngine``, ``EngineCore``) load on first use, so torch-free tools (the cache simulator) can import ``engine.config``, ``engine.cli``
 and friends cheaply.
 """
 

@@ -1,7 +1,8 @@
 """The core loop: one ``EngineCore`` driven turn after turn, the same in every placement.
 
-``CoreLoop.run()`` is the only engine loop: ``AsyncEngine`` runs it as a task on its event
-loop (the step on a worker thread), the core process (``engine/core/core_proc.py``) runs it with
+``CoreLoop.run()`` is the only engine loop: an in-process core (``LocalCoreClient``, also in each
+cluster replica) runs it as a task on the front end's event loop (the step on a worker thread),
+the core process (``engine/core/core_proc.py``) runs it with
 ``asyncio.run`` on its one thread (its port never suspends but to poll the socket). Each turn::
 
     take inputs      the port applies what arrived (adds, aborts, integrity checks, hellos)

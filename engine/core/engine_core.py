@@ -1,7 +1,7 @@
 """EngineCore: the synchronous engine — requests in, one step, outputs out.
 
-The core loop (``engine/core/core_loop.py``) drives it, in ``AsyncEngine`` (the step on a worker
-thread) and in the core process (``engine/core/core_proc.py``); tests drive it directly and call
+The core loop (``engine/core/core_loop.py``) drives it, in ``LocalCoreClient`` (the step on a
+worker thread) and in the core process (``engine/core/core_proc.py``); tests drive it directly and call
 ``check_integrity()`` after every step. It is not thread-safe: its owner calls
 ``add_request``/``abort_request`` only between steps.
 
@@ -9,7 +9,14 @@ Nothing is lost: every admitted request ends with exactly one finished ``TokenDe
 (``stop``, ``length``, ``abort`` or ``error`` with a message), and every block and slot
 returns to its pool.
 
-Input is checked and tokenized by its ``InputProcessor``; construction helpers (device,
+It emits token ids, never text: a step's outputs are ``TokenDelta``s, and a request ends here on
+its stop token ids (EOS unless ``ignore_eos``), its grammar's end, ``max_tokens`` or
+``max_model_len``; text and stop strings are the front end's (``engine/front/output_processor.py``),
+which aborts a request a stop string ended. Admission (``check_capacity``) is the front end's
+call too: ``add_request`` trusts what it is given.
+
+Input is checked and tokenized by its ``InputProcessor`` (``make_request``: the core's own
+door, for tests and tools driving it directly); construction helpers (device,
 dtype, capacity, the runner) are in ``engine/core/builder.py``. ``step()`` is the plain
 schedule → execute → update → outputs; with ``engine.async_scheduling`` it is the
 overlapped step of ``engine/core/overlap.py``, which ends requests and builds outputs with the
@@ -130,7 +137,7 @@ class EngineCore:
         self.runner.grammars = self.grammars
         self.parked = GrammarWait(so.compile_timeout_s)
         # called (on a grammar worker) when a parked request's compile finishes: the owner of the
-        # loop wakes it (AsyncEngine, the core process)
+        # loop wakes it (LocalCoreClient, the core process)
         self.on_grammar_ready: Callable[[], None] | None = None
         #: the model's request defaults and their source (``model_files.sampling_defaults``)
         self.sampling_defaults = sampling_defaults(config.model)
