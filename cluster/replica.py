@@ -42,7 +42,7 @@ import msgspec
 
 from deltaserve.cluster.affinity import pack_keys, short_key
 from deltaserve.engine.constraint import trusted_decode
-from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
+from deltaserve.engine.errors import EngineDeadError
 from deltaserve.engine.messages import AddRequest, StepOutputs, TokenDelta
 from deltaserve.logs import get_logger
 
@@ -146,13 +146,11 @@ class EngineReplica:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, payload: bytes, *, route: Any = None) -> AsyncIterator[Any]:
-        with trusted_decode():  # validated by the ingress: not checked again
+        with trusted_decode():  # validated (its id unique: TAG:N) by the ingress: not checked again
             add = self._dec.decode(payload)
         rid = add.request_id
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        if rid in self._queues:
-            raise InvalidRequestError(f"request_id {rid!r} is already in use")
         self.local.check_capacity(1)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._queues[rid] = queue
