@@ -4,7 +4,9 @@ The ``EngineCore`` is built (``start``) or passed in (``core=``); the core loop
 (``engine/core/core_loop.py``) runs as a task on the front end's event loop with this client as
 its port: requests and aborts are applied in the order they were sent, between steps, on the
 event loop; each step runs on one worker thread (the event loop stays responsive); each step's
-deltas go to the front end at once.
+deltas go to the front end as the event loop's next callback: the next step is on the worker
+before the front end detokenizes this one's (the model's forward releases the GIL, so the two
+overlap, as with a core process).
 
 Faults: the loop dying for any reason (``BaseException`` included, or its task cancelled) tells
 the front end once (``on_dead``: "engine loop died: ..."), fails waiting integrity checks with
@@ -48,6 +50,7 @@ class LocalCoreClient:
         self.core: EngineCore | None = core
         self.core_pid: int | None = None
         self._sink: OutputSink | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-step")
         # what the front end sent, in order: a request to add, or a request id to abort
         self._inbox: list[Request | str] = []
@@ -73,6 +76,7 @@ class LocalCoreClient:
 
             self.core = await loop.run_in_executor(self._executor, EngineCore, self.config)
         self._sink = sink
+        self._loop = loop
         self.core_pid = os.getpid()
         self._wakeup = asyncio.Event()
         # a parked request's grammar compiled (on a grammar worker): step again now
@@ -219,8 +223,9 @@ class LocalCoreClient:
         return outputs
 
     def emit(self, outputs: list[TokenDelta]) -> None:
-        if outputs and self._sink is not None:
-            self._sink.on_outputs(StepOutputs(outputs))
+        if outputs and self._sink is not None and self._loop is not None:
+            # after the loop has handed the next step to the worker (it yields there)
+            self._loop.call_soon(self._sink.on_outputs, StepOutputs(outputs))
 
     def went_idle(self) -> None:
         pass  # the front end has every delta already; stats() reads the core directly
