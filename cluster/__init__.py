@@ -7,7 +7,7 @@ a prefix-affinity request router (``docs/cluster.md``).
 
 Modules: ``affinity`` (the routing logic: pure Python, no Ray, no torch), ``config``
 (``ClusterConfig``), ``router`` (the Ray ``RequestRouter``), ``replica`` (the engine
-deployment), ``remote`` (the ingress's engine over a handle), ``app`` (the Serve
+deployment), ``ray_core`` (the ingress's core client over a handle), ``app`` (the Serve
 application), ``local`` (start / join a cluster and deploy), ``cli`` (``deltaserve serve
 --replicas``). The bench (prefix vs pow2 vs one engine under loadgen) is a tool:
 ``python -m deltaserve.tools.bench.bench_cluster``.

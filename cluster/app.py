@@ -3,11 +3,11 @@
 ::
 
     HTTP --> Serve proxy --> Ingress replica(s) ---handle + PrefixAffinityRouter---> EngineReplica x N
-                             create_app(RemoteEngine)                                  AsyncEngine each
+                             create_app(AsyncEngine over RayCoreClient)                an EngineCore each
 
 ``build_app(engine_config, cluster_config)`` returns the bound application for ``serve.run``.
 The ingress serves every endpoint of ``deltaserve serve`` (``server/app.py`` over a
-``RemoteEngine``) plus:
+``AsyncEngine`` whose core client is ``RayCoreClient``: ``cluster/ray_core.py``) plus:
 
 * ``GET /cluster/status`` — the router's view: live replicas, what each is believed to hold,
   decisions by reason, requests routed per replica; the ingress's retry/failure counters.
@@ -30,7 +30,8 @@ INGRESS_DEPLOYMENT = "Ingress"
 
 
 class Ingress:
-    """The HTTP ingress: ``create_app`` over a ``RemoteEngine`` (module docstring)."""
+    """The HTTP ingress: ``create_app`` over an ``AsyncEngine`` whose core client is a
+    ``RayCoreClient`` (module docstring)."""
 
     def __init__(
         self,
@@ -39,8 +40,8 @@ class Ingress:
         served_model_names: list[str] | None = None,
         max_retries: int = 2,
     ) -> None:
-        from deltaserve.cluster.remote import RemoteEngine
-        from deltaserve.engine import EngineConfig
+        from deltaserve.cluster.ray_core import RayCoreClient
+        from deltaserve.engine import AsyncEngine, EngineConfig
 
         app_name = None
         try:
@@ -51,20 +52,22 @@ class Ingress:
             pass
         self.engine_config = EngineConfig.from_dict(engine_config)
         self.served_model_names = list(served_model_names or [])
-        self.remote = RemoteEngine(
+        self.client = RayCoreClient(
             engine_handle,
             self.engine_config,
             app_name=app_name,
             deployment_name=ENGINE_DEPLOYMENT,
             max_retries=max_retries,
         )
+        self.engine = AsyncEngine(self.engine_config, client=self.client)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_ingress_asgi(self.remote, self.served_model_names)
+        return build_ingress_asgi(self.engine, self.served_model_names)
 
 
-def build_ingress_asgi(remote: Any, served_model_names: list[str] | None = None) -> Any:
-    """``create_app(remote)`` plus the ``/cluster/*`` routes."""
+def build_ingress_asgi(engine: Any, served_model_names: list[str] | None = None) -> Any:
+    """``create_app(engine)`` (an ``AsyncEngine`` over a ``RayCoreClient``) plus the
+    ``/cluster/*`` routes."""
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
@@ -73,13 +76,14 @@ def build_ingress_asgi(remote: Any, served_model_names: list[str] | None = None)
     from deltaserve.server.app import create_app
     from deltaserve.server.config import ServerConfig
 
-    app = create_app(remote, ServerConfig(served_model_names=list(served_model_names or [])))
+    remote = engine.client
+    app = create_app(engine, ServerConfig(served_model_names=list(served_model_names or [])))
 
     async def status(request: Request) -> Response:
         rs = routers(remote.app_name, remote.deployment_name)
         body = {
-            "model": remote.model_info.name if remote.started else None,
-            "unit": remote.model_info.checkpoint_unit if remote.started else None,
+            "model": engine.model_info.name if engine.started else None,
+            "unit": engine.model_info.checkpoint_unit if engine.started else None,
             "ingress": dict(remote.counters),
             "routers": [r.status() for r in rs],
         }

@@ -1,22 +1,27 @@
-"""``EngineReplica``: the Ray Serve deployment class whose replicas each run one ``AsyncEngine``.
+"""``EngineReplica``: the Ray Serve deployment class whose replicas each run one engine core.
 
-Methods (called through a ``DeploymentHandle``; ``deltaserve.cluster.remote`` is the caller):
+Each replica runs an ``EngineCore`` on its core loop (``LocalCoreClient``, as an in-process
+``AsyncEngine`` does); the cluster ingress's ``AsyncEngine`` reaches it through
+``cluster/ray_core.py`` (``RayCoreClient``), which validates, tokenizes, detokenizes and fans
+out ``n`` at the ingress. Methods (called through a ``DeploymentHandle``):
 
-* ``generate(prompt_ids, params, *, request_id, priority, cache_salt, route)`` — a streaming
-  method: validates through ``AsyncEngine.generate`` (typed errors are raised before the first
-  item), yields ``{"accepted": <replica>, "request_id": ...}``, then lists of
-  ``RequestOutput`` deltas (whatever accumulated since the last item: fewer, larger Ray
-  objects under load). Cancelling the call (the client went away) aborts the engine request.
+* ``generate(payload, *, route)`` — a streaming method: ``payload`` is one msgpack-encoded
+  ``AddRequest`` (one completion, validated at the ingress: decoded trusted here). A full
+  waiting queue raises ``EngineOverloadedError`` before the first item; then it yields
+  ``{"accepted": <replica>, "request_id": ...}``, then msgpack-encoded lists of ``TokenDelta``
+  (whatever accumulated since the last item: fewer, larger Ray objects under load) until the
+  request's last. Cancelling the call (the client went away) aborts the engine request.
   ``route`` (a ``RouteHint``) is only for the router; the replica ignores it.
-* ``describe()`` — the engine's ``ModelInfo`` fields (model, limits, cache geometry, capacity),
-  the longest token's characters and the salt parts the engine hashes with, so the ingress's
-  ``InputProcessor`` checks and keys requests exactly as the engine does.
+* ``describe()`` — the core's ``Ready`` fields (``ModelInfo``, the longest token's characters,
+  the salt parts the engine hashes with, the model's request defaults, the chat template), so
+  the ingress's ``InputProcessor`` checks and keys requests exactly as the engine does.
 * ``record_routing_stats()`` — Ray calls it every ``request_routing_stats_period_s``: load
   (running, waiting), numeric engine stats (for the ingress's aggregated ``/metrics``), and the
   cache contents the router corrects its index with: the 64-bit keys of the radix-tree nodes
   holding a checkpoint (joint-hit boundaries; every unit boundary on a model without GDN
   layers) and of the other unit-boundary nodes (KV only), most recently used first, capped.
 * ``check_health()`` — raises once the engine loop is dead, so Ray replaces the replica.
+* ``check_integrity()`` — the core's accounting, checked between two steps.
 
 Every method is a coroutine, so it runs on the replica's event loop beside the engine loop
 (Ray may run plain methods in a thread pool). Reading the cache for a report: the radix tree is walked on the event loop, preferably
@@ -36,6 +41,9 @@ from typing import Any
 import msgspec
 
 from deltaserve.cluster.affinity import pack_keys, short_key
+from deltaserve.engine.constraint import trusted_decode
+from deltaserve.engine.errors import EngineDeadError
+from deltaserve.engine.messages import AddRequest, StepOutputs, TokenDelta
 from deltaserve.logs import get_logger
 
 log = get_logger("deltaserve.cluster")
@@ -101,100 +109,93 @@ def cache_keys(core: Any, max_keys: int) -> tuple[list[int], list[int]] | None:
 
 
 class EngineReplica:
-    """One ``AsyncEngine`` per Ray Serve replica (module docstring)."""
+    """One engine core per Ray Serve replica (module docstring); the ``OutputSink`` of its core
+    client, which hands each request's deltas to the ``generate`` call streaming it."""
 
     async def __init__(
         self, engine_config: dict[str, Any], *, max_report_keys: int = 8192, report_wait_s: float = 0.05
     ) -> None:
-        from deltaserve.engine import AsyncEngine, EngineConfig
+        from deltaserve.engine import EngineConfig
+        from deltaserve.engine.front.local_core import LocalCoreClient
 
         self.config = EngineConfig.from_dict(engine_config)
-        self.engine = AsyncEngine(self.config)
-        await self.engine.start()
+        self.local = LocalCoreClient(self.config)
+        self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}  # request id -> its call's deltas
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(AddRequest)
+        self._dead: str | None = None
+        self.ready = await self.local.start(self)
         self.name, self.actor_name = _replica_identity()
         self.epoch = uuid.uuid4().hex[:12]  # a restarted replica's reports never look like old ones
         self.seq = 0
         self.max_report_keys = max_report_keys
         self.report_wait_s = report_wait_s
-        log.info("cluster.replica_ready", replica=self.name, **self.engine.model_info.capacity)
+        log.info("cluster.replica_ready", replica=self.name, **self.ready.model_info.capacity)
+
+    # ------------------------------------------------------------------ OutputSink
+    def on_outputs(self, outputs: StepOutputs) -> None:
+        for d in outputs.deltas:
+            queue = self._queues.get(d.request_id)
+            if queue is not None:
+                queue.put_nowait(d)
+
+    def on_dead(self, message: str) -> None:
+        self._dead = message
+        for rid, queue in self._queues.items():
+            queue.put_nowait(TokenDelta(rid, [], finish_reason="error", error=message))
 
     # ------------------------------------------------------------------ requests
-    async def generate(
-        self,
-        prompt: list[int],
-        params: Any = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        route: Any = None,
-    ) -> AsyncIterator[Any]:
-        stream = self.engine.generate(
-            prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt
-        )
-        yield {"accepted": self.name, "request_id": stream.request_id}
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        end = object()
-
-        async def pump() -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait(out)
-            except Exception as e:  # reported to the consumer
-                queue.put_nowait(e)
-            finally:
-                queue.put_nowait(end)
-
-        task = asyncio.ensure_future(pump())
+    async def generate(self, payload: bytes, *, route: Any = None) -> AsyncIterator[Any]:
+        with trusted_decode():  # validated (its id unique: TAG:N) by the ingress: not checked again
+            add = self._dec.decode(payload)
+        rid = add.request_id
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self.local.check_capacity(1)
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self._queues[rid] = queue
+        self.local.add_requests([add])
+        finished = False
         try:
-            done = False
-            while not done:
-                item = await queue.get()
-                batch = []
-                while True:
-                    if item is end:
-                        done = True
-                        break
-                    if isinstance(item, Exception):
-                        raise item
-                    batch.append(item)
-                    if queue.empty():
-                        break
-                    item = queue.get_nowait()
-                if batch:
-                    yield batch
+            yield {"accepted": self.name, "request_id": rid}
+            while not finished:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                finished = any(d.finish_reason is not None for d in batch)
+                yield self._enc.encode(batch)
         finally:
-            task.cancel()
-            await stream.aclose()  # a request left early (cancelled call) is aborted
+            self._queues.pop(rid, None)
+            if not finished:  # a call left early (cancelled): the request is aborted
+                self.local.abort_requests([rid])
 
     # ------------------------------------------------------------------ introspection
     async def describe(self) -> dict[str, Any]:
-        """The engine's ``ModelInfo`` fields, plus what an ingress's ``InputProcessor`` needs
-        (``salt_parts``, ``max_token_chars``) and who answers."""
-        core = self.engine.core
-        processor = self.engine.input_processor
+        """The core's ``Ready`` fields and who answers."""
+        core = self.local.core
+        ready = self.ready
         return {
-            **msgspec.structs.asdict(self.engine.model_info),
+            **msgspec.structs.asdict(ready.model_info),
             "replica": self.name,
             "actor_name": self.actor_name,
             "model_folder": str(core.loaded.path),
-            "salt_parts": list(processor.salt_parts),
-            "max_token_chars": processor.max_token_chars,
-            # the model's request defaults and the configured chat template: the ingress applies them
-            "sampling_defaults": dict(processor.sampling_defaults),
-            "chat_template": processor.tokenizer.chat_template if core.config.model.chat_template else None,
+            "salt_parts": list(ready.salt_parts),
+            "max_token_chars": ready.max_token_chars,
+            "sampling_defaults": dict(ready.sampling_defaults),
+            "sampling_source": ready.sampling_source,
+            "chat_template": ready.chat_template,
             "has_gdn": bool(core.spec.num_gdn_layers),
         }
 
     async def stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats())
+        return dict(self.local.stats())
 
     async def check_integrity(self) -> None:
-        await self.engine.check_integrity()
+        await self.local.check_integrity()
 
     async def record_routing_stats(self) -> dict[str, Any]:
         self.seq += 1
-        stats = self.engine.stats()
+        stats = self.local.stats()
         report: dict[str, Any] = {
             "replica": self.name,
             "epoch": self.epoch,
@@ -210,10 +211,10 @@ class EngineReplica:
         }
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.report_wait_s
-        while self.engine.in_step and loop.time() < deadline:
+        while self.local.in_step and loop.time() < deadline:
             await asyncio.sleep(0.002)  # prefer a moment between two steps
         try:
-            keys = cache_keys(self.engine.core, self.max_report_keys)
+            keys = cache_keys(self.local.core, self.max_report_keys)
         except Exception:  # a cache layout this code does not know: no keys, predictions only
             log.exception("cluster.report_keys_failed", replica=self.name)
             keys = None
@@ -222,8 +223,10 @@ class EngineReplica:
         return report
 
     async def check_health(self) -> None:
-        if not self.engine.is_healthy():
+        if not self.local.is_healthy():
             raise RuntimeError(f"replica {self.name}: the engine loop is not running")
 
     async def __del__(self) -> None:
-        await self.engine.shutdown()
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(TokenDelta(rid, [], finish_reason="abort", error="replica shut down"))
+        await self.local.shutdown()

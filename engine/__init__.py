@@ -1,9 +1,9 @@
 """deltaserve public API: ``AsyncEngine``, ``EngineConfig``, ``SamplingParams``, ``RequestOutput``.
 
-The front-end seam (``engine/front/client.py``): ``EngineClient`` (what ``AsyncEngine``,
-``EngineProcClient`` (the core in its own process) and the cluster's ``RemoteEngine`` implement), ``RequestInput``, ``ModelInfo``; ``InputProcessor``
-validates and tokenizes. Torch-heavy names (``AsyncEngine``, ``EngineCore``) load on first
-use, so torch-free tools (the cache simulator) can import ``engine.config``, ``engine.cli``
+The front-end seam (``engine/front/client.py``): ``EngineClient`` (what ``AsyncEngine``, the one
+front end, implements over the core client its placement picks: ``engine/front/core_client.py``),
+``RequestInput``, ``ModelInfo``; ``InputProcessor`` validates and tokenizes. Torch-heavy names
+(``AsyncEngine``, ``EngineCore``) load on first use, so torch-free tools (the cache simulator) can import ``engine.config``, ``engine.cli``
 and friends cheaply.
 """
 
@@ -31,13 +31,11 @@ if TYPE_CHECKING:
     from deltaserve.engine.core.engine_core import EngineCore
     from deltaserve.engine.front.async_engine import AsyncEngine, install_uvloop
     from deltaserve.engine.front.input_processor import InputProcessor
-    from deltaserve.engine.front.proc_client import EngineProcClient
 
 _LAZY = {
     "AsyncEngine": "deltaserve.engine.front.async_engine",
     "install_uvloop": "deltaserve.engine.front.async_engine",
     "EngineCore": "deltaserve.engine.core.engine_core",
-    "EngineProcClient": "deltaserve.engine.front.proc_client",
     "InputProcessor": "deltaserve.engine.front.input_processor",
 }
 
@@ -60,7 +58,6 @@ __all__ = [
     "EngineDeadError",
     "EngineOverloadedError",
     "GrammarTimeoutError",
-    "EngineProcClient",
     "InputProcessor",
     "InvalidRequestError",
     "ModelInfo",

@@ -50,10 +50,12 @@ class KernelBackend(str, enum.Enum):
 
 
 class CoreProcess(str, enum.Enum):
-    """Where ``deltaserve serve`` runs the engine core (``engine.core_process``)."""
+    """Where the engine core runs (``engine.core_process``; ``engine/front/core_client.py``)."""
 
-    IN_PROCESS = "in_process"  # AsyncEngine: the step thread shares the server's process (and GIL)
-    SEPARATE = "separate"  # EngineProcClient: the core in a process of its own (engine/core/core_proc.py)
+    # `deltaserve serve`: separate; an application's AsyncEngine(config): in_process
+    AUTO = "auto"
+    IN_PROCESS = "in_process"  # the step thread shares the front end's process (and GIL)
+    SEPARATE = "separate"  # the core in a process of its own (engine/core/core_proc.py)
 
 
 class LogLevel(str, enum.Enum):

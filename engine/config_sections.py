@@ -339,13 +339,13 @@ class EngineLoopConfig(_Section):
     core_process: Annotated[
         CoreProcess,
         _doc(
-            "Where `deltaserve serve` runs the engine core: in_process (AsyncEngine, the step thread beside "
-            "the HTTP front end) | separate (its own process: scheduler, cache, model and sampling there; "
-            "tokenizing, detokenizing, stop strings and HTTP in the server's; docs/server.md). "
-            "`--in-process` sets in_process. An application picks by constructing AsyncEngine or "
-            "EngineProcClient."
+            "Where the engine core runs: in_process (a step thread beside the front end) | separate (its "
+            "own process: scheduler, cache, model and sampling there; tokenizing, detokenizing, stop "
+            "strings and HTTP in the front end's; docs/server.md) | auto (`deltaserve serve`: separate; "
+            "an application's `AsyncEngine(config)`: in_process, as embedding the engine expects). "
+            "`--in-process` sets in_process."
         ),
-    ] = CoreProcess.SEPARATE
+    ] = CoreProcess.AUTO
     release_memory: Annotated[
         bool,
         _doc(

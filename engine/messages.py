@@ -1,6 +1,9 @@
-"""The messages between a front end (``EngineProcClient``) and the engine-core process.
+"""The messages between a front end (``AsyncEngine``) and an engine core, in every placement.
 
-msgspec structs, msgpack-encoded, one ZeroMQ frame each (``engine/core/core_proc.py``). A front end
+``TokenDelta`` is what an ``EngineCore`` step emits (token ids, never text) and ``Ready`` what a
+core tells a front end when it starts; the front end's output processor turns deltas into
+``RequestOutput``s (``engine/front/output_processor.py``). Between processes (the core process,
+``engine/core/core_proc.py``) they are msgspec structs, msgpack-encoded, one ZeroMQ frame each. A front end
 sends ``Hello`` first (its pid: the core aborts its requests if it dies), then ``AddRequest`` /
 ``AbortRequests`` / ``GetStats`` / ``CompileConstraint`` / ``CheckIntegrity``, and ``Shutdown``
 when it owns the core. The core answers ``Hello`` with ``Ready`` (or ``StartFailed``),
@@ -19,6 +22,7 @@ never collide on a user's ``request_id``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -27,6 +31,7 @@ from deltaserve.engine.constraint import Constraint
 from deltaserve.engine.front.client import ModelInfo
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.scheduler.request import Request
 
 #: how often the core sends its stats while it works (and once each time it goes idle)
 STATS_INTERVAL_S = 0.25
@@ -49,6 +54,15 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int = 0
     cache_salt: bytes = b""
     arrival_time: float = 0.0  # time.monotonic() in the front end (one clock per machine)
+
+
+def request_of(add: AddRequest) -> Request:
+    """The scheduler ``Request`` of a front end's ``AddRequest`` (validated there: not again)."""
+    # (Request's first six fields, in order)
+    arrival = add.arrival_time or time.monotonic()
+    return Request(
+        add.request_id, add.prompt_token_ids, add.sampling_params, add.priority, add.cache_salt, arrival
+    )
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -84,8 +98,9 @@ FrontMessage = Hello | AddRequest | AbortRequests | GetStats | Shutdown | Compil
 
 
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's new token ids of one step (``RequestOutput`` without text); ``finish_reason``
-    set on its last."""
+    """One request's new token ids of one step (``RequestOutput`` without text): what
+    ``EngineCore.step`` emits; ``finish_reason`` set on its last (a stop token, EOS, the grammar's
+    end, ``max_tokens`` / ``max_model_len``, an abort or an error: stop strings are the front end's)."""
 
     request_id: str
     token_ids: list[int]
@@ -99,6 +114,11 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None
 
+    @property
+    def finished(self) -> bool:
+        """The request's last delta."""
+        return self.finish_reason is not None
+
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """The deltas of one step for one front end; ``stats`` when due (else None)."""
@@ -108,13 +128,19 @@ class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
-    """The core is serving: what a front end needs to build its ``InputProcessor``."""
+    """The core is serving: what a front end needs to build its ``InputProcessor`` (the model,
+    the salt parts the cache hashes with, the longest token's characters, the model's request
+    defaults and where they come from, the configured chat template's text or None), the core's
+    pid and its stats."""
 
     model_info: ModelInfo
     salt_parts: list[str]
     max_token_chars: int
     pid: int
     stats: dict[str, Any]
+    sampling_defaults: dict[str, Any] = {}
+    sampling_source: str = ""
+    chat_template: str | None = None
 
 
 class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):

@@ -5,7 +5,7 @@ defaults (``generation_config.json``) and a chat template file. Torch-free.
 Contract:
 
 * ``check_model(config)`` runs first in both placements (``EngineCore`` before it loads
-  anything, ``EngineProcClient.start`` before it spawns the core process). It raises
+  anything, ``ProcCoreClient.start`` before it spawns the core process). It raises
   ``ConfigError`` naming the key for: a ``model.path`` that is not a folder (a hub id such as
   ``Qwen/Qwen3.5-0.8B`` is fetched like vLLM does when ``huggingface_hub`` is installed, the
   hub is reachable and ``HF_HUB_OFFLINE`` is unset, or taken from the local hub cache; else the

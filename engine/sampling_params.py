@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from deltaserve.engine.constraint import Constraint, is_trusted
+from deltaserve.engine.constraint import Constraint, is_trusted, trusted_decode
 from deltaserve.engine.errors import InvalidRequestError
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # max_tokens and top_k stay below 2**31 (int32 anywhere downstream)
@@ -184,7 +184,10 @@ class SamplingParams(
         """These parameters with every field left unset that ``defaults`` names taken from it
         (the model's defaults: ``engine/model_files.sampling_defaults``); set fields are kept."""
         changes = {k: v for k, v in defaults.items() if self.is_unset(k)}
-        return msgspec.structs.replace(self, **changes) if changes else self
+        if not changes:
+            return self
+        with trusted_decode():  # both sides are validated (the defaults when they were read)
+            return msgspec.structs.replace(self, **changes)
 
     @property
     def has_penalties(self) -> bool:

@@ -21,10 +21,10 @@ stdout, then serves. SIGINT / SIGTERM drain: no new connections, in-flight reque
 ``--drain-timeout`` seconds to finish, what is left is aborted, and the process exits 0. A
 second signal exits at once (still 0: leftovers are aborted).
 
-By default (``engine.core_process = "separate"``) the engine core runs in a process of its own
-(``EngineProcClient``, docs/server.md): if that process dies, open streams end with an error,
+By default (``engine.core_process = "auto"``: ``separate`` here) the engine core runs in a process
+of its own (``AsyncEngine`` over ``ProcCoreClient``, docs/server.md): if that process dies, open streams end with an error,
 ``/health`` answers 503, and the server drains and exits 1 (a supervisor restarts it).
-``--in-process`` runs it on a thread of the server's process (``AsyncEngine``).
+``--in-process`` runs it on a thread of the server's process (``LocalCoreClient``).
 ``--api-server-count N`` (N > 1) runs N front-end processes around one core, sharing the port
 (``server/front_ends.py``).
 """

@@ -2,8 +2,8 @@
 
 The supervisor (this module's ``serve_front_ends``, in the ``deltaserve serve`` process) starts
 the core (``engine/core/core_proc.py``), waits until it is ready, takes the port and starts N front
-ends (``python -m deltaserve.server.front_ends``), each serving HTTP with an ``EngineProcClient``
-joined to the core, and prints the URL once every front end listens.
+ends (``python -m deltaserve.server.front_ends``), each serving HTTP with an ``AsyncEngine`` over
+a ``ProcCoreClient`` joined to the core, and prints the URL once every front end listens.
 
 Connections: on Linux the supervisor binds ``host:port`` with ``SO_REUSEPORT`` without
 listening (so ``--port 0`` picks the port once) and each front end binds and listens on its own

@@ -195,17 +195,14 @@ class BackgroundServer:
 
 
 def build_engine(engine_config: Any, address: str | None = None) -> Any:
-    """The ``EngineClient`` ``engine.core_process`` asks for: ``AsyncEngine`` (in this process) or
-    ``EngineProcClient`` (the core in its own process; joining the one at ``address`` if given)."""
+    """The ``AsyncEngine`` over the core ``engine.core_process`` asks for (``auto``: a process of
+    its own; joining the one at ``address`` if given)."""
     from deltaserve.engine.config import CoreProcess
+    from deltaserve.engine.front.async_engine import AsyncEngine, placement_client
 
-    if address is not None or engine_config.engine.core_process is CoreProcess.SEPARATE:
-        from deltaserve.engine.front.proc_client import EngineProcClient
-
-        return EngineProcClient(engine_config, address=address)
-    from deltaserve.engine import AsyncEngine
-
-    return AsyncEngine(engine_config)
+    if engine_config.engine.core_process is CoreProcess.AUTO:
+        engine_config = engine_config.replace(**{"engine.core_process": "separate"})
+    return AsyncEngine(engine_config, client=placement_client(engine_config, address=address))
 
 
 async def serve(
@@ -235,7 +232,7 @@ async def serve(
         if state["server"] is not None:
             state["server"].should_exit = True
 
-    if hasattr(engine, "on_core_death"):
+    if engine.core is None:  # a core process of its own (an in-process one dies with the loop)
         engine.on_core_death.append(core_died)
     try:
         sock = sock or bind_socket(server_config.host, server_config.port)

@@ -1,7 +1,8 @@
 """The core loop: one ``EngineCore`` driven turn after turn, the same in every placement.
 
-``CoreLoop.run()`` is the only engine loop: ``AsyncEngine`` runs it as a task on its event
-loop (the step on a worker thread), the core process (``engine/core/core_proc.py``) runs it with
+``CoreLoop.run()`` is the only engine loop: an in-process core (``LocalCoreClient``, also in each
+cluster replica) runs it as a task on the front end's event loop (the step on a worker thread),
+the core process (``engine/core/core_proc.py``) runs it with
 ``asyncio.run`` on its one thread (its port never suspends but to poll the socket). Each turn::
 
     take inputs      the port applies what arrived (adds, aborts, integrity checks, hellos)
@@ -27,7 +28,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.messages import TokenDelta
 from deltaserve.logs import get_logger
 
 log = get_logger("deltaserve.engine")
@@ -65,11 +66,11 @@ class LoopPort(Protocol):
         arrived may be applied now or by the next ``take``."""
         ...
 
-    async def step(self) -> list[RequestOutput]:
+    async def step(self) -> list[TokenDelta]:
         """Run one ``EngineCore.step()``; its outputs."""
         ...
 
-    def emit(self, outputs: list[RequestOutput]) -> None:
+    def emit(self, outputs: list[TokenDelta]) -> None:
         """Hand a step's outputs (or an abort's) to their requests."""
         ...
 

@@ -1,5 +1,6 @@
 """The engine-core process: one ``EngineCore`` (scheduler, cache, model, sampling) in a process
-of its own, serving front ends (``EngineProcClient``) over a ZeroMQ ROUTER socket.
+of its own, serving front ends (``AsyncEngine`` over ``ProcCoreClient``,
+``engine/front/proc_core.py``) over a ZeroMQ ROUTER socket.
 
 ``start_core(config)`` starts it (a fresh interpreter, never a fork: torch and CUDA do not
 survive one) and returns a ``CoreHandle``. Its loop is the core loop (``engine/core/core_loop.py``: burst
@@ -10,8 +11,8 @@ on the engine's grammar workers, never on this loop: a ``CompileConstraint`` is 
 compile is done, and a request whose grammar is still compiling waits parked (``EngineCore``);
 a worker that finishes wakes the loop through a pipe.
 
-The core never detokenizes (``EngineCore(detokenize=False)``): stop strings and text are the
-front end's work; it aborts a request a stop string ended.
+The core never detokenizes (no core does): stop strings and text are the front end's work; it
+aborts a request a stop string ended.
 
 Lifetime: the owning front end's ``Shutdown`` ends the loop (what is left is aborted, the engine
 closed: exit 0); so does the death of the process that spawned the core. SIGINT and SIGTERM are
@@ -67,13 +68,12 @@ from deltaserve.engine.messages import (
     GetStats,
     Hello,
     IntegrityChecked,
-    Ready,
     Shutdown,
     StartFailed,
     StepOutputs,
     TokenDelta,
+    request_of,
 )
-from deltaserve.engine.outputs import RequestOutput
 from deltaserve.logs import configure_logging, get_logger
 
 log = get_logger("deltaserve.engine")
@@ -82,22 +82,6 @@ log = get_logger("deltaserve.engine")
 WATCH_INTERVAL_S = 0.5
 #: ``module:function`` called with the ``CoreServer`` before it serves (module docstring)
 HOOK_ENV = "DELTASERVE_CORE_HOOK"
-
-
-def to_delta(out: RequestOutput) -> TokenDelta:
-    return TokenDelta(
-        request_id=out.request_id,
-        token_ids=out.token_ids,
-        finish_reason=out.finish_reason if out.finished else None,
-        error=out.error,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-        logprobs=out.logprobs,
-        queue_time_s=out.queue_time_s,
-        prefill_time_s=out.prefill_time_s,
-        prompt_logprobs=out.prompt_logprobs,
-        prompt_token_ids=out.prompt_token_ids,
-    )
 
 
 def run_hook(loop: CoreServer) -> None:
@@ -162,7 +146,7 @@ class CoreServer:
         from deltaserve.engine.core.engine_core import EngineCore
 
         try:
-            self.core = EngineCore(self.config, detokenize=False)
+            self.core = EngineCore(self.config)
             run_hook(self)
         except Exception as e:  # noqa: BLE001 - reported to the front end that waits for Ready
             # a ConfigError is the user's to fix and the front end prints it (one line); logging
@@ -243,10 +227,10 @@ class CoreServer:
             self._receive()
         self._chores()
 
-    async def step(self) -> list[RequestOutput]:
+    async def step(self) -> list[TokenDelta]:
         return self.core.step()
 
-    def emit(self, outputs: list[RequestOutput]) -> None:
+    def emit(self, outputs: list[TokenDelta]) -> None:
         self._send(outputs, stats=False)
 
     def went_idle(self) -> None:
@@ -299,9 +283,7 @@ class CoreServer:
             self._send([o for o in outs if o is not None], stats=False)
         elif isinstance(msg, Hello):
             self.fronts[ident] = FrontEnd(msg.pid)
-            info = self.core.model_info
-            ip = self.core.input_processor
-            ready = Ready(info, list(ip.salt_parts), ip.max_token_chars, os.getpid(), self._stats())
+            ready = self.core.ready(self._stats())
             self.sock.send_multipart([ident, self.enc.encode(ready)])
             log.info("core_proc.front_end", pid=msg.pid, owner=msg.owner, front_ends=len(self.fronts))
         elif isinstance(msg, CompileConstraint):
@@ -325,29 +307,18 @@ class CoreServer:
             self.stop = True
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
-        from deltaserve.scheduler.request import Request
-
-        req = Request(
-            request_id=msg.request_id,
-            prompt_token_ids=msg.prompt_token_ids,
-            sampling_params=msg.sampling_params,
-            priority=msg.priority,
-            cache_salt=msg.cache_salt,
-            arrival_time=msg.arrival_time or time.monotonic(),
-        )
+        """Queue a front end's request: validated, its id unique and admitted there."""
         front = self.fronts.get(ident)
         if front is None:  # a front end that never said hello: nobody to answer
             log.error("core_proc.unknown_front_end", request_id=msg.request_id)
             return
+        req = request_of(msg)
         self.owner_of[req.request_id] = ident
         front.requests.add(req.request_id)
         try:
-            if self.core.has_request(req.request_id):
-                raise ValueError(f"request_id {req.request_id!r} is already in use")
             self.core.add_request(req)
-        except Exception as e:  # noqa: BLE001 - ends this request only (overload raced the front end's check)
-            out = self.core._final_output(req, "error", [], "", error=f"{type(e).__name__}: {e}")
-            self._send([out], stats=False)
+        except Exception as e:  # noqa: BLE001 - ends this request only
+            self._send([self.core.final_delta(req, "error", error=f"{type(e).__name__}: {e}")], stats=False)
 
     def _answer_compiles(self) -> None:
         """Answer each ``CompileConstraint`` whose compile is done."""
@@ -388,7 +359,7 @@ class CoreServer:
         s["core.cpu_s"] = time.process_time()
         return s
 
-    def _send(self, outputs: list[RequestOutput], *, stats: bool) -> None:
+    def _send(self, outputs: list[TokenDelta], *, stats: bool) -> None:
         """One ``StepOutputs`` per front end with deltas (all of them when stats are due)."""
         by_front: dict[bytes, list[TokenDelta]] = defaultdict(list)
         for out in outputs:
@@ -396,7 +367,7 @@ class CoreServer:
             ident = self.owner_of.get(rid)
             if ident is None:
                 continue
-            by_front[ident].append(to_delta(out))
+            by_front[ident].append(out)
             if out.finished:
                 del self.owner_of[rid]
                 front = self.fronts.get(ident)

@@ -1,15 +1,22 @@
 """EngineCore: the synchronous engine — requests in, one step, outputs out.
 
-The core loop (``engine/core/core_loop.py``) drives it, in ``AsyncEngine`` (the step on a worker
-thread) and in the core process (``engine/core/core_proc.py``); tests drive it directly and call
+The core loop (``engine/core/core_loop.py``) drives it, in ``LocalCoreClient`` (the step on a
+worker thread) and in the core process (``engine/core/core_proc.py``); tests drive it directly and call
 ``check_integrity()`` after every step. It is not thread-safe: its owner calls
 ``add_request``/``abort_request`` only between steps.
 
-Nothing is lost: every admitted request ends with exactly one finished ``RequestOutput``
+Nothing is lost: every admitted request ends with exactly one finished ``TokenDelta``
 (``stop``, ``length``, ``abort`` or ``error`` with a message), and every block and slot
 returns to its pool.
 
-Input is checked and tokenized by its ``InputProcessor``; construction helpers (device,
+It emits token ids, never text: a step's outputs are ``TokenDelta``s, and a request ends here on
+its stop token ids (EOS unless ``ignore_eos``), its grammar's end, ``max_tokens`` or
+``max_model_len``; text and stop strings are the front end's (``engine/front/output_processor.py``),
+which aborts a request a stop string ended. Admission (``check_capacity``) is the front end's
+call too: ``add_request`` trusts what it is given.
+
+Input is checked and tokenized by its ``InputProcessor`` (``make_request``: the core's own
+door, for tests and tools driving it directly); construction helpers (device,
 dtype, capacity, the runner) are in ``engine/core/builder.py``. ``step()`` is the plain
 schedule → execute → update → outputs; with ``engine.async_scheduling`` it is the
 overlapped step of ``engine/core/overlap.py``, which ends requests and builds outputs with the
@@ -19,7 +26,7 @@ helpers here (its ``StepHost``: overlap.py never imports this module).
 from __future__ import annotations
 
 import contextlib
-import copy
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,11 +51,11 @@ from deltaserve.engine.core.sizing import Capacity, build_scheduler
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.front.client import RequestInput
-from deltaserve.engine.front.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from deltaserve.engine.front.input_processor import InputProcessor, Prompt
 from deltaserve.engine.grammar import Grammars
+from deltaserve.engine.messages import Ready, TokenDelta
 from deltaserve.engine.model_files import check_model, sampling_defaults, with_chat_template
-from deltaserve.engine.outputs import RequestOutput, TokenLogprob
+from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.runner.host_pool import Failure
 from deltaserve.engine.runner.memory import Releaser, resident
 from deltaserve.engine.runner.request_state import RequestState
@@ -87,13 +94,9 @@ class EngineCore:
         config: EngineConfig | None = None,
         *,
         loaded: LoadedModel | None = None,
-        detokenize: bool = True,
         phases: StepPhases | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
-        # False in the core process: outputs carry token ids only, and stop strings are the
-        # front end's to apply (engine/core/core_proc.py)
-        self.detokenize = detokenize
         set_level(config.logging.level.value)
         # the model path, max_model_len, generation_config and chat_template files: one-line
         # ConfigErrors before anything slow (a hub id downloaded here pins model.path)
@@ -111,10 +114,6 @@ class EngineCore:
             tokenizer=config.model.tokenizer,
         )
         self.tokenizer = with_chat_template(self.loaded.tokenizer, config.model)
-        # Detokenization runs in the step thread while `generate` tokenizes on the event-loop
-        # thread; HF fast tokenizers mutate themselves while encoding ("Already borrowed"), so
-        # each thread gets its own instance.
-        self.detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.spec = self.loaded.model.cache_spec()
         self.capacity: Capacity = plan_engine_capacity(config, self.loaded, self.spec, self.ops, self.device)
         self.cpu_threads = cpu_threads(config, self.device, self.capacity.weight_bytes)
@@ -143,7 +142,7 @@ class EngineCore:
         self.runner.grammars = self.grammars
         self.parked = GrammarWait(so.compile_timeout_s)
         # called (on a grammar worker) when a parked request's compile finishes: the owner of the
-        # loop wakes it (AsyncEngine, the core process)
+        # loop wakes it (LocalCoreClient, the core process)
         self.on_grammar_ready: Callable[[], None] | None = None
         #: the model's request defaults and their source (``model_files.sampling_defaults``)
         self.sampling_defaults = sampling_defaults(config.model)
@@ -156,7 +155,7 @@ class EngineCore:
         )
         self.max_token_chars = self.input_processor.max_token_chars
         self.model_info = model_info(config, self.loaded, self.capacity, self.cache.unit)
-        # engine-side state of every request the scheduler holds (detokenizer, stop ids, generator)
+        # engine-side state of every request the scheduler holds (stop ids, generator, matcher)
         self.states: dict[str, RequestState] = {}
         self.async_scheduling = config.engine.async_scheduling
         self.overlap = Overlap(self) if self.async_scheduling else None
@@ -215,11 +214,6 @@ class EngineCore:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         return RequestState(
-            detokenizer=(
-                IncrementalDetokenizer(self.detok_tokenizer, params.stop)
-                if self.detokenize
-                else NoDetokenizer()
-            ),
             stop_ids=stop_ids,
             generator=generator,
             plain_greedy=plain_greedy(params),
@@ -228,7 +222,9 @@ class EngineCore:
         )
 
     def check_capacity(self, pending: int = 0) -> None:
-        """Admission control: raise EngineOverloadedError when the waiting queue is full."""
+        """Admission control, the front end's (``add_request`` does not check again): raise
+        EngineOverloadedError when the waiting queue, plus ``pending`` requests not added yet,
+        is full."""
         waiting = self.scheduler.num_waiting + len(self.parked) + pending
         if waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloadedError(
@@ -237,10 +233,10 @@ class EngineCore:
             )
 
     def add_request(self, req: Request) -> None:
-        """Queue a request built by ``make_request``; its engine-side state is created here. A
-        request whose constraint is not compiled yet is parked until it is (``GrammarWait``): a
-        later step admits it, or ends it with the compile's error or its timeout."""
-        self.check_capacity()
+        """Queue a request built by ``make_request`` (admitted: ``check_capacity`` is the front
+        end's); its engine-side state is created here. A request whose constraint is not compiled
+        yet is parked until it is (``GrammarWait``): a later step admits it, or ends it with the
+        compile's error or its timeout."""
         compiled = None
         constraint = req.sampling_params.constraint
         if constraint is not None:
@@ -268,20 +264,20 @@ class EngineCore:
             self.runner.num_constrained += 1
         self.counters["tokens.prompt"] += req.num_prompt_tokens
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> TokenDelta | None:
         """Abort a queued or running request; its final output (``abort``), or None if there is
         no such request. With async scheduling a request in the step in flight ends once that
         step is committed (its token from that step is discarded); the output is returned now."""
         parked = self.parked.remove(request_id)
         if parked is not None:
             self.counters["requests.aborted"] += 1
-            return self._final_output(parked, "abort", [], "")
+            return self.final_delta(parked, "abort")
         req = self.scheduler.requests.get(request_id)
         if req is None or self._ending(req):
             return None
         self._end(req, "abort", publish_output=False)
         self.counters["requests.aborted"] += 1
-        return self._final_output(req, "abort", [], "")
+        return self.final_delta(req, "abort")
 
     @property
     def step_count(self) -> int:
@@ -315,7 +311,7 @@ class EngineCore:
             self.disk = None
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenDelta]:
         """Schedule, run the model, apply results; the outputs produced by this step.
 
         With ``engine.async_scheduling`` the outputs are those of the step before
@@ -331,7 +327,7 @@ class EngineCore:
             self.releaser.idle()
         return outputs
 
-    def _admit_parked(self) -> list[RequestOutput]:
+    def _admit_parked(self) -> list[TokenDelta]:
         """Admit the parked requests whose grammar compiled; end those whose compile failed or
         ran out of time (their final outputs)."""
         ready, failed = self.parked.take()
@@ -343,10 +339,10 @@ class EngineCore:
                 failed.append((req, e))
         for req, error in failed:
             self.counters["requests.failed"] += 1
-            outputs.append(self._final_output(req, "error", [], "", error=f"{type(error).__name__}: {error}"))
+            outputs.append(self.final_delta(req, "error", error=f"{type(error).__name__}: {error}"))
         return outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[TokenDelta]:
         if self.overlap is not None:
             return self.overlap.step()
         self.phases.enter("schedule")
@@ -377,12 +373,12 @@ class EngineCore:
             if token is not None:
                 try:
                     outputs.append(process(s.request, token))
-                except Exception as e:  # detokenizer / stop check of one request: that request ends
+                except Exception as e:  # the stop check of one request (its grammar): that request ends
                     outputs.append(self.output_failed(s.request, e))
         return outputs
 
     # ------------------------------------------------------------------ ending requests
-    # (``land`` ... ``process_token``: the step's outcome helpers, which the overlapped step
+    # (``land`` ... ``final_delta``: the step's outcome helpers, which the overlapped step
     # reaches through ``overlap.StepHost``; an owner of the engine has no use for them)
     def _end(self, req: Request, reason: str, *, publish_output: bool = True) -> None:
         """Finish ``req`` (its blocks and slots go back), or — while it is in the step on the
@@ -394,7 +390,7 @@ class EngineCore:
         """``req`` has had its final output and ends when the step in flight is committed."""
         return self.overlap is not None and req in self.overlap.deferred
 
-    def land(self, out: SchedulerOutput, failures: Sequence[Failure]) -> list[RequestOutput]:
+    def land(self, out: SchedulerOutput, failures: Sequence[Failure]) -> list[TokenDelta]:
         """The step's copies between tiers ran (``failures``: those that did not); a request
         whose load failed ends, and only it."""
         errors = {id(t.seq): e for t, e in failures}
@@ -404,19 +400,19 @@ class EngineCore:
             if not self._ending(r)
         ]
 
-    def step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+    def step_failed(self, out: SchedulerOutput, error: Exception) -> list[TokenDelta]:
         """Preparing or running a step raised: its plan is released and its requests end."""
         self.counters["steps.failed"] += 1
         log.error("step.failed", error=repr(error), requests=[s.request.request_id for s in out.seqs])
         failed = self.scheduler.fail_step(out)
         return [self.fail_request(r, "model step failed", error, finish=False) for r in failed]
 
-    def output_failed(self, req: Request, error: Exception) -> RequestOutput:
-        """Detokenizing or stop-checking ``req``'s token raised: only that request ends."""
+    def output_failed(self, req: Request, error: Exception) -> TokenDelta:
+        """Stop-checking ``req``'s token (advancing its grammar) raised: only that request ends."""
         log.error("request.output_failed", request_id=req.request_id, error=repr(error))
         return self.fail_request(req, "output processing failed", error)
 
-    def recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+    def recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[TokenDelta]:
         """Publishing a step's results raised: end that step's requests, keep serving the rest.
 
         A commit that raises leaves every cache structure whole and its plan in flight holding
@@ -440,27 +436,27 @@ class EngineCore:
 
     def fail_request(
         self, req: Request, what: str, error: BaseException, *, finish: bool = True
-    ) -> RequestOutput:
+    ) -> TokenDelta:
         """End ``req`` with ``finish_reason="error"``, releasing its blocks and slots."""
         if finish:
             self._end(req, "error", publish_output=False)
         self.counters["requests.failed"] += 1
-        return self._final_output(req, "error", [], "", error=f"{what}: {type(error).__name__}: {error}")
+        return self.final_delta(req, "error", error=f"{what}: {type(error).__name__}: {error}")
 
-    def process_token(self, req: Request, token: int) -> RequestOutput:
-        """Detokenize one new token of ``req`` (already in ``req.token_ids``), check its stop
-        conditions, and build its output; a request that stops ends here."""
+    def process_token(self, req: Request, token: int) -> TokenDelta:
+        """Check the stop conditions of ``req``'s new token (already in ``req.token_ids``): its
+        stop token ids (EOS unless ``ignore_eos``), its grammar's end, ``max_tokens`` and
+        ``max_model_len``, and build its delta; a request that stops ends here. Text and stop
+        strings are the front end's (``engine/front/output_processor.py``)."""
         self.counters["tokens.generated"] += 1
         state = self.states[req.request_id]
-        detok = state.detokenizer
-        text = detok.add([token])
         params: SamplingParams = req.sampling_params
         num_tokens = len(req.token_ids)
         n_out = num_tokens - len(req.prompt_token_ids)
         reason: str | None = None
         if state.matcher is not None and _constraint_done(state.matcher, token):
             reason = "stop"  # the constraint is complete: nothing more may follow
-        elif (token in state.stop_ids or detok.stopped) and n_out >= params.min_tokens:
+        elif token in state.stop_ids and n_out >= params.min_tokens:
             reason = "stop"
         elif n_out >= params.max_tokens or num_tokens >= self.max_model_len:
             reason = "length"
@@ -468,43 +464,39 @@ class EngineCore:
         if params.logprobs is not None:  # filled by the runner when it sampled the token
             logprobs, state.logprobs = state.logprobs, []
         if reason is None:
-            out = RequestOutput(
+            out = TokenDelta(
                 request_id=req.request_id,
                 token_ids=[token],
-                text=text,
                 num_prompt_tokens=len(req.prompt_token_ids),
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 logprobs=logprobs,
             )
         else:
-            text += detok.flush()
             self._end(req, reason)
             self.counters["requests.finished"] += 1
-            out = self._final_output(req, reason, [token], text, logprobs=logprobs)
+            out = self.final_delta(req, reason, [token], logprobs=logprobs)
         if req.first_token_time is None:
             _stamp_first_token(req, out)
         if req.compute_whole_prompt:  # its first token: the prompt is computed
             _hand_out_prompt_logprobs(req, state, out)
         return out
 
-    def _final_output(
+    def final_delta(
         self,
         req: Request,
         reason: str,
-        token_ids: list[int],
-        text: str,
+        token_ids: list[int] | None = None,
         error: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput:
-        """The last output of a request that has ended; its engine-side state goes."""
+    ) -> TokenDelta:
+        """The last delta of a request that has ended (or never started: an add the core
+        refused); its engine-side state goes."""
         state = self.states.pop(req.request_id, None)
         if state is not None and state.matcher is not None:
             self.runner.num_constrained -= 1
-        return RequestOutput(
+        return TokenDelta(
             request_id=req.request_id,
-            token_ids=token_ids,
-            text=text,
-            finished=True,
+            token_ids=token_ids if token_ids is not None else [],
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -513,6 +505,23 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ introspection
+    def ready(self, stats: dict[str, Any]) -> Ready:
+        """What this core tells a front end when it starts (``messages.Ready``); ``stats`` as
+        the placement reports them."""
+        ip = self.input_processor
+        defaults, source = self.sampling_defaults
+        template = self.tokenizer.chat_template if self.config.model.chat_template else None
+        return Ready(
+            self.model_info,
+            list(ip.salt_parts),
+            ip.max_token_chars,
+            os.getpid(),
+            stats,
+            sampling_defaults=dict(defaults),
+            sampling_source=source,
+            chat_template=template,
+        )
+
     @property
     def num_constrained(self) -> int:
         """Running requests with a constraint (their steps are masked, and not overlapped)."""
@@ -534,7 +543,7 @@ class EngineCore:
         out["time"] = time.time()
         return out
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[TokenDelta]:
         """Abort every request still queued or running (engine exit); their final outputs (with
         async scheduling, first those of the step in flight, which is finished first)."""
         drained = self.overlap.drain() if self.overlap is not None else []
@@ -543,7 +552,7 @@ class EngineCore:
         return drained + [o for o in outs if o is not None]
 
 
-def _stamp_first_token(req: Request, out: RequestOutput) -> None:
+def _stamp_first_token(req: Request, out: TokenDelta) -> None:
     """``out`` carries ``req``'s first token: how long it waited for admission, and how long from
     admission to this token (its prefill, with any preemption in between)."""
     now = time.monotonic()
@@ -553,7 +562,7 @@ def _stamp_first_token(req: Request, out: RequestOutput) -> None:
     out.prefill_time_s = max(now - scheduled, 0.0)
 
 
-def _hand_out_prompt_logprobs(req: Request, state: RequestState, out: RequestOutput) -> None:
+def _hand_out_prompt_logprobs(req: Request, state: RequestState, out: TokenDelta) -> None:
     """The prompt log-probabilities go out with the request's first output; after that a
     recompute (a preemption) may take prefix hits again."""
     out.prompt_logprobs = state.prompt_logprobs

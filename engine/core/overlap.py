@@ -11,7 +11,7 @@ kernels), and each ``EngineCore.step()`` call does, on the caller's thread::
     prepare N+1      host tensors; then hand N+1 to the worker, whose input ids for the
                      placeholders are read from N's sampled-token tensor on the device
     process N        wait for N's tokens (the only wait), fill the placeholders in, then
-                     detokenize, check stops and build outputs while N+1 runs
+                     check stops and build outputs while N+1 runs
 
 so ``step()`` returns step N's outputs while N+1 is in flight. (While some request has a
 constraint, ``EngineCore.num_constrained``, N is processed before N+1 is scheduled: a
@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from deltaserve.engine.outputs import RequestOutput
+from deltaserve.engine.messages import TokenDelta
 from deltaserve.engine.runner.host_pool import Failure
 from deltaserve.engine.runner.model_runner import PreparedStep, StepResult
 from deltaserve.logs import get_logger
@@ -84,14 +84,14 @@ class StepHost(Protocol):
 
     @property
     def num_constrained(self) -> int: ...
-    def land(self, out: SchedulerOutput, failures: Sequence[Failure]) -> list[RequestOutput]: ...
-    def step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]: ...
-    def recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]: ...
+    def land(self, out: SchedulerOutput, failures: Sequence[Failure]) -> list[TokenDelta]: ...
+    def step_failed(self, out: SchedulerOutput, error: Exception) -> list[TokenDelta]: ...
+    def recover_failed_update(self, out: SchedulerOutput, error: Exception) -> list[TokenDelta]: ...
     def fail_request(
         self, req: Request, what: str, error: BaseException, *, finish: bool = True
-    ) -> RequestOutput: ...
-    def process_token(self, req: Request, token: int) -> RequestOutput: ...
-    def output_failed(self, req: Request, error: Exception) -> RequestOutput: ...
+    ) -> TokenDelta: ...
+    def process_token(self, req: Request, token: int) -> TokenDelta: ...
+    def output_failed(self, req: Request, error: Exception) -> TokenDelta: ...
 
 
 class Overlap:
@@ -128,10 +128,10 @@ class Overlap:
             self.core.scheduler.finish(req, reason, publish_output=publish_output)
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenDelta]:
         """One turn: commit step N (on the worker) ahead of its result, schedule and launch
         N+1, then process N's tokens while N+1 runs; N's outputs."""
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         prev, self.flight = self.flight, None
         self.core.phases.enter("cache_commit")
         if prev is not None and not self._commit_ahead(prev, outputs):
@@ -152,9 +152,9 @@ class Overlap:
             self._process_result(prev, outputs)
         return outputs
 
-    def drain(self) -> list[RequestOutput]:
+    def drain(self) -> list[TokenDelta]:
         """Finish the step in flight without starting another."""
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         while self.flight is not None:
             prev, self.flight = self.flight, None
             if self._commit_ahead(prev, outputs):
@@ -170,7 +170,7 @@ class Overlap:
             self._worker.shutdown(wait=True)
             self._worker = None
 
-    def _commit_ahead(self, flight: InFlight, outputs: list[RequestOutput]) -> bool:
+    def _commit_ahead(self, flight: InFlight, outputs: list[TokenDelta]) -> bool:
         """Commit step N's plan before its result is known (the forward may still run): every
         request that samples in N gets the placeholder of its row, so the scheduler sees it
         decoding. False when the commit raised (handled like a failed commit, once the step
@@ -199,7 +199,7 @@ class Overlap:
         return True
 
     def _submit(
-        self, out: SchedulerOutput, prev: InFlight | None, outputs: list[RequestOutput]
+        self, out: SchedulerOutput, prev: InFlight | None, outputs: list[TokenDelta]
     ) -> InFlight | None:
         """Prepare step ``out`` on this thread and hand it to the forward worker (its host-tier
         copies, then its forward); None (and its requests ended) if preparing it failed."""
@@ -247,8 +247,8 @@ class Overlap:
             self._worker_broken = True
             raise
 
-    def _process_result(self, flight: InFlight, outputs: list[RequestOutput]) -> None:
-        """Step N's tokens: fill the placeholders, then detokenize, check stops and build
+    def _process_result(self, flight: InFlight, outputs: list[TokenDelta]) -> None:
+        """Step N's tokens: fill the placeholders, then check stops and build
         outputs (the next step runs meanwhile). A request that ended while N was in flight has
         its token discarded."""
         try:
@@ -278,7 +278,7 @@ class Overlap:
                 core.states[req.request_id].logprobs.append(logprobs[row])  # type: ignore[arg-type]
             try:
                 outputs.append(core.process_token(req, token))
-            except Exception as e:  # detokenizer / stop check of one request: that request ends
+            except Exception as e:  # the stop check of one request (its grammar): that request ends
                 outputs.append(core.output_failed(req, e))
 
     def _observe(self, out: SchedulerOutput, result: StepResult) -> None:
@@ -294,14 +294,14 @@ class Overlap:
         self.core.scheduler.observe_step(out, max(ended - max(started, self._last_ready), 0.0))
         self._last_ready = ended
 
-    def _recover(self, flight: InFlight, error: Exception) -> list[RequestOutput]:
+    def _recover(self, flight: InFlight, error: Exception) -> list[TokenDelta]:
         """Step N failed on the worker after its plan was committed. It ends N's requests and
         those of step N+1 (scheduled on N's results, refused by the worker), and drops what N's
         commit published: KV blocks and checkpoints its forward never wrote."""
         core = self.core
         core.counters["steps.failed"] += 1
         log.error("step.failed", error=repr(error), requests=[s.request.request_id for s in flight.out.seqs])
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         nxt, self.flight = self.flight, None
         if nxt is not None:
             with contextlib.suppress(Exception):

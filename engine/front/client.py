@@ -1,11 +1,12 @@
 """The EngineClient seam: what a front end (the OpenAI server) needs of an engine. Torch-free.
 
-``AsyncEngine`` (one engine in this process) and the cluster's ``RemoteEngine`` (replicas
-behind a router) both implement ``EngineClient``; the server is typed against it only.
+``AsyncEngine`` implements ``EngineClient`` in every placement of the engine core (this process,
+a core process, the cluster's replicas: ``engine/front/core_client.py``); the server and
+applications are typed against it only.
 
-* ``RequestInput`` holds one request's fields, written once; ``generate`` packs them and the
-  implementation's ``submit`` takes them from there. No validation in the struct: the
-  ``InputProcessor`` validates.
+* ``RequestInput`` (``engine/front/input_processor.py``, re-exported here) holds one request's
+  fields, written once; ``generate`` packs them and the implementation's ``submit`` takes them
+  from there. No validation in the struct: the ``InputProcessor`` validates.
 * ``ModelInfo`` describes the served model once the client has started.
 * ``EngineClient`` is a protocol with two members written once for every implementation:
   ``generate`` (the public signature; it packs a ``RequestInput`` for the implementation's
@@ -23,28 +24,24 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import msgspec
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.front.input_processor import InputProcessor, Prompt, RequestInput
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from deltaserve.engine.constraint import Constraint
-    from deltaserve.engine.front.input_processor import InputProcessor, Prompt
+
+__all__ = [
+    "AbortingStream",
+    "EngineClient",
+    "ModelInfo",
+    "OutputStream",
+    "RequestInput",
+    "not_started",
+]
 
 _C = TypeVar("_C")
 _S_co = TypeVar("_S_co", bound="OutputStream", covariant=True)
-
-
-class RequestInput(msgspec.Struct, kw_only=True):
-    """One request as ``generate`` receives it (``AsyncEngine.generate`` documents each field)."""
-
-    prompt: Any  # a str, a list of token ids, or chat messages
-    sampling_params: SamplingParams | None = None
-    request_id: str | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    tools: list[dict] | None = None
-    chat_template_kwargs: dict | None = None
-    chat_template: str | None = None
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):

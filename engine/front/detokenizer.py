@@ -185,17 +185,3 @@ class IncrementalDetokenizer:
         """At the end of a request: release whatever is held back (never past a stop)."""
         out, self._pending = self._pending, ""
         return out
-
-
-class NoDetokenizer:
-    """``IncrementalDetokenizer``'s place in an engine core whose front end detokenizes (the
-    core in its own process, ``engine/core/core_proc.py``): no text, no stop strings (the front end
-    applies them and aborts the request)."""
-
-    stopped = False
-
-    def add(self, token_ids: list[int]) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""

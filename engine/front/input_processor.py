@@ -16,15 +16,14 @@ import copy
 import itertools
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import msgspec
 
 from deltaserve.cache.hashing import make_salt
 from deltaserve.engine.errors import InvalidRequestError, PromptTooLongError
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.scheduler.request import Request
-
-if TYPE_CHECKING:
-    from deltaserve.engine.front.client import RequestInput
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -37,6 +36,19 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
      "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
      "tokenizer_kwargs", "continue_final_message"}
 )  # fmt: skip
+
+
+class RequestInput(msgspec.Struct, kw_only=True):
+    """One request as ``generate`` receives it (``AsyncEngine.generate`` documents each field)."""
+
+    prompt: Any  # a str, a list of token ids, or chat messages
+    sampling_params: SamplingParams | None = None
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+    chat_template: str | None = None
 
 
 def short_repr(value: object, limit: int = 60) -> str:

@@ -1,7 +1,7 @@
 """RequestState: the engine-side state of one request, beside the torch-free scheduler ``Request``.
 
 ``EngineCore.states`` keeps one per running request (created when the request is added,
-dropped when it ends). It holds what the scheduler must not see: the detokenizer, the stop
+dropped when it ends). It holds what the scheduler must not see: the stop
 ids, the request's seeded generator, the tensors the sampler builds once per request and
 the prompt log-probabilities the runner fills in while it computes the prompt.
 """
@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from deltaserve.engine.front.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from deltaserve.engine.outputs import TokenLogprob
 
 
@@ -22,7 +21,6 @@ class RequestState:
     """Engine-side state of one request, kept by ``EngineCore.states`` beside the torch-free
     scheduler ``Request`` (created at ``add_request``, dropped when the request ends)."""
 
-    detokenizer: IncrementalDetokenizer | NoDetokenizer  # NoDetokenizer: the front end detokenizes
     stop_ids: frozenset[int]  # stop_token_ids, plus the model's EOS ids unless ignore_eos
     generator: torch.Generator | None  # per-request RNG when SamplingParams.seed is set
     # log-probabilities of the tokens sampled since the engine last took them (logprobs requests)

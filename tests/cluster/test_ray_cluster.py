@@ -173,7 +173,7 @@ async def test_turns_stick_and_conversations_spread(apps: Apps) -> None:
 
 
 async def test_prefix_routing_beats_pow2_on_token_hit_rate(apps: Apps) -> None:
-    from deltaserve.cluster.remote import load_tokenizer
+    from deltaserve.models.tokenizer import load_tokenizer
     from deltaserve.tools.loadgen import OpenAIBackend, Sampling, run_live
     from deltaserve.tools.workloads import (
         ArrivalParams,

@@ -1,12 +1,15 @@
-"""The ingress's engine over a handle, with a scripted fake handle: validation and tokenization at
-the ingress, route hints, retries of requests whose replica died before any output, errors (never
-silence) after output, typed errors passed through, cancellation. Needs Ray's exception types only."""
+"""The ingress's core client over a scripted fake handle (``RayCoreClient`` under an
+``AsyncEngine``): validation and tokenization at the ingress, route hints, text made at the
+ingress from the replica's token deltas, retries of requests whose replica died before any
+output, errors (never silence) after output or on a refusal, cancellation. Needs Ray's
+exception types only."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs Ray: pip install 'deltaserve[cluster]'")
@@ -14,30 +17,49 @@ ray = pytest.importorskip("ray", reason="needs Ray: pip install 'deltaserve[clus
 from ray import exceptions as rx  # noqa: E402
 
 from deltaserve.cluster.affinity import route_keys  # noqa: E402
-from deltaserve.cluster.remote import RemoteEngine, is_replica_failure, load_tokenizer  # noqa: E402
-from deltaserve.engine import EngineConfig, SamplingParams  # noqa: E402
+from deltaserve.cluster.ray_core import RayCoreClient, is_replica_failure  # noqa: E402
+from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError  # noqa: E402
 from deltaserve.engine.front.client import RequestInput  # noqa: E402
+from deltaserve.engine.messages import AddRequest, TokenDelta  # noqa: E402
 from deltaserve.engine.outputs import RequestOutput  # noqa: E402
 
+MODEL = "builtin:tiny-qwen3.5"
 INFO = {
-    "replica": "r0", "name": "builtin:tiny-qwen3.5", "model_type": "qwen3_5_text", "salt_parts": ["/m", "auto", "default"],
+    "replica": "r0", "name": MODEL, "model_type": "qwen3_5_text", "salt_parts": ["/m", "auto", "default"],
     "block_size": 16, "checkpoint_unit": 64, "has_gdn": True, "max_model_len": 2048, "vocab_size": 1024,
     "max_token_chars": 32, "capacity": {"num_kv_blocks": 100},
 }  # fmt: skip
 
 
+def d(tokens: list[int], finished: bool = False) -> tuple[list[int], bool]:
+    """A scripted delta of the call's request: its tokens, and whether it is the last."""
+    return tokens, finished
+
+
 class FakeCall:
-    def __init__(self, items: list[Any]) -> None:
+    """One streaming ``generate`` call: scripted items; a ``d(...)`` becomes the msgpack list of
+    one ``TokenDelta`` of the call's request, as a replica sends it."""
+
+    def __init__(self, payload: bytes, items: list[Any]) -> None:
+        self.add = msgspec.msgpack.decode(payload, type=AddRequest)
         self.items = list(items)
         self.cancelled = False
 
     async def __anext__(self) -> Any:
+        await asyncio.sleep(0)
         if not self.items:
             raise StopAsyncIteration
         x = self.items.pop(0)
+        if isinstance(x, asyncio.Event):  # the replica is slow: the call waits here
+            await x.wait()
+            x = self.items.pop(0)
         if isinstance(x, BaseException):
             raise x
+        if isinstance(x, tuple):
+            tokens, last = x
+            delta = TokenDelta(self.add.request_id, tokens, finish_reason="length" if last else None)
+            return msgspec.msgpack.encode([delta])
         return x
 
     def cancel(self) -> None:
@@ -45,13 +67,14 @@ class FakeCall:
 
 
 class FakeHandle:
-    """``handle.options(stream=True).generate.remote(...)``: one scripted call per script."""
+    """``handle.options(stream=True).generate.remote(...)``: one scripted call per script;
+    ``handle.describe.remote()``: ``INFO``."""
 
     deployment_name = "EngineReplica"
 
     def __init__(self, *scripts: list[Any]) -> None:
         self.scripts = list(scripts)
-        self.calls: list[tuple[tuple[Any, ...], dict[str, Any], FakeCall]] = []
+        self.calls: list[tuple[FakeCall, dict[str, Any]]] = []
 
     def options(self, **kw: Any) -> FakeHandle:
         return self
@@ -60,29 +83,26 @@ class FakeHandle:
     def generate(self) -> FakeHandle:
         return self
 
-    def remote(self, *args: Any, **kwargs: Any) -> FakeCall:
-        call = FakeCall(self.scripts.pop(0))
-        self.calls.append((args, kwargs, call))
+    @property
+    def describe(self) -> Any:
+        class Describe:
+            async def remote(self) -> dict[str, Any]:
+                return dict(INFO)
+
+        return Describe()
+
+    def remote(self, payload: bytes, **kwargs: Any) -> FakeCall:
+        call = FakeCall(payload, self.scripts.pop(0))
+        self.calls.append((call, kwargs))
         return call
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer("builtin:tiny-qwen3.5")
-
-
-def engine(tokenizer: Any, *scripts: list[Any]) -> tuple[RemoteEngine, FakeHandle]:
+async def engine(*scripts: list[Any]) -> tuple[AsyncEngine, RayCoreClient, FakeHandle]:
     handle = FakeHandle(*scripts)
-    eng = RemoteEngine(handle, EngineConfig(), max_retries=2)
-    eng.prepare(INFO, tokenizer)
-    return eng, handle
-
-
-def out(tokens: list[int], finished: bool = False, index: int = 0) -> RequestOutput:
-    return RequestOutput(
-        request_id="x", token_ids=tokens, text="t" * len(tokens), finished=finished,
-        finish_reason="length" if finished else None, index=index, num_prompt_tokens=200, num_cached_tokens=64,
-    )  # fmt: skip
+    config = EngineConfig.load(None, {"model.path": MODEL})
+    client = RayCoreClient(handle, config, max_retries=2)
+    eng = await AsyncEngine(config, client=client).start()
+    return eng, client, handle
 
 
 async def collect(stream: Any) -> list[RequestOutput]:
@@ -90,36 +110,38 @@ async def collect(stream: Any) -> list[RequestOutput]:
 
 
 PROMPT = [(5 * i + 1) % 1000 + 3 for i in range(200)]
+ACCEPT = {"accepted": "r1", "request_id": "q"}
 
 
-async def test_stream_hint_and_route(tokenizer: Any) -> None:
-    eng, handle = engine(tokenizer, [{"accepted": "r1", "request_id": "q1"}, [out([1, 2])], [out([3], True)]])
+async def test_stream_hint_route_and_text_at_the_ingress() -> None:
+    eng, client, handle = await engine([{"accepted": "r1", "request_id": "x"}, d([1, 2]), d([3], True)])
     s = eng.generate(PROMPT, SamplingParams(max_tokens=3), request_id="q1", cache_salt="t")
     outs = await collect(s)
     assert [o.token_ids for o in outs] == [[1, 2], [3]] and outs[-1].finished and s.finished
-    args, kwargs, _ = handle.calls[0]
-    assert args[0] == PROMPT and kwargs["request_id"] == "q1" and kwargs["cache_salt"] == "t"
+    assert "".join(o.text for o in outs) == eng.tokenizer.decode([1, 2, 3], skip_special_tokens=True)
+    call, kwargs = handle.calls[0]
+    assert call.add.prompt_token_ids == PROMPT and call.add.sampling_params.max_tokens == 3
     hint = kwargs["route"]
     salt = eng.input_processor.process(RequestInput(prompt=PROMPT, cache_salt="t")).cache_salt
+    assert call.add.cache_salt == salt
     assert list(hint.keys) == route_keys(PROMPT, block_size=16, unit=64, salt=salt) and hint.num_tokens == 200
-    assert eng.routes["q1"] == {"replica": "r1", "attempt": 1} and not eng._streams
+    assert client.routes["q1"] == {"replica": "r1", "attempt": 1} and not client._calls
+    await eng.shutdown()
 
 
-async def test_chat_is_tokenized_once_at_the_ingress(tokenizer: Any) -> None:
-    eng, handle = engine(tokenizer, [{"accepted": "r1", "request_id": "c"}, [out([1], True)]])
+async def test_chat_is_tokenized_once_at_the_ingress() -> None:
+    eng, _, handle = await engine([ACCEPT, d([1], True)])
     msgs = [{"role": "user", "content": "hello there"}]
     await collect(eng.generate(msgs, SamplingParams(max_tokens=1)))
-    sent = handle.calls[0][0][0]
-    assert sent == list(
-        tokenizer.encode(
-            tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False,
-        )
-    )
+    tok = eng.tokenizer
+    sent = handle.calls[0][0].add.prompt_token_ids
+    rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert sent == list(tok.encode(rendered, add_special_tokens=False))
+    await eng.shutdown()
 
 
-async def test_bad_input_is_refused_before_any_call(tokenizer: Any) -> None:
-    eng, handle = engine(tokenizer)
+async def test_bad_input_is_refused_before_any_call() -> None:
+    eng, _, handle = await engine()
     with pytest.raises(InvalidRequestError):
         eng.generate([5000], SamplingParams(max_tokens=1))  # outside the vocabulary
     with pytest.raises(InvalidRequestError):
@@ -127,77 +149,82 @@ async def test_bad_input_is_refused_before_any_call(tokenizer: Any) -> None:
     with pytest.raises(Exception, match="max_model_len"):
         eng.generate([3] * 3000, SamplingParams(max_tokens=1))
     assert handle.calls == []
+    await eng.shutdown()
 
 
 @pytest.mark.parametrize("when", ["before-accept", "after-accept"])
-async def test_a_replica_that_dies_before_output_is_retried_elsewhere(tokenizer: Any, when: str) -> None:
-    first = (
-        [rx.ActorDiedError()]
-        if when == "before-accept"
-        else [{"accepted": "r1", "request_id": "q"}, rx.ActorDiedError()]
-    )
-    eng, handle = engine(tokenizer, first, [{"accepted": "r2", "request_id": "q"}, [out([7], True)]])
-    s = eng.generate(PROMPT, SamplingParams(max_tokens=1), request_id="q")
-    outs = await collect(s)
+async def test_a_replica_that_dies_before_output_is_retried_elsewhere(when: str) -> None:
+    first = [rx.ActorDiedError()] if when == "before-accept" else [ACCEPT, rx.ActorDiedError()]
+    eng, client, handle = await engine(first, [{"accepted": "r2", "request_id": "q"}, d([7], True)])
+    outs = await collect(eng.generate(PROMPT, SamplingParams(max_tokens=1), request_id="q"))
     assert [o.token_ids for o in outs] == [[7]] and outs[0].finish_reason == "length"
-    assert len(handle.calls) == 2 and eng.counters["retries"] == 1 and eng.routes["q"]["replica"] == "r2"
-
-
-async def test_a_replica_that_dies_after_output_ends_the_request_with_an_error(tokenizer: Any) -> None:
-    eng, _ = engine(
-        tokenizer, [{"accepted": "r1", "request_id": "q"}, [out([1]), out([2], index=1)], rx.ActorDiedError()]
+    assert (
+        len(handle.calls) == 2 and client.counters["retries"] == 1 and client.routes["q"]["replica"] == "r2"
     )
-    s = eng.generate(PROMPT, SamplingParams(max_tokens=4, n=2), request_id="q")
-    outs = await collect(s)
+    await eng.shutdown()
+
+
+async def test_a_replica_that_dies_after_output_ends_the_request_with_an_error() -> None:
+    # n = 2: completion 0 alone until its first delta, then completion 1 (one call each)
+    eng, client, _ = await engine(
+        [ACCEPT, d([1]), rx.ActorDiedError()], [ACCEPT, d([2]), rx.ActorDiedError()]
+    )
+    outs = await collect(eng.generate(PROMPT, SamplingParams(max_tokens=4, n=2), request_id="q"))
     ends = [o for o in outs if o.finished]
     assert sorted(o.index for o in ends) == [0, 1]  # every completion ends, none silently
     assert all(o.finish_reason == "error" and "replica r1 failed" in (o.error or "") for o in ends)
-    assert eng.counters["failed"] == 1 and eng.counters["retries"] == 0
+    assert client.counters["failed"] == 2 and client.counters["retries"] == 0
+    await eng.shutdown()
 
 
-async def test_retries_are_bounded(tokenizer: Any) -> None:
-    eng, handle = engine(tokenizer, [rx.ActorDiedError()], [rx.ActorDiedError()], [rx.ActorDiedError()])
+async def test_retries_are_bounded() -> None:
+    eng, _, handle = await engine([rx.ActorDiedError()], [rx.ActorDiedError()], [rx.ActorDiedError()])
     outs = await collect(eng.generate(PROMPT, SamplingParams(max_tokens=1)))
     assert len(handle.calls) == 3 and outs[-1].finish_reason == "error"
+    await eng.shutdown()
 
 
-async def test_typed_rejections_pass_through_and_early_end_is_an_error(tokenizer: Any) -> None:
+async def test_a_refusal_and_an_early_end_are_errors() -> None:
     try:
         raise EngineOverloadedError("waiting queue is full")
     except EngineOverloadedError as e:
         wrapped = rx.RayTaskError("generate", "traceback", e)
-    eng, _ = engine(tokenizer, [wrapped], [{"accepted": "r1", "request_id": "q"}, [out([1])]])
-    with pytest.raises(EngineOverloadedError):
-        await collect(eng.generate(PROMPT, SamplingParams(max_tokens=1)))
+    eng, _, handle = await engine([wrapped], [ACCEPT, d([1])])
+    outs = await collect(eng.generate(PROMPT, SamplingParams(max_tokens=1)))
+    assert len(handle.calls) == 1  # a refusal is not retried
+    assert outs[-1].finish_reason == "error" and "EngineOverloadedError: waiting queue is full" in (
+        outs[-1].error or ""
+    )
     outs = await collect(eng.generate(PROMPT, SamplingParams(max_tokens=4)))  # the stream just stops
     assert outs[-1].finish_reason == "error" and "ended the stream" in (outs[-1].error or "")
     assert is_replica_failure(rx.ActorDiedError()) and not is_replica_failure(wrapped)
+    await eng.shutdown()
 
 
-async def test_leaving_early_cancels_the_remote_call(tokenizer: Any) -> None:
-    eng, handle = engine(
-        tokenizer, [{"accepted": "r1", "request_id": "q"}, [out([1])], [out([2])], [out([3], True)]]
-    )
+async def test_leaving_early_cancels_the_remote_call() -> None:
+    eng, client, handle = await engine([ACCEPT, d([1]), asyncio.Event(), d([2]), d([3], True)])
     s = eng.generate(PROMPT, SamplingParams(max_tokens=3))
     async for _ in s:
         break  # the inner generator is finalised by the loop: that cancels the call
     for _ in range(10):
         await asyncio.sleep(0)
-    assert handle.calls[0][2].cancelled and s.finished and not eng._streams
+    assert handle.calls[0][0].cancelled and s.finished and not client._calls
     await eng.shutdown()
     assert not eng.is_healthy()
 
 
-async def test_abort_ends_the_stream_with_abort_and_cancels_the_call(tokenizer: Any) -> None:
-    from deltaserve.engine.front.client import EngineClient
-
-    assert isinstance(RemoteEngine(FakeHandle(), EngineConfig()), EngineClient)  # (not started)
-    eng, handle = engine(tokenizer, [{"accepted": "r1", "request_id": "q"}, [out([1])], [out([2])]])
-    assert isinstance(eng, EngineClient) and eng.started and eng.model_info.checkpoint_unit == 64
+async def test_abort_ends_the_stream_with_abort_and_cancels_the_call() -> None:
+    eng, client, handle = await engine(
+        [ACCEPT, d([1]), asyncio.Event(), d([2])], [ACCEPT, d([5]), asyncio.Event(), d([6])]
+    )
+    assert eng.started and eng.model_info.checkpoint_unit == 64 and eng.core is None
     s = eng.generate(PROMPT, SamplingParams(max_tokens=4, n=2), request_id="q")
     first = await s.__anext__()
     assert await eng.abort("q") and not await eng.abort("other")
     outs = [first] + await collect(s)
     ends = [o for o in outs if o.finished]
     assert sorted(o.index for o in ends) == [0, 1] and all(o.finish_reason == "abort" for o in ends)
-    assert handle.calls[0][2].cancelled and s.finished and not eng._streams
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert all(call.cancelled for call, _ in handle.calls) and not client._calls
+    await eng.shutdown()

@@ -77,14 +77,14 @@ def test_serve_toml_shows_the_defaults() -> None:
     text = EXAMPLE.read_text(encoding="utf-8")
     assert mismatches(text) == []
     # the placement is the real default, not pinned to the thread
-    assert re.search(r'^core_process = "separate"', text, re.M)
+    assert re.search(r'^core_process = "auto"', text, re.M)
     assert re.search(r'^checkpoint_granularity = "block"', text, re.M)
 
 
 def test_the_check_catches_a_changed_default() -> None:
     text = EXAMPLE.read_text(encoding="utf-8")
-    pinned = text.replace('core_process = "separate"', 'core_process = "in_process"')
-    assert mismatches(pinned) == ["[engine] core_process = 'in_process': the default is 'separate'"]
+    pinned = text.replace('core_process = "auto"', 'core_process = "in_process"')
+    assert mismatches(pinned) == ["[engine] core_process = 'in_process': the default is 'auto'"]
     commented = text.replace('# disk_bytes = "16GiB" ', '# disk_bytes = "100GiB"')
     assert commented != text
     assert mismatches(commented) == ["[cache] # disk_bytes = 107374182400: the default is 17179869184"]

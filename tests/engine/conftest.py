@@ -105,3 +105,8 @@ def record_logits(core: EngineCore) -> list[torch.Tensor]:
 
     core.runner.model.forward = recording_forward  # type: ignore[method-assign]
     return seen
+
+
+def separate(config: EngineConfig) -> EngineConfig:
+    """``config`` with the engine core in a process of its own (``engine.core_process``)."""
+    return config.replace(**{"engine.core_process": "separate"})

@@ -74,22 +74,23 @@ def test_stop_token_ids_and_max_tokens(core_factory: Any) -> None:
     assert outs[-1].finish_reason == "stop"
 
 
-def test_stop_strings_cut_the_text(core_factory: Any) -> None:
+async def test_stop_strings_cut_the_text(core_factory: Any) -> None:
+    """Stop strings are the front end's: the core emits token ids only, the output processor
+    cuts the text and ends the request with ``stop`` (and the core drops it)."""
     core = core_factory()
     p = prompt(60, 2)
-    ref = core.make_request(p, greedy(24))
-    core.add_request(ref)
-    outs = run_to_completion(core)[ref.request_id]
-    text = "".join(o.text for o in outs)
-    assert len(text) >= 6
-    stop = text[3:6]
-    req = core.make_request(p, greedy(24, stop=[stop]))
-    core.add_request(req)
-    outs2 = run_to_completion(core)[req.request_id]
-    assert outs2[-1].finish_reason == "stop"
-    got = "".join(o.text for o in outs2)
-    assert got == text[: text.index(stop)]
-    assert stop not in got
+    async with AsyncEngine(core=core) as engine:
+        outs = await collect(engine, p, greedy(24))
+        text = "".join(o.text for o in outs)
+        assert len(text) >= 6
+        stop = text[3:6]
+        outs2 = await collect(engine, p, greedy(24, stop=[stop]))
+        assert outs2[-1].finish_reason == "stop"
+        got = "".join(o.text for o in outs2)
+        assert got == text[: text.index(stop)]
+        assert stop not in got
+        await engine.check_integrity()
+    assert not core.has_work()
 
 
 def test_eos_stops_unless_ignored(core_factory: Any) -> None:
@@ -202,7 +203,7 @@ def test_overload_is_typed_and_immediate(core_factory: Any) -> None:
     with pytest.raises(
         EngineOverloadedError, match=r"waiting queue is full \(2 >= scheduler.max_waiting = 2\)"
     ):
-        core.add_request(core.make_request(prompt(10, 2), greedy(2)))
+        core.check_capacity()  # admission is the front end's call, before add_request
     run_to_completion(core)
 
 

@@ -31,9 +31,11 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
 
 
 def summary(outs: list[RequestOutput]) -> Result:
-    """A request's whole reply: token ids, text, finish reason (exactly one final output)."""
+    """A request's whole reply: token ids, text (an ``AsyncEngine``'s; a core emits token ids
+    only), finish reason (exactly one final output)."""
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
-    return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs), outs[-1].finish_reason
+    text = "".join(getattr(o, "text", "") for o in outs)
+    return [t for o in outs for t in o.token_ids], text, outs[-1].finish_reason
 
 
 def serve(

@@ -215,7 +215,7 @@ def test_a_request_waits_parked_while_others_step_then_runs(
             break
         _step_all(core, outs)
     assert not core.has_work()
-    text = "".join(o.text for o in outs["json"])
+    text = core.tokenizer.decode([t for o in outs["json"] for t in o.token_ids], skip_special_tokens=True)
     assert outs["json"][-1].finish_reason in ("stop", "length")
     if outs["json"][-1].finish_reason == "stop":
         value = json.loads(text)

@@ -5,7 +5,7 @@ A copy of the built-in tiny model whose generation_config.json recommends temper
 top_p 0.95 and top_k 20: a request that leaves those fields unset samples exactly as one that
 sets them to those values; a field the request sets (temperature=0 and 1.0 included) wins;
 ``vllm`` ignores the file; a folder path is read instead of the model's. Both placements
-(``AsyncEngine`` and ``EngineProcClient``) and the HTTP server behave the same, because the
+(``AsyncEngine`` and ``AsyncEngine`` over ``ProcCoreClient``) and the HTTP server behave the same, because the
 defaults are applied by the ``InputProcessor`` (the front door of each).
 """
 
@@ -29,7 +29,7 @@ from deltaserve.engine.errors import ConfigError, PromptTooLongError
 from deltaserve.engine.front.client import RequestInput
 from deltaserve.engine.model_files import check_model, sampling_defaults
 from deltaserve.models import LoadedModel, ensure_builtin_model
-from tests.engine.conftest import make_config
+from tests.engine.conftest import make_config, separate
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 PROMPT = "Hello there"
@@ -168,10 +168,9 @@ async def test_a_generation_config_folder(tmp_path: Path, tiny_loaded: LoadedMod
 
 
 async def test_separate_core_process_applies_the_same_defaults(model_dir: Path) -> None:
-    from deltaserve.engine.front.proc_client import EngineProcClient
 
     cfg = make_config(**{"model.path": str(model_dir), "engine.core_process": "separate"})
-    async with EngineProcClient(cfg) as engine:
+    async with AsyncEngine(separate(cfg)) as engine:
         await _check_engine(engine)
 
 

@@ -1,5 +1,5 @@
-"""EngineProcClient: the engine core in its own process gives what AsyncEngine gives (tokens,
-text, stop strings, n > 1), and its faults stay where they belong (a killed core ends every
+"""AsyncEngine over ProcCoreClient: the engine core in its own process gives what the in-process
+core gives (tokens, text, stop strings, n > 1), and its faults stay where they belong (a killed core ends every
 stream with an error; a killed front end leaves the core and the other front ends serving)."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest_asyncio
 
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
 from deltaserve.engine.errors import EngineDeadError, InvalidRequestError
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.engine.outputs import RequestOutput
 from deltaserve.models import LoadedModel
+from tests.engine.conftest import separate
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -39,8 +39,8 @@ def proc_config() -> EngineConfig:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def proc() -> AsyncIterator[EngineProcClient]:
-    async with EngineProcClient(proc_config()) as client:
+async def proc() -> AsyncIterator[AsyncEngine]:
+    async with AsyncEngine(separate(proc_config())) as client:
         yield client
 
 
@@ -59,7 +59,7 @@ def joined(outs: list[RequestOutput], index: int = 0) -> tuple[list[int], str, s
     return [t for o in mine for t in o.token_ids], "".join(o.text for o in mine), mine[-1].finish_reason
 
 
-async def wait_idle(client: EngineProcClient, timeout: float = 20.0) -> dict[str, Any]:
+async def wait_idle(client: AsyncEngine, timeout: float = 20.0) -> dict[str, Any]:
     """Until the core reports nothing running or waiting (stats taken now); those stats."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -71,7 +71,7 @@ async def wait_idle(client: EngineProcClient, timeout: float = 20.0) -> dict[str
         await asyncio.sleep(0.02)
 
 
-async def test_greedy_outputs_match_the_in_process_engine(proc: EngineProcClient, local: AsyncEngine) -> None:
+async def test_greedy_outputs_match_the_in_process_engine(proc: AsyncEngine, local: AsyncEngine) -> None:
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     for prompt in PROMPTS:
         got = joined(await collect(proc.generate(prompt, params)))
@@ -81,7 +81,7 @@ async def test_greedy_outputs_match_the_in_process_engine(proc: EngineProcClient
 
 
 async def test_seeded_n_completions_match_the_in_process_engine(
-    proc: EngineProcClient, local: AsyncEngine
+    proc: AsyncEngine, local: AsyncEngine
 ) -> None:
     params = SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=7, ignore_eos=True)
     got = await collect(proc.generate("Hello there", params))
@@ -93,7 +93,7 @@ async def test_seeded_n_completions_match_the_in_process_engine(
 
 
 async def test_a_stop_string_ends_the_request_in_the_front_end_and_the_core(
-    proc: EngineProcClient, local: AsyncEngine
+    proc: AsyncEngine, local: AsyncEngine
 ) -> None:
     free = joined(
         await collect(
@@ -115,7 +115,7 @@ async def test_a_stop_string_ends_the_request_in_the_front_end_and_the_core(
     assert after["scheduler.running"] == 0
 
 
-async def test_leaving_a_stream_early_aborts_it_in_the_core(proc: EngineProcClient) -> None:
+async def test_leaving_a_stream_early_aborts_it_in_the_core(proc: AsyncEngine) -> None:
     before = (await wait_idle(proc))["requests.aborted"]
     stream = proc.generate("Hello there", SamplingParams(max_tokens=2000, ignore_eos=True))
     async for out in stream:
@@ -125,7 +125,7 @@ async def test_leaving_a_stream_early_aborts_it_in_the_core(proc: EngineProcClie
     assert stats["requests.aborted"] == before + 1
 
 
-async def test_abort_by_id_and_a_reused_id(proc: EngineProcClient) -> None:
+async def test_abort_by_id_and_a_reused_id(proc: AsyncEngine) -> None:
     stream = proc.generate("Hello there", SamplingParams(max_tokens=2000, ignore_eos=True), request_id="r-1")
     with pytest.raises(InvalidRequestError, match="already in use"):
         proc.generate("Hello", SamplingParams(max_tokens=4), request_id="r-1")
@@ -141,14 +141,14 @@ async def test_abort_by_id_and_a_reused_id(proc: EngineProcClient) -> None:
     assert again[-1].finish_reason == "length"
 
 
-async def test_typed_errors_are_raised_at_the_call(proc: EngineProcClient) -> None:
+async def test_typed_errors_are_raised_at_the_call(proc: AsyncEngine) -> None:
     with pytest.raises(InvalidRequestError):
         proc.generate("Hello", SamplingParams(max_tokens=4), priority=2**40)
     with pytest.raises(InvalidRequestError):
         proc.generate([proc.model_info.vocab_size + 5], SamplingParams(max_tokens=4))
 
 
-async def test_the_core_process_runs_no_detokenizer(proc: EngineProcClient) -> None:
+async def test_the_core_process_runs_no_detokenizer(proc: AsyncEngine) -> None:
     # the core's pid is another process, and its stats carry its own CPU time
     stats = proc.stats()
     assert stats["core.pid"] == proc.core_pid != os.getpid()
@@ -157,7 +157,7 @@ async def test_the_core_process_runs_no_detokenizer(proc: EngineProcClient) -> N
 
 async def test_a_killed_core_ends_every_stream_with_an_error() -> None:
     deaths: list[str] = []
-    async with EngineProcClient(proc_config()) as client:
+    async with AsyncEngine(separate(proc_config())) as client:
         client.on_core_death.append(deaths.append)
         streams = [
             client.generate(p, SamplingParams(max_tokens=5000, ignore_eos=True))
@@ -180,11 +180,10 @@ async def test_a_killed_core_ends_every_stream_with_an_error() -> None:
 FRONT_END = textwrap.dedent(
     """
     import asyncio, sys
-    from deltaserve.engine import EngineConfig, SamplingParams
-    from deltaserve.engine.front.proc_client import EngineProcClient
+    from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
     async def main():
-        client = EngineProcClient(EngineConfig.load(None, {}), address=sys.argv[1])
+        client = AsyncEngine(EngineConfig.load(None, {}), address=sys.argv[1])
         await client.start()
         stream = client.generate("Hello", SamplingParams(max_tokens=100000, ignore_eos=True))
         await stream.__anext__()
@@ -204,7 +203,7 @@ async def test_a_dead_front_end_does_not_stop_the_core_or_the_other_front_end() 
         [sys.executable, "-c", FRONT_END, handle.address], stdout=subprocess.PIPE, text=True
     )
     try:
-        async with EngineProcClient(proc_config(), address=handle.address) as client:
+        async with AsyncEngine(proc_config(), address=handle.address) as client:
             assert other.stdout is not None
             line = await asyncio.get_running_loop().run_in_executor(None, other.stdout.readline)
             assert line.strip() == "streaming"
@@ -233,7 +232,7 @@ async def test_a_burst_on_the_idle_core_is_admitted_together(local: AsyncEngine)
     prompts = [shared + [rng.randrange(3, 1000) for _ in range(40)] for _ in range(3)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
     settings = {**SETTINGS, "scheduler.burst_window_ms": 1000, "scheduler.max_num_batched_tokens": 512}
-    async with EngineProcClient(EngineConfig.load(None, settings)) as client:
+    async with AsyncEngine(separate(EngineConfig.load(None, settings))) as client:
 
         async def later(i: int) -> list[RequestOutput]:
             await asyncio.sleep(0.05 * i)

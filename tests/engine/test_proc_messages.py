@@ -1,13 +1,12 @@
-"""The front end <-> core messages survive msgpack both ways, field for field; ``to_delta`` keeps
-everything of a ``RequestOutput`` but its text (the front end makes the text)."""
+"""The front end <-> core messages survive msgpack both ways, field for field; a core's
+``TokenDelta`` carries token ids, never text (the front end makes the text)."""
 
 from __future__ import annotations
 
 import msgspec
 
-from deltaserve.engine.core.core_proc import pid_alive, to_delta
+from deltaserve.engine.core.ipc_files import pid_alive
 from deltaserve.engine.front.client import ModelInfo
-from deltaserve.engine.front.detokenizer import NoDetokenizer
 from deltaserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -22,7 +21,7 @@ from deltaserve.engine.messages import (
     StepOutputs,
     TokenDelta,
 )
-from deltaserve.engine.outputs import RequestOutput, TokenLogprob
+from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.sampling_params import SamplingParams
 
 
@@ -58,23 +57,28 @@ def test_core_messages_round_trip() -> None:
         assert dec.decode(msgspec.msgpack.encode(checked)) == checked
 
 
-def test_to_delta_keeps_all_but_the_text() -> None:
-    out = RequestOutput(
-        request_id="a:1", token_ids=[4], text="ignored", finished=True, finish_reason="length",
-        num_prompt_tokens=9, num_cached_tokens=64, queue_time_s=0.5, prefill_time_s=0.25,
-        prompt_logprobs=[None, TokenLogprob(1, -1.0, 2)], prompt_token_ids=[0, 1],
-    )  # fmt: skip
-    d = to_delta(out)
-    assert (d.request_id, d.token_ids, d.finish_reason) == ("a:1", [4], "length")
-    assert (d.num_prompt_tokens, d.num_cached_tokens, d.queue_time_s, d.prefill_time_s) == (9, 64, 0.5, 0.25)
-    assert d.prompt_logprobs == out.prompt_logprobs and d.prompt_token_ids == [0, 1]
-    unfinished = to_delta(RequestOutput(request_id="b", token_ids=[1], text="t"))
-    assert unfinished.finish_reason is None
-
-
-def test_no_detokenizer_gives_no_text_and_never_stops() -> None:
-    d = NoDetokenizer()
-    assert d.add([1, 2, 3]) == "" and d.flush() == "" and d.stopped is False
+def test_a_delta_is_finished_by_its_reason_and_ready_carries_the_defaults() -> None:
+    assert not TokenDelta("a", [1]).finished
+    assert TokenDelta("a", [], finish_reason="abort").finished
+    info = ModelInfo(
+        name="m", model_type="t", max_model_len=64, vocab_size=100, block_size=16, checkpoint_unit=64
+    )
+    ready = Ready(
+        info,
+        ["p"],
+        12,
+        77,
+        {},
+        sampling_defaults={"temperature": 0.6},
+        sampling_source="file",
+        chat_template="{{x}}",
+    )
+    back = msgspec.msgpack.Decoder(CoreMessage).decode(msgspec.msgpack.encode(ready))
+    assert (back.sampling_defaults, back.sampling_source, back.chat_template) == (
+        {"temperature": 0.6},
+        "file",
+        "{{x}}",
+    )
 
 
 def test_pid_alive() -> None:

@@ -1,6 +1,6 @@
 """``logging.stats_interval_s`` logs ``engine.stats`` in every placement, with the same fields, and
 the numbers count the work done: the engine core on a thread of this process (``AsyncEngine``),
-in a process of its own (``EngineProcClient``), and ``deltaserve serve`` as a user runs it (the
+in a process of its own (``AsyncEngine`` over ``ProcCoreClient``), and ``deltaserve serve`` as a user runs it (the
 default placement: a separate core process)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
 from deltaserve.engine.front.client import EngineClient
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
+from tests.engine.conftest import separate
 from tests.serve_procs import SERVE
 
 SETTINGS: dict[str, Any] = {
@@ -118,7 +118,7 @@ async def test_core_process_logs_stats(capfd: pytest.CaptureFixture[str]) -> Non
         seen.append(capfd.readouterr().err)
         return [f for f in map(parse, "".join(seen).splitlines()) if f is not None]
 
-    async with EngineProcClient(EngineConfig.load(None, dict(SETTINGS))) as client:
+    async with AsyncEngine(separate(EngineConfig.load(None, dict(SETTINGS)))) as client:
         await two_requests(client)
         fields = await wait_for(lines, done=2)
     check(fields, lines())

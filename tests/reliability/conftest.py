@@ -1,6 +1,6 @@
 """Fixtures of the reliability tests: the built-in tiny model and engine factories (shared
 with tests/engine), and the two placements of the engine core a test can run over
-(``in_process``: ``AsyncEngine``; ``separate``: ``EngineProcClient`` and a core process)."""
+(``in_process``: ``AsyncEngine``; ``separate``: ``AsyncEngine`` over ``ProcCoreClient`` and a core process)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 
 from deltaserve.engine import AsyncEngine, EngineCore
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
-from tests.engine.conftest import core_factory, make_config, tiny_loaded, tiny_path  # noqa: F401 (fixtures)
+from tests.engine.conftest import core_factory, make_config, separate, tiny_loaded, tiny_path  # noqa: F401 (fixtures)
 
 PLACEMENTS = ["in_process", "separate"]
 
-Engine = AsyncEngine | EngineProcClient
+Engine = AsyncEngine
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -42,12 +41,12 @@ def open_engine(placement: str, loaded: LoadedModel, **dotted: Any) -> Engine:
     if placement == "in_process":
         return AsyncEngine(core=EngineCore(config, loaded=loaded))
     assert placement == "separate", placement
-    return EngineProcClient(config)
+    return AsyncEngine(separate(config))
 
 
 async def current_stats(engine: Engine) -> dict[str, Any]:
     """The engine's stats taken now (a separate core is asked; its last sent stats may lag)."""
-    if isinstance(engine, EngineProcClient):
+    if engine.core is None:
         return await engine.fetch_stats()
     return engine.stats()
 

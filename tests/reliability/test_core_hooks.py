@@ -10,9 +10,8 @@ import pytest
 
 from deltaserve.engine import AsyncEngine
 from deltaserve.engine.errors import ConfigError
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
-from tests.engine.conftest import greedy, make_config
+from tests.engine.conftest import greedy, make_config, separate
 from tests.reliability.conftest import PLACEMENTS, open_engine, tokens
 from tests.reliability.core_hooks import HOOK_ENV, inject_leaked_block, use_hook
 
@@ -26,7 +25,7 @@ async def test_check_integrity_reports_the_cores_broken_accounting(
     if placement == "separate":
         use_hook(monkeypatch, "leaked_block")
     async with open_engine(placement, tiny_loaded) as engine:
-        if isinstance(engine, AsyncEngine):
+        if engine.core is not None:  # the core runs in this process
             assert engine.core is not None
             inject_leaked_block(engine.core)
         with pytest.raises(AssertionError, match=r"^1 KV blocks leaked \(neither free, cached nor owned\)$"):
@@ -39,10 +38,10 @@ async def test_check_integrity_reports_the_cores_broken_accounting(
 
 async def test_a_malformed_core_hook_fails_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(HOOK_ENV, "tests.reliability.core_hooks")
-    client = EngineProcClient(make_config())
+    client = AsyncEngine(separate(make_config()))
     with pytest.raises(
         ConfigError,
         match=r"^DELTASERVE_CORE_HOOK = 'tests.reliability.core_hooks': expected module:function$",
     ):
         await asyncio.wait_for(client.start(), TIMEOUT)
-    assert client.handle is not None and not client.handle.alive()
+    assert client.client.handle is not None and not client.client.handle.alive()  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ request, and the engine never dies silently.
 Each reported reproduction is a test here. EngineCore-level tests check integrity after
 every step (``run_to_completion``); engine-level tests bound every wait with a timeout so a
 regression shows as a failure, not a hang. The engine-level fault tests run over both
-placements of the core (``in_process``: ``AsyncEngine``; ``separate``: ``EngineProcClient`` and
+placements of the core (``in_process``: ``AsyncEngine``; ``separate``: ``AsyncEngine`` over ``ProcCoreClient`` and
 a core process, its faults injected through the core hook, tests/reliability/core_hooks.py).
 """
 
@@ -25,7 +25,6 @@ from deltaserve.engine import (
     RequestOutput,
     SamplingParams,
 )
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from deltaserve.scheduler import FCFSPolicy, PolicyContext, Request
 from tests.engine.conftest import greedy, run_to_completion
@@ -137,7 +136,7 @@ async def test_a_step_raising_anything_marks_the_engine_dead(
         use_hook(monkeypatch, "step_fault", at=3, kind=kind)
     engine = open_engine(placement, tiny_loaded)
     await engine.start()
-    if isinstance(engine, AsyncEngine):
+    if engine.core is not None:  # the core runs in this process
         assert engine.core is not None
         inject_step_fault(engine.core, 3, ERRORS[kind])
     streams = [engine.generate(tokens(40, i), greedy(30)) for i in range(3)]
@@ -153,8 +152,8 @@ async def test_a_step_raising_anything_marks_the_engine_dead(
     with pytest.raises(EngineDeadError):
         await engine.check_integrity()
     await asyncio.wait_for(engine.shutdown(), TIMEOUT)  # never raises for a dead loop
-    if isinstance(engine, EngineProcClient):
-        assert engine.handle is not None and engine.handle.exitcode == 1
+    if engine.core is None:
+        assert engine.client.handle is not None and engine.client.handle.exitcode == 1  # type: ignore[attr-defined]
     else:
         assert engine.core is not None
         assert_pools_free(engine.core)
@@ -178,21 +177,24 @@ async def test_a_cancelled_loop_task_marks_the_engine_dead(engine_factory: Any) 
 
 
 # ---------------------------------------------------------------------- 4: per-request faults
-def test_a_raising_detokenizer_ends_only_its_request(core_factory: Any) -> None:
+class _ExplodingStopIds(frozenset[int]):
+    def __contains__(self, token: object) -> bool:
+        raise RuntimeError("injected stop check fault")
+
+
+def test_a_raising_stop_check_ends_only_its_request(core_factory: Any) -> None:
     core: EngineCore = core_factory()
     bad = core.make_request(tokens(30, 1), greedy(8))
     good_prompt = tokens(30, 2)
     good = core.make_request(good_prompt, greedy(8))
     core.add_request(bad)
     core.add_request(good)
-
-    def explode(ids: list[int]) -> str:
-        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-
-    core.states[bad.request_id].detokenizer.add = explode  # type: ignore[method-assign]
+    core.states[bad.request_id].stop_ids = _ExplodingStopIds()
     outs = run_to_completion(core)
     assert outs[bad.request_id][-1].finish_reason == "error"
-    assert "output processing failed: UnicodeDecodeError" in (outs[bad.request_id][-1].error or "")
+    assert "output processing failed: RuntimeError: injected stop check fault" in (
+        outs[bad.request_id][-1].error or ""
+    )
     assert outs[good.request_id][-1].finish_reason == "length"
     assert text_tokens(outs[good.request_id]) == solo_greedy(core_factory, good_prompt, 8)
     assert core.stats()["requests.failed"] == 1
@@ -239,7 +241,7 @@ async def test_a_commit_that_raises_ends_only_its_request_and_the_engine_serves_
         use_hook(monkeypatch, "commit_fault", at=2)
     prompt = tokens(100, 1)
     async with open_engine(placement, tiny_loaded, **{"cache.checkpoint_interval": 64}) as engine:
-        if isinstance(engine, AsyncEngine):
+        if engine.core is not None:  # the core runs in this process
             assert engine.core is not None
             inject_commit_fault(engine.core, 2)
         first = await drain(engine.generate(prompt, greedy(5)))
@@ -338,14 +340,15 @@ async def test_a_broken_policy_never_stops_the_engine(
         assert stats["scheduler.policy_errors"] > 0
 
 
+@pytest.mark.parametrize("placement", ["in_process", "separate"])
 async def test_a_raising_detokenizer_in_the_front_end_ends_only_its_request(
-    tiny_loaded: LoadedModel, core_factory: Any
+    tiny_loaded: LoadedModel, core_factory: Any, placement: str
 ) -> None:
-    """With a separate core the front end detokenizes: a fault there ends its request with an
+    """The front end detokenizes in every placement: a fault there ends its request with an
     error, the core aborts it, and the other request is untouched."""
     good_prompt = tokens(30, 2)
-    async with open_engine("separate", tiny_loaded) as engine:
-        assert isinstance(engine, EngineProcClient)
+    async with open_engine(placement, tiny_loaded) as engine:
+        assert (engine.core is None) == (placement == "separate")
         bad = engine.generate(tokens(30, 1), greedy(8))
         good = engine.generate(good_prompt, greedy(8))
 

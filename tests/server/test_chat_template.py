@@ -19,6 +19,7 @@ from deltaserve.server.app import create_app
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.serving import BackgroundServer
+from tests.engine.conftest import separate
 from tests.server.conftest import server_engine_config
 
 #: the file template: each message as "ROLE: content" lines, then "ASSISTANT:"
@@ -133,12 +134,11 @@ async def test_a_bad_request_template_is_a_400(server: tuple[AsyncEngine, str]) 
 
 
 async def test_the_separate_core_process_uses_the_file_template(template_file: Path) -> None:
-    from deltaserve.engine.front.proc_client import EngineProcClient
 
     cfg = server_engine_config(
         **{"model.chat_template": str(template_file), "engine.core_process": "separate"}
     )
-    async with EngineProcClient(cfg) as engine:
+    async with AsyncEngine(separate(cfg)) as engine:
         assert engine.tokenizer.chat_template == FILE_TEMPLATE
         assert engine.input_processor.tokenize(MESSAGES) == _ids(engine, "USER: hi there\nASSISTANT:")
 

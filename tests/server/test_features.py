@@ -179,7 +179,7 @@ async def test_engine_logprobs_penalties_and_template_arguments(served: Served) 
     def pick(**kw: Any) -> tuple[int, Any]:
         req = Request("p", [5, 7], SamplingParams(max_tokens=9, **kw))
         req.append_token(8)
-        state = RequestState(detokenizer=None, stop_ids=frozenset(), generator=None)  # type: ignore[arg-type]
+        state = RequestState(stop_ids=frozenset(), generator=None)
         logits = torch.full((1, engine.core.vocab_size), -20.0)
         logits[0, 5], logits[0, 6], logits[0, 8] = 10.0, 9.0, 9.5
         token = engine.core.runner.sample(logits, [req], {"p": state})[0]

@@ -1,4 +1,4 @@
-"""The OpenAI server over an engine core in its own process (``EngineProcClient``), seen through
+"""The OpenAI server over an engine core in its own process (``AsyncEngine`` over ``ProcCoreClient``), seen through
 the official ``openai`` client: streaming, ``n > 1``, stop strings ending requests in the core,
 an abort when the client disconnects, and a killed core (streams end with an error, /health 503)."""
 
@@ -17,11 +17,11 @@ import pytest
 import pytest_asyncio
 
 from deltaserve.engine import AsyncEngine, EngineConfig, EngineCore
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
 from deltaserve.server.app import create_app
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.serving import BackgroundServer
+from tests.engine.conftest import separate
 from tests.server.conftest import MODEL, server_engine_config, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -38,8 +38,8 @@ def client_of(url: str) -> Any:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def proc_served() -> AsyncIterator[tuple[EngineProcClient, BackgroundServer]]:
-    engine = EngineProcClient(config())
+async def proc_served() -> AsyncIterator[tuple[AsyncEngine, BackgroundServer]]:
+    engine = AsyncEngine(separate(config()))
     async with serving(engine) as srv:
         yield engine, srv
 
@@ -51,7 +51,7 @@ async def local_url(tiny_loaded: LoadedModel) -> AsyncIterator[str]:
         yield srv.url
 
 
-async def idle_stats(engine: EngineProcClient, timeout: float = 20.0) -> dict[str, Any]:
+async def idle_stats(engine: AsyncEngine, timeout: float = 20.0) -> dict[str, Any]:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         s = await engine.fetch_stats()
@@ -73,7 +73,7 @@ async def streamed_chat(url: str, **kw: Any) -> tuple[dict[int, str], dict[int, 
 
 
 async def test_streaming_and_n_match_the_in_process_server(
-    proc_served: tuple[EngineProcClient, BackgroundServer], local_url: str
+    proc_served: tuple[AsyncEngine, BackgroundServer], local_url: str
 ) -> None:
     _, srv = proc_served
     kw = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -91,7 +91,7 @@ async def test_streaming_and_n_match_the_in_process_server(
 
 
 async def test_a_stop_string_ends_the_request_through_the_core(
-    proc_served: tuple[EngineProcClient, BackgroundServer], local_url: str
+    proc_served: tuple[AsyncEngine, BackgroundServer], local_url: str
 ) -> None:
     engine, srv = proc_served
     kw = {"max_tokens": 32, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -108,7 +108,7 @@ async def test_a_stop_string_ends_the_request_through_the_core(
 
 
 async def test_a_client_that_disconnects_aborts_its_request_in_the_core(
-    proc_served: tuple[EngineProcClient, BackgroundServer],
+    proc_served: tuple[AsyncEngine, BackgroundServer],
 ) -> None:
     engine, srv = proc_served
     before = await idle_stats(engine)
@@ -128,7 +128,7 @@ async def test_a_client_that_disconnects_aborts_its_request_in_the_core(
 
 
 async def test_a_killed_core_ends_open_streams_with_an_error_and_health_503() -> None:
-    engine = EngineProcClient(config())
+    engine = AsyncEngine(separate(config()))
     await engine.start()
     try:
         app = create_app(engine, ServerConfig(served_model_names=[MODEL]))

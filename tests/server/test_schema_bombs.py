@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 
 from deltaserve.engine import AsyncEngine, EngineCore
-from deltaserve.engine.front.proc_client import EngineProcClient
 from deltaserve.models import LoadedModel
+from tests.engine.conftest import separate
 from tests.server.conftest import MODEL, server_engine_config, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -100,7 +100,7 @@ def _config() -> Any:
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["separate", "in_process"])
 async def url(request: Any, tiny_loaded: LoadedModel) -> AsyncIterator[str]:
     if request.param == "separate":
-        engine: Any = EngineProcClient(_config())
+        engine: Any = AsyncEngine(separate(_config()))
     else:
         engine = AsyncEngine(core=EngineCore(_config(), loaded=tiny_loaded))
     async with serving(engine) as srv:

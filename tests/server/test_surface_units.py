@@ -160,7 +160,7 @@ def test_a_key_with_replicas_is_refused_not_dropped(capsys: pytest.CaptureFixtur
 
 
 def test_the_engine_core_runs_in_its_own_process_unless_asked_otherwise() -> None:
-    assert EngineConfig().engine.core_process is CoreProcess.SEPARATE
+    assert EngineConfig().engine.core_process is CoreProcess.AUTO
     assert "engine.core_process" not in engine_overrides(parse())
     assert engine_overrides(parse("--in-process"))["engine.core_process"] == "in_process"
     assert engine_overrides(parse("--engine-process"))["engine.core_process"] == "separate"

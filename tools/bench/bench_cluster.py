@@ -80,8 +80,8 @@ async def _status(url: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from deltaserve.cluster.config import ClusterConfig
     from deltaserve.cluster.local import RayCluster
-    from deltaserve.cluster.remote import load_tokenizer
     from deltaserve.engine.cli import config_from_args
+    from deltaserve.models.tokenizer import load_tokenizer
     from deltaserve.tools.workloads import HFCodec
 
     bench = Bench("bench_cluster", args)
