@@ -173,13 +173,14 @@ def json_request(plan: Plan) -> dict[str, Any]:
     req = core.make_request("JSON:", SamplingParams(max_tokens=64, temperature=0.0, constraint=constraint))
     core.add_request(req)
     outs = drain(core)[req.request_id]
-    text = "".join(o.text for o in outs)
+    # the core emits token ids only (the front end detokenizes): decode the whole reply once
+    text = core.tokenizer.decode([t for o in outs for t in o.token_ids], skip_special_tokens=True)
     try:
         value = json.loads(text)
         ok = set(value) == {"ok", "c"} and isinstance(value["ok"], bool) and value["c"] in ("a", "b")
     except ValueError:
         ok = False
-    return {"ok": ok, "text": text, "finished": bool(outs and outs[-1].finished)}
+    return {"ok": ok, "text": text, "finished": bool(outs and outs[-1].finish_reason is not None)}
 
 
 def timed(device: str, fn: Callable[[], Any], repeat: int = 3) -> float:
