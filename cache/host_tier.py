@@ -251,8 +251,13 @@ class HostTier:
         The eviction strategy's ``worth`` counts the checkpoint's bytes alone; a deep
         conversation also holds its KV path, and a host tier full of deep tails holds few
         conversations. With the fixed pair the KV bytes are not traded, and a strategy whose
-        worth is not per byte (``v1``: a recency) cannot be spread: its own worth."""
+        worth is not per byte (``v1``: a recency) cannot be spread: its own worth. Nor is a
+        leaf's worth that already counts its KV (one device budget: ``kv_block_bytes``)."""
         if self.pages is None or not self.eviction.per_byte:
+            return self.eviction.worth(node)
+        if self.eviction.params.kv_block_bytes and not node.children:
+            # one device budget: the strategy already spreads a leaf's worth over the KV only
+            # it keeps reachable; spreading it again would count that KV twice
             return self.eviction.worth(node)
         own = 0
         above = node.parent

@@ -145,8 +145,8 @@ class _Worth(CheckpointEviction):
     name = "table"
     per_byte = True
 
-    def __init__(self, tree: RadixTree, worth: dict[int, float]) -> None:
-        super().__init__(tree, EvictionParams(block_size=BS))
+    def __init__(self, tree: RadixTree, worth: dict[int, float], kv_block_bytes: int = 0) -> None:
+        super().__init__(tree, EvictionParams(block_size=BS, kv_block_bytes=kv_block_bytes))
         self.table = worth
 
     def on_attach(self, node: Node, kind: Any, history: int | None = None) -> None:
@@ -216,6 +216,32 @@ def test_full_host_keeps_the_newcomer_unless_its_weakest_is_worth_more() -> None
     assert host.demote_checkpoint(tie, device_slot=9)
     assert weakest.host_slot is None and tie.host_slot is not None
     assert sorted(table[n.key] for n in host.attached.values()) == [1.0, 2.0, 3.0]
+
+
+def test_a_leaf_worth_already_per_byte_of_its_kv_is_not_spread_again() -> None:
+    """With one device budget the strategy's worth of a leaf already counts the KV only it
+    keeps reachable: the host ranks it by that worth, not by it spread over the path again
+    (which ranked deep conversations below shallow ones). A checkpoint with nodes below it,
+    and any checkpoint under a fixed device split, is still spread over its own path."""
+    for kv_block_bytes, leaf_worth in ((0, 1.0 / 2), (100, 1.0)):
+        tree = RadixTree()
+        table: dict[int, float] = {}
+        host = HostTier(
+            tree,
+            _Worth(tree, table, kv_block_bytes=kv_block_bytes),
+            num_blocks=0,
+            num_slots=0,
+            kv_block_bytes=100,
+            checkpoint_bytes=100,
+            num_pages=3,
+        )
+        top = tree.insert(tree.root, 1, block_id=0)
+        mid = tree.insert(top, 2, block_id=1)
+        leaf = tree.insert(mid, 3, block_id=2)
+        table.update({mid.key: 1.0, leaf.key: 1.0})
+        tree.attach_checkpoint(mid, 0)  # the leaf's own path is its one block: it ends at ``mid``
+        assert host.worth(leaf) == pytest.approx(leaf_worth)
+        assert host.worth(mid) == pytest.approx(1.0 / 3)  # a child below: spread over mid and top
 
 
 def test_fixed_pair_keeps_its_residents_on_a_tie() -> None:
