@@ -38,6 +38,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from deltaserve.tools.metrics import percentile
+
 T = TypeVar("T")
 
 #: seconds between the two reads of /proc that give each process's CPU%
@@ -53,16 +55,12 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     if not values:
         raise ValueError("spread() of no values")
     ordered = sorted(values)
-    if len(ordered) > 1:
-        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
-    else:
-        q1 = q3 = ordered[0]
     return {
         "median": statistics.median(ordered),
         "min": ordered[0],
         "max": ordered[-1],
-        "q1": q1,
-        "q3": q3,
+        "q1": percentile(ordered, 25),
+        "q3": percentile(ordered, 75),
         "n": len(ordered),
     }
 
