@@ -49,6 +49,10 @@ log = get_logger("deltaserve.cluster")
 
 #: most recent request id -> replica records kept for GET /cluster/routes
 MAX_ROUTES = 4096
+#: core id -> user request id entries kept at most. An entry leaves when its core request ends
+#: or is aborted; the siblings of an ``n > 1`` request aborted before they were sent never
+#: reach either, so the oldest entries go first beyond this bound (far above any live count).
+MAX_USERS = 4 * MAX_ROUTES
 
 _DELTAS = msgspec.msgpack.Decoder(list[TokenDelta])
 
@@ -108,7 +112,8 @@ class RayCoreClient:
         self.deployment_name = deployment_name or getattr(handle, "deployment_name", None)
         self.max_retries = max_retries
         self._tag = f"{os.getpid()}-{os.urandom(3).hex()}"  # core ids of this ingress: TAG:N
-        self._users: dict[str, str] = {}  # core id -> the user's request id (for ``routes``)
+        # core id -> the user's request id (for ``routes``); bounded by MAX_USERS, oldest first
+        self._users: OrderedDict[str, str] = OrderedDict()
         self.info: dict[str, Any] = {}  # a replica's describe()
         self.routes: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.counters = {"requests": 0, "retries": 0, "replica_failures": 0, "failed": 0}
@@ -167,6 +172,8 @@ class RayCoreClient:
         """``TAG:N``: ingress replicas sharing an engine replica never collide."""
         ids = [f"{self._tag}:{next(self._seq)}" for _ in range(n)]
         self._users.update(dict.fromkeys(ids, request_id))
+        while len(self._users) > MAX_USERS:
+            self._users.popitem(last=False)
         return ids
 
     def add_requests(self, adds: list[AddRequest]) -> None:

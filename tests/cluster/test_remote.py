@@ -228,3 +228,24 @@ async def test_abort_ends_the_stream_with_abort_and_cancels_the_call() -> None:
         await asyncio.sleep(0)
     assert all(call.cancelled for call, _ in handle.calls) and not client._calls
     await eng.shutdown()
+
+
+async def test_core_ids_of_completions_never_sent_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``n > 1`` request aborted before its siblings were sent leaves their core ids behind
+    (neither ended nor aborted in the core): the client keeps at most ``MAX_USERS`` of them,
+    dropping the oldest, so a long-running ingress does not grow without bound."""
+    import deltaserve.cluster.ray_core as ray_core
+
+    monkeypatch.setattr(ray_core, "MAX_USERS", 5)
+    eng, client, handle = await engine([ACCEPT, asyncio.Event(), d([1])], [ACCEPT, asyncio.Event(), d([1])])
+    for rid in ("a", "b"):
+        s = eng.generate(PROMPT, SamplingParams(max_tokens=4, n=3), request_id=rid)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert await eng.abort(rid)
+        assert [o.finish_reason for o in await collect(s)] == ["abort"] * 3
+    # completion 0 of each was sent and aborted (its entry left); 2 x 2 unsent siblings remain
+    assert len(handle.calls) == 2 and len(client._users) == 4
+    newest = client.core_ids("c", 3)
+    assert len(client._users) == 5 and all(client._users[i] == "c" for i in newest)
+    await eng.shutdown()
