@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
 #: the README's and CI's test command: the default suite, every skip's reason in the summary
-TEST_COMMAND = "tools/setup.sh && .venv/bin/python -m pytest -q -ra"
+TEST_COMMAND = "tools/setup.sh && .venv/bin/python -m pytest -q -ra -n 2"
 
 
 def _dotted(node: ast.AST) -> str:
