@@ -11,7 +11,10 @@ tokenizer (the vocabulary is the real size; token ids past the tokenizer's are n
 by it, which does not matter for sizing or throughput) with a Qwen3.5-style chat template
 (``tools/qwen35_template.py``: XML tool calls, ``<think>`` opened by the generation prompt),
 so ``deltaserve serve FOLDER`` parses tool calls and reasoning as it would for the real model.
-Loadable by ``model.path = FOLDER``.
+Like the real checkpoints it carries a multi-token-prediction head in real shapes
+(``mtp_num_hidden_layers`` in ``config.json``, ``mtp.*`` tensors in ``model-mtp.safetensors``,
+from their own seed; ``models.builtin.mtp_checkpoint_tensors`` writes Qwen3-Next-style MoE
+heads per expert as well). Loadable by ``model.path = FOLDER``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "linear_conv_kernel_dim": 4,
         "max_position_embeddings": 262144,
         "tie_word_embeddings": True,
+        "mtp_num_hidden_layers": 1,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10_000_000.0,
@@ -61,13 +65,24 @@ def save_tokenizer(out: Path) -> Any:
     return tokenizer
 
 
-def write_shaped_model(name: str, out: Path, dtype: str = "bfloat16") -> Path:
+def write_shaped_model(
+    name: str, out: Path, dtype: str = "bfloat16", shape: dict[str, Any] | None = None
+) -> Path:
+    """Write the folder for ``SHAPES[name]`` (or the given ``shape``, same keys) into ``out``."""
     import torch
     from transformers import GenerationConfig, Qwen3_5TextConfig
 
-    from deltaserve.models.builtin import WEIGHT_SEED, _special_ids, init_random_weights
+    from deltaserve.models.builtin import (
+        MTP_SEED,
+        MTP_WEIGHTS_FILE,
+        WEIGHT_SEED,
+        _special_ids,
+        add_weights_file,
+        init_random_weights,
+        mtp_checkpoint_tensors,
+    )
 
-    shape = dict(SHAPES[name])
+    shape = dict(SHAPES[name] if shape is None else shape)
     model_type = shape.pop("model_type")
     assert model_type == "qwen3_5_text"
     interval = shape.pop("full_attention_interval")
@@ -86,6 +101,10 @@ def write_shaped_model(name: str, out: Path, dtype: str = "bfloat16") -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    del model  # the head below is drawn separately, from its own seed
+    add_weights_file(
+        out, MTP_WEIGHTS_FILE, mtp_checkpoint_tensors(config, seed=MTP_SEED, dtype=getattr(torch, dtype))
+    )
     (out / "SHAPED.json").write_text(
         json.dumps({"shape": name, "seed": WEIGHT_SEED, "dtype": dtype}, indent=2) + "\n"
     )
