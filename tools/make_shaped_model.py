@@ -13,8 +13,9 @@ by it, which does not matter for sizing or throughput) with a Qwen3.5-style chat
 so ``deltaserve serve FOLDER`` parses tool calls and reasoning as it would for the real model.
 Like the real checkpoints it carries a multi-token-prediction head in real shapes
 (``mtp_num_hidden_layers`` in ``config.json``, ``mtp.*`` tensors in ``model-mtp.safetensors``,
-from their own seed; ``models.builtin.mtp_checkpoint_tensors`` writes Qwen3-Next-style MoE
-heads per expert as well). Loadable by ``model.path = FOLDER``.
+from their own seed). ``write_shaped_model(..., shape=)`` also takes a Qwen3-Next-style shape
+(``model_type`` ``qwen3_next`` with its MoE keys; the head's experts are written per expert,
+as published). Loadable by ``model.path = FOLDER``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# model_type -> (transformers config class, model class) of the folders this writes
+_CLASSES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+}
+
+
 def save_tokenizer(out: Path) -> Any:
     """The built-in tokenizer with the Qwen3.5-style chat template, saved into ``out``."""
     from deltaserve.models.builtin import build_tokenizer
@@ -68,9 +76,11 @@ def save_tokenizer(out: Path) -> Any:
 def write_shaped_model(
     name: str, out: Path, dtype: str = "bfloat16", shape: dict[str, Any] | None = None
 ) -> Path:
-    """Write the folder for ``SHAPES[name]`` (or the given ``shape``, same keys) into ``out``."""
+    """Write the folder for ``SHAPES[name]`` (or the given ``shape``, same keys) into ``out``;
+    ``model_type`` ``qwen3_5_text`` or ``qwen3_next`` (then with its MoE keys)."""
     import torch
-    from transformers import GenerationConfig, Qwen3_5TextConfig
+    import transformers
+    from transformers import GenerationConfig
 
     from deltaserve.models.builtin import (
         MTP_SEED,
@@ -84,17 +94,16 @@ def write_shaped_model(
 
     shape = dict(SHAPES[name] if shape is None else shape)
     model_type = shape.pop("model_type")
-    assert model_type == "qwen3_5_text"
+    config_cls, model_cls = _CLASSES[model_type]
     interval = shape.pop("full_attention_interval")
     n = shape["num_hidden_layers"]
     layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
     tokenizer = save_tokenizer(out)
-    config = Qwen3_5TextConfig(**shape, layer_types=layer_types, **_special_ids(tokenizer))
-    import transformers
+    config = getattr(transformers, config_cls)(**shape, layer_types=layer_types, **_special_ids(tokenizer))
 
     torch.manual_seed(WEIGHT_SEED)
     with torch.device("cpu"):
-        model = transformers.Qwen3_5ForCausalLM(config).to(getattr(torch, dtype))
+        model = getattr(transformers, model_cls)(config).to(getattr(torch, dtype))
     init_random_weights(model, WEIGHT_SEED)
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id], pad_token_id=config.pad_token_id

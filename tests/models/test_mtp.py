@@ -54,6 +54,28 @@ SMALL_SHAPED = {
 }
 
 
+# Qwen3-Next's layout (fused GDN projections, MoE MLPs with a shared expert, per-expert tensors).
+SMALL_SHAPED_NEXT = {
+    **SMALL_SHAPED,
+    "model_type": "qwen3_next",
+    "tie_word_embeddings": False,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+
+@pytest.fixture(scope="session")
+def shaped_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_shaped_model(
+        "qwen3.5-0.8b", tmp_path_factory.mktemp("shaped") / "n", "float32", SMALL_SHAPED_NEXT
+    )
+
+
 @pytest.fixture(scope="session")
 def shaped_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_shaped_model(
@@ -62,9 +84,9 @@ def shaped_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def mtp_folders(builtin_paths: dict[str, Path], shaped_dir: Path) -> dict[str, Path]:
+def mtp_folders(builtin_paths: dict[str, Path], shaped_dir: Path, shaped_next_dir: Path) -> dict[str, Path]:
     return {"tiny-qwen3.5": builtin_paths["tiny-qwen3.5"], "tiny-qwen3-next": builtin_paths["tiny-qwen3-next"],
-            "shaped-qwen3.5-tied": shaped_dir}  # fmt: skip
+            "shaped-qwen3.5-tied": shaped_dir, "shaped-qwen3-next": shaped_next_dir}  # fmt: skip
 
 
 def load(path: Path, envs: EnvFactory, **kwargs: Any) -> LoadedModel:
@@ -219,7 +241,9 @@ class Drafting:
         return (s, pos, [token], self.head_out[(id(s), pos - 1)][None], True)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next", "shaped-qwen3.5-tied"])
+@pytest.mark.parametrize(
+    "name", ["tiny-qwen3.5", "tiny-qwen3-next", "shaped-qwen3.5-tied", "shaped-qwen3-next"]
+)
 def test_paged_head_and_chained_drafts_match_dense_reference(
     name: str, mtp_folders: dict[str, Path], envs: EnvFactory
 ) -> None:
