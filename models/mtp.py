@@ -25,6 +25,9 @@ Contract (checkpoint names under ``mtp.``, as the published checkpoints ship the
   built exactly like a target batch over the same positions, only with the input ids shifted
   by one. A position's head KV is valid once a step with the final ``(hid, tok)`` for it ran
   (re-running a position overwrites it: after a verify, the target's hidden replaces a draft's).
+* of ``batch`` the head reads ``input_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``,
+  ``block_tables``, ``slot_mapping`` and ``logits_indices``; the GDN fields (state slots,
+  captures) are never read, so a target batch with shifted ids serves as is.
 * ``step`` picks layer ``step % num_layers`` (published checkpoints have one layer).
 """
 
