@@ -418,3 +418,18 @@ def test_arena_gives_the_head_its_kv_inside_each_block(
     caches.v_cache[2][5].fill_(1.0)
     rows = caches.block_rows()
     assert rows[5].count_nonzero() > 0 and rows[4].count_nonzero() == 0 == rows[6].count_nonzero()
+
+
+def test_vision_language_folder_loads_its_head(envs: EnvFactory, tmp_path: Path) -> None:
+    """A ``qwen3_5`` folder keeps the head at the top level (``mtp.*``, not under
+    ``model.language_model.``) and its layer count in ``text_config``."""
+    path = _copy(envs.write_checkpoint("qwen3_5-vl"), tmp_path / "vl")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    text_config = load(path, envs).hf_config
+    text_config.mtp_num_hidden_layers = 1
+    head = mtp_checkpoint_tensors(text_config)
+    save_file(head, str(path / "model-mtp.safetensors"))  # replaces the stray tensor the fixture ships
+    model = load(path, envs, load_mtp=True).model
+    assert model.mtp is not None and torch.equal(model.mtp.fc.weight, head["mtp.fc.weight"])
