@@ -8,7 +8,10 @@ Contract (docs/contracts.md, "Batch layout" and "Cache tensors"):
   ``[num_decodes, B)`` are prefill segments (chunked path), each starting at a multiple of
   the GDN chunk size (``GDN_CHUNK_SIZE``, 64).
 * ``ModelCaches`` holds, per full-attention layer ordinal ``i``, ``k_cache[i]`` /
-  ``v_cache[i]`` of shape ``[num_blocks, block_size, Hkv, D]`` (model dtype), and per GDN
+  ``v_cache[i]`` of shape ``[num_blocks, block_size, Hkv, D]`` (model dtype) -- the target's
+  ``num_attn_layers`` first, then the ``num_mtp_layers`` layers of the multi-token-prediction
+  head (``models/mtp.py``; 0 unless the runner asked for them), which use the same block ids,
+  block tables and slot mapping as the target -- and per GDN
   layer ordinal ``j``, ``conv_state[j]`` ``[num_state_slots, conv_dim, K - 1]`` (model
   dtype) and ``ssm_state[j]`` ``[num_state_slots, Hv, Dk, Dv]`` (float32).
 * ``CacheSpec`` is what a model tells the runner so it can size and allocate those.
@@ -165,11 +168,19 @@ class CacheSpec:
     value_head_dim: int
     dtype: torch.dtype
     gdn_chunk_size: int = GDN_CHUNK_SIZE  # checkpoint boundaries are multiples of it
+    # KV layers of the MTP head, appended after the target's (``k_cache[num_attn_layers + i]``):
+    # same Hkv, D and dtype, so one block id covers the target's and the head's KV of its tokens.
+    num_mtp_layers: int = 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Every KV cache pair: the target's attention layers, then the MTP head's."""
+        return self.num_attn_layers + self.num_mtp_layers
 
     def kv_block_bytes(self, block_size: int) -> int:
-        """Bytes of one KV block id across ALL full-attention layers (K and V)."""
+        """Bytes of one KV block id across ALL KV layers (K and V; the MTP head's included)."""
         per_layer = 2 * block_size * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
-        return self.num_attn_layers * per_layer
+        return self.num_kv_layers * per_layer
 
     def state_slot_bytes(self) -> int:
         """Bytes of one state slot across ALL GDN layers (conv state + fp32 recurrent state)."""
@@ -201,7 +212,7 @@ class CacheSpec:
             raise ValueError("a shared arena needs both full-attention and GDN layers")
         item = _itemsize(self.dtype)
         kv_layer = block_size * self.num_kv_heads * self.head_dim * item
-        k_offsets = tuple(2 * i * kv_layer for i in range(self.num_attn_layers))
+        k_offsets = tuple(2 * i * kv_layer for i in range(self.num_kv_layers))
         v_offsets = tuple(o + kv_layer for o in k_offsets)
         block_bytes = self.kv_block_bytes(block_size)
         conv, ssm, conv_offsets, ssm_offsets, end = self._state_ranges()
@@ -270,10 +281,10 @@ class CacheSpec:
         ssm_shape = (num_state_slots, self.num_v_heads, self.key_head_dim, self.value_head_dim)
         return ModelCaches(
             k_cache=[
-                torch.zeros(kv_shape, dtype=self.dtype, device=device) for _ in range(self.num_attn_layers)
+                torch.zeros(kv_shape, dtype=self.dtype, device=device) for _ in range(self.num_kv_layers)
             ],
             v_cache=[
-                torch.zeros(kv_shape, dtype=self.dtype, device=device) for _ in range(self.num_attn_layers)
+                torch.zeros(kv_shape, dtype=self.dtype, device=device) for _ in range(self.num_kv_layers)
             ],
             conv_state=[
                 torch.zeros(conv_shape, dtype=self.dtype, device=device) for _ in range(self.num_gdn_layers)

@@ -3,7 +3,7 @@
 Contract:
 
 * ``ensure_builtin_model(name, cache_dir=None) -> Path`` returns
-  ``<models dir>/<name>-v1``, building it once: the folder is written in a temporary
+  ``<models dir>/<name>-v2``, building it once: the folder is written in a temporary
   sibling and renamed into place (atomic; a concurrent builder that loses the race drops
   its copy), and reused when present. ``<models dir>`` is ``cache_dir`` if given, else
   ``$DELTASERVE_CACHE/models``, else ``~/.cache/deltaserve/models``.
@@ -12,6 +12,10 @@ Contract:
   (``tokenizer.json``, ``tokenizer_config.json``, Qwen-style chat template, eos
   ``<|im_end|>`` and ``<|endoftext|>``). The same name always yields the same bytes
   (fixed seeds, fixed corpus, deterministic BPE training).
+* The hybrids also carry a multi-token-prediction head as real Qwen3.5 / Qwen3-Next folders
+  do (``mtp_num_hidden_layers`` 1 in ``config.json``, ``mtp.*`` tensors in
+  ``model-mtp.safetensors``, drawn from ``MTP_SEED`` by ``mtp_checkpoint_tensors``): v2 is v1
+  plus that file, every v1 tensor byte-identical (``model.safetensors`` is written as before).
 * ``init_random_weights(model, seed)`` is the weight init (also used by the tests): larger
   than the usual 0.02 so logits spread by several units (greedy parity is then not decided
   by near-ties), norm weights perturbed so zero-centred vs plain norms differ, and GDN
@@ -34,9 +38,12 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-BUILTIN_VERSION = "v1"
+BUILTIN_VERSION = "v2"
 DEFAULT_BUILTIN = "tiny-qwen3.5"
 WEIGHT_SEED = 1234
+# The MTP head's own generator: its tensors are drawn after, and independently of, the target's.
+MTP_SEED = 4321
+MTP_WEIGHTS_FILE = "model-mtp.safetensors"
 # The final norm's output has unit RMS, so lm_head rows of std GAIN/sqrt(hidden) give logits of
 # std ~GAIN: wide enough that top-1/top-2 gaps dwarf fp32 noise (greedy parity is not a coin toss).
 LM_HEAD_GAIN = 5.0
@@ -341,12 +348,59 @@ def write_builtin_model(name: str, out_dir: Path) -> None:
         eos_token_id=[config.eos_token_id, config.pad_token_id],
         pad_token_id=config.pad_token_id,
     )
+    has_mtp = config.model_type != "qwen3"  # the hybrids ship an MTP head; Qwen3 dense has none
+    if has_mtp:
+        model.config.mtp_num_hidden_layers = 1
     model.save_pretrained(out_dir, safe_serialization=True)
+    if has_mtp:
+        add_weights_file(out_dir, MTP_WEIGHTS_FILE, mtp_checkpoint_tensors(model.config, seed=MTP_SEED))
     tokenizer.save_pretrained(out_dir)
     # Record the recipe: humans looking at the cache should know what this folder is.
     (out_dir / "BUILTIN.json").write_text(
         json.dumps({"name": name, "version": BUILTIN_VERSION, "seed": WEIGHT_SEED}, indent=2) + "\n"
     )
+
+
+def mtp_checkpoint_tensors(
+    config: object, *, seed: int = MTP_SEED, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Random ``mtp.*`` tensors for a Qwen3.5 / Qwen3-Next text ``config`` (its
+    ``mtp_num_hidden_layers``), in the names and shapes the published checkpoints use (MoE
+    experts per expert), drawn by ``init_random_weights`` from ``seed``."""
+    from deltaserve.kernels import get_ops
+    from deltaserve.models.loader import SUPPORTED_MODEL_TYPES
+    from deltaserve.models.moe import split_fused_expert_weights
+    from deltaserve.models.norms import ZeroCenteredRMSNorm
+
+    model_cls = SUPPORTED_MODEL_TYPES[config.model_type].model_cls  # type: ignore[attr-defined]
+    layers = int(config.mtp_num_hidden_layers)  # type: ignore[attr-defined]
+    # The target is built on the meta device (no memory for a real-size vocabulary); only the
+    # head is materialised.
+    with torch.device("meta"):
+        model = model_cls(config, ops=get_ops("reference"), mtp_layers=layers)  # type: ignore[call-arg]
+    head = model.mtp
+    assert head is not None
+    head.to_empty(device="cpu")
+    with torch.no_grad():
+        for module in head.modules():
+            if isinstance(module, ZeroCenteredRMSNorm):  # init_random_weights perturbs the init value
+                module.weight.fill_(module.weight_init)
+    init_random_weights(head, seed)
+    state = {f"mtp.{k}": v.to(dtype).contiguous() for k, v in head.state_dict().items()}
+    return split_fused_expert_weights(state)
+
+
+def add_weights_file(folder: Path, filename: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as ``folder/filename`` beside the existing weights (listed in the shard
+    index when the folder has one), leaving every existing file's bytes as they are."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), str(folder / filename), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data.setdefault("weight_map", {}).update({name: filename for name in tensors})
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def ensure_builtin_model(name: str = DEFAULT_BUILTIN, cache_dir: str | os.PathLike | None = None) -> Path:

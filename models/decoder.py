@@ -8,13 +8,19 @@ Contract:
 * ``CausalLM.forward(batch, caches) -> [len(batch.logits_indices), vocab]`` float32.
   Full-attention layer ``i`` (in order of appearance) uses ``caches.k_cache[i]`` /
   ``v_cache[i]``; GDN layer ``j`` uses ``caches.conv_state[j]`` / ``ssm_state[j]``.
+  ``forward(batch, caches, return_hidden=True) -> (logits, hidden)`` also returns every
+  token's hidden state after the final norm, ``[T, H]`` in the model dtype (what an MTP head
+  consumes); the logits are the same rows of the same values. Without it the final norm runs
+  on the logits rows only (the default path's cost is unchanged).
+* ``mtp`` is the model's multi-token-prediction head (``models/mtp.py``) when one was built
+  (the loader's ``load_mtp=True``), else None; ``cache_spec(with_mtp=True)`` adds its KV layers.
 * Subclasses build ``self.model.layers`` in ``__init__`` and may override
   ``convert_checkpoint`` (rename/merge checkpoint tensors to this tree's names).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +33,7 @@ from deltaserve.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from deltaserve.kernels import Ops
+    from deltaserve.models.mtp import MtpHead
 
 ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -105,6 +112,7 @@ class CausalLM(nn.Module):
         tie = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         self.tie_word_embeddings = bool(tie)
         self.num_gdn_layers = 0
+        self.mtp: MtpHead | None = None  # set by subclasses that build one
 
     def finish_layers(self) -> None:
         """Assign cache ordinals; call once all layers are appended."""
@@ -133,7 +141,11 @@ class CausalLM(nn.Module):
     def gdn_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if not layer.is_attention]
 
-    def cache_spec(self) -> CacheSpec:
+    def cache_spec(self, *, with_mtp: bool = False) -> CacheSpec:
+        """The caches this model needs; ``with_mtp`` adds the MTP head's KV layers after the
+        target's (ValueError when the model has no head)."""
+        if with_mtp and self.mtp is None:
+            raise ValueError("this model has no MTP head (load it with load_mtp=True)")
         attn = self.attention_layers()
         gdn = self.gdn_layers()
         a0 = attn[0] if attn else None
@@ -149,15 +161,33 @@ class CausalLM(nn.Module):
             key_head_dim=g0.head_k_dim if g0 else 0,
             value_head_dim=g0.head_v_dim if g0 else 0,
             dtype=self.dtype,
+            num_mtp_layers=self.mtp.num_layers if with_mtp and self.mtp is not None else 0,
         )
 
+    @overload
+    def forward(
+        self, batch: BatchMetadata, caches: ModelCaches, *, return_hidden: Literal[False] = False
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self, batch: BatchMetadata, caches: ModelCaches, *, return_hidden: Literal[True]
+    ) -> tuple[Tensor, Tensor]: ...
+
     @torch.no_grad()
-    def forward(self, batch: BatchMetadata, caches: ModelCaches) -> Tensor:
+    def forward(
+        self, batch: BatchMetadata, caches: ModelCaches, *, return_hidden: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
         h = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(batch.positions, h.dtype)
         seg = GdnSegments.from_batch(batch) if self.num_gdn_layers else None
         for layer in self.model.layers:
             h = layer(h, cos, sin, batch, seg, caches)
+        if return_hidden:
+            # The norm is per token, so normalising every row then selecting gives the logits
+            # rows the default path computes.
+            hidden = self.model.norm(h)
+            return self.lm_head(hidden.index_select(0, batch.logits_indices)).float(), hidden
         # Norm and lm_head are per token: only the requested rows need them.
         h = self.model.norm(h.index_select(0, batch.logits_indices))
         return self.lm_head(h).float()

@@ -2,15 +2,19 @@
 
 Contract:
 
-* ``load_model(path, *, dtype, device, ops) -> LoadedModel``. ``path`` is a folder with
+* ``load_model(path, *, dtype, device, ops, load_mtp=False) -> LoadedModel``. ``path`` is a folder with
   ``config.json``, ``*.safetensors`` (one file or shards, with or without an index) and a
   tokenizer loadable by ``AutoTokenizer``; or ``"builtin:<name>"`` (built on first use by
   ``models.builtin.ensure_builtin_model``). ``tokenizer=`` (a folder, or ``builtin:<name>``)
   loads the tokenizer from there instead.
 * The model class is chosen by ``config.json``'s ``model_type`` (``SUPPORTED_MODEL_TYPES``).
   ``qwen3_5`` (vision-language) folders load only the text model: tensors under
-  ``model.language_model.`` become ``model.``; ``model.visual.*`` and ``mtp.*`` (multi-token
-  prediction heads, unused here) are skipped.
+  ``model.language_model.`` become ``model.``; ``model.visual.*`` is skipped.
+* ``mtp.*`` (the multi-token-prediction head) is skipped unless ``load_mtp``: then the model
+  is built with ``config``'s ``mtp_num_hidden_layers`` head layers (``model.mtp``,
+  ``models/mtp.py``) and every ``mtp.*`` tensor must match it like any other tensor
+  (``WeightMismatchError``); a model type without a head, or a config without
+  ``mtp_num_hidden_layers`` >= 1, is an ``UnsupportedModelError``.
 * Every floating tensor is converted to ``dtype`` on ``device``; the module is built on the
   meta device first, so weights are materialised once.
 * Errors are ``ModelLoadError`` subclasses: ``ModelNotFoundError`` (no folder / no
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -77,6 +81,8 @@ class ModelEntry:
     text_prefix: str = "model."
     # Checkpoint name prefixes that are not part of the text model.
     skip_prefixes: tuple[str, ...] = ("mtp.",)
+    # The class builds an MTP head (``mtp_layers=``) from the ``mtp.*`` tensors.
+    has_mtp: bool = True
 
 
 SUPPORTED_MODEL_TYPES: Mapping[str, ModelEntry] = MappingProxyType(
@@ -86,7 +92,7 @@ SUPPORTED_MODEL_TYPES: Mapping[str, ModelEntry] = MappingProxyType(
             Qwen35CausalLM, text_prefix="model.language_model.", skip_prefixes=("mtp.", "model.visual.")
         ),
         "qwen3_next": ModelEntry(Qwen3NextCausalLM),
-        "qwen3": ModelEntry(Qwen3CausalLM),
+        "qwen3": ModelEntry(Qwen3CausalLM, has_mtp=False),
     }
 )
 
@@ -109,9 +115,10 @@ def load_model(
     device: torch.device | str,
     ops: Ops,
     tokenizer: str | Path | None = None,
+    load_mtp: bool = False,
 ) -> LoadedModel:
     """The model in ``path``; its tokenizer from ``tokenizer`` (a folder or ``builtin:<name>``)
-    when given, else from ``path``."""
+    when given, else from ``path``; with its MTP head (``model.mtp``) when ``load_mtp``."""
     folder = _resolve_folder(path)
     model_type = _read_model_type(folder)
     entry = SUPPORTED_MODEL_TYPES[model_type]
@@ -122,12 +129,15 @@ def load_model(
     text_config = top_config.get_text_config()
     # A VL folder's top-level flag is the one transformers honours for the text head.
     tie = bool(getattr(top_config, "tie_word_embeddings", False))
+    extra = {"mtp_layers": _mtp_layers(folder, model_type, entry, text_config)} if load_mtp else {}
     try:
         with torch.device("meta"):
-            model = entry.model_cls(text_config, ops=ops, tie_word_embeddings=tie)
+            model = entry.model_cls(text_config, ops=ops, tie_word_embeddings=tie, **extra)
     except (ValueError, NotImplementedError) as exc:
         raise UnsupportedModelError(f"{folder}: {exc}") from exc
 
+    if load_mtp:  # the head's tensors are part of the model now: checked like every other
+        entry = replace(entry, skip_prefixes=tuple(p for p in entry.skip_prefixes if p != "mtp."))
     state = {}
     for name, tensor in _read_checkpoint(folder, entry, device):
         state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
@@ -150,6 +160,18 @@ def load_model(
         max_position_embeddings=int(text_config.max_position_embeddings),
         path=folder,
     )
+
+
+def _mtp_layers(folder: Path, model_type: str, entry: ModelEntry, text_config: Any) -> int:
+    """How many MTP head layers ``load_mtp`` builds (config ``mtp_num_hidden_layers``)."""
+    if not entry.has_mtp:
+        raise UnsupportedModelError(f"{folder}: model_type {model_type!r} has no multi-token-prediction head")
+    layers = getattr(text_config, "mtp_num_hidden_layers", None)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise UnsupportedModelError(
+            f"{folder}: load_mtp needs config mtp_num_hidden_layers >= 1, found {layers!r}"
+        )
+    return layers
 
 
 def _resolve_folder(path: str | Path) -> Path:

@@ -119,3 +119,24 @@ def merge_per_expert_weights(state: dict[str, Tensor]) -> dict[str, Tensor]:
         state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((g, u), dim=0) for g, u in zip(gate, up)])
         state[f"{prefix}.down_proj"] = torch.stack(down)
     return state
+
+
+def split_fused_expert_weights(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The inverse of ``merge_per_expert_weights``: fused ``<p>.experts.gate_up_proj`` /
+    ``<p>.experts.down_proj`` become the per-expert ``<p>.experts.{e}.{gate,up,down}_proj.weight``
+    that published checkpoints store (gate rows first in ``gate_up_proj``)."""
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        if key.endswith(".experts.gate_up_proj"):
+            prefix = key[: -len(".gate_up_proj")]
+            for e, fused in enumerate(value):
+                gate, up = fused.chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+        elif key.endswith(".experts.down_proj"):
+            prefix = key[: -len(".down_proj")]
+            for e, down in enumerate(value):
+                out[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
+        else:
+            out[key] = value
+    return out

@@ -11,7 +11,11 @@ tokenizer (the vocabulary is the real size; token ids past the tokenizer's are n
 by it, which does not matter for sizing or throughput) with a Qwen3.5-style chat template
 (``tools/qwen35_template.py``: XML tool calls, ``<think>`` opened by the generation prompt),
 so ``deltaserve serve FOLDER`` parses tool calls and reasoning as it would for the real model.
-Loadable by ``model.path = FOLDER``.
+Like the real checkpoints it carries a multi-token-prediction head in real shapes
+(``mtp_num_hidden_layers`` in ``config.json``, ``mtp.*`` tensors in ``model-mtp.safetensors``,
+from their own seed). ``write_shaped_model(..., shape=)`` also takes a Qwen3-Next-style shape
+(``model_type`` ``qwen3_next`` with its MoE keys; the head's experts are written per expert,
+as published). Loadable by ``model.path = FOLDER``.
 """
 
 from __future__ import annotations
@@ -40,12 +44,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         "linear_conv_kernel_dim": 4,
         "max_position_embeddings": 262144,
         "tie_word_embeddings": True,
+        "mtp_num_hidden_layers": 1,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10_000_000.0,
             "partial_rotary_factor": 0.25,
         },
     },
+}
+
+
+# model_type -> (transformers config class, model class) of the folders this writes
+_CLASSES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 
 
@@ -61,31 +73,47 @@ def save_tokenizer(out: Path) -> Any:
     return tokenizer
 
 
-def write_shaped_model(name: str, out: Path, dtype: str = "bfloat16") -> Path:
+def write_shaped_model(
+    name: str, out: Path, dtype: str = "bfloat16", shape: dict[str, Any] | None = None
+) -> Path:
+    """Write the folder for ``SHAPES[name]`` (or the given ``shape``, same keys) into ``out``;
+    ``model_type`` ``qwen3_5_text`` or ``qwen3_next`` (then with its MoE keys)."""
     import torch
-    from transformers import GenerationConfig, Qwen3_5TextConfig
+    import transformers
+    from transformers import GenerationConfig
 
-    from deltaserve.models.builtin import WEIGHT_SEED, _special_ids, init_random_weights
+    from deltaserve.models.builtin import (
+        MTP_SEED,
+        MTP_WEIGHTS_FILE,
+        WEIGHT_SEED,
+        _special_ids,
+        add_weights_file,
+        init_random_weights,
+        mtp_checkpoint_tensors,
+    )
 
-    shape = dict(SHAPES[name])
+    shape = dict(SHAPES[name] if shape is None else shape)
     model_type = shape.pop("model_type")
-    assert model_type == "qwen3_5_text"
+    config_cls, model_cls = _CLASSES[model_type]
     interval = shape.pop("full_attention_interval")
     n = shape["num_hidden_layers"]
     layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
     tokenizer = save_tokenizer(out)
-    config = Qwen3_5TextConfig(**shape, layer_types=layer_types, **_special_ids(tokenizer))
-    import transformers
+    config = getattr(transformers, config_cls)(**shape, layer_types=layer_types, **_special_ids(tokenizer))
 
     torch.manual_seed(WEIGHT_SEED)
     with torch.device("cpu"):
-        model = transformers.Qwen3_5ForCausalLM(config).to(getattr(torch, dtype))
+        model = getattr(transformers, model_cls)(config).to(getattr(torch, dtype))
     init_random_weights(model, WEIGHT_SEED)
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id], pad_token_id=config.pad_token_id
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    del model  # the head below is drawn separately, from its own seed
+    add_weights_file(
+        out, MTP_WEIGHTS_FILE, mtp_checkpoint_tensors(config, seed=MTP_SEED, dtype=getattr(torch, dtype))
+    )
     (out / "SHAPED.json").write_text(
         json.dumps({"shape": name, "seed": WEIGHT_SEED, "dtype": dtype}, indent=2) + "\n"
     )

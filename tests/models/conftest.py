@@ -22,8 +22,8 @@ import transformers
 from safetensors.torch import save_file
 
 from deltaserve.kernels import Ops, get_ops
-from deltaserve.models import LoadedModel, load_model
-from deltaserve.models.builtin import build_tokenizer, init_random_weights
+from deltaserve.models import LoadedModel, ensure_builtin_model, load_model
+from deltaserve.models.builtin import build_tokenizer, builtin_names, init_random_weights
 from tests.models.driver import PagedRunner
 
 VOCAB = 1024  # the built-in tokenizer's size, so the tokenizer copied into each folder fits
@@ -179,6 +179,18 @@ class EnvFactory:
             loaded = load_model(path, dtype=torch.float32, device="cpu", ops=self.ops)
             self._envs[name] = Env(name, path, hf, loaded, self.ops)
         return self._envs[name]
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private $DELTASERVE_CACHE (the user's ~/.cache is never touched by tests)."""
+    return tmp_path_factory.mktemp("deltaserve-cache")
+
+
+@pytest.fixture(scope="session")
+def builtin_paths(cache_root: Path) -> dict[str, Path]:
+    """Every built-in checkpoint, built once per session into ``cache_root``."""
+    return {name: ensure_builtin_model(name, cache_dir=cache_root / "models") for name in builtin_names()}
 
 
 @pytest.fixture(scope="session")

@@ -52,12 +52,13 @@ class PagedRunner:
         seed: int = 0,
         state_fill: float = 0.0,
         kv_fill: float = 0.0,
+        with_mtp: bool = False,
     ) -> None:
         self.model = model
         self.ops = ops
         self.block_size = block_size
         self.num_live_slots = num_live_slots
-        spec = model.cache_spec()
+        spec = model.cache_spec(with_mtp=with_mtp)
         self.caches = spec.allocate(num_blocks, block_size, num_live_slots + num_checkpoint_slots, "cpu")
         # NaN fills check that nothing unwritten (or not to be read) is ever read.
         for t in [*self.caches.k_cache, *self.caches.v_cache]:
@@ -90,6 +91,28 @@ class PagedRunner:
 
     def step(self, work: list[Work], captures: list[Capture] = ()) -> list[torch.Tensor]:
         """Run one forward; return, per work item (in the given order), logits of all its tokens."""
+        batch, ordered = self.build(work, captures)
+        logits = self.model.forward(batch, self.caches)
+        assert logits.dtype == torch.float32 and logits.shape[0] == batch.num_tokens
+        for w in ordered:
+            w.seq.num_computed += w.num_tokens
+        return self.split(logits, batch, ordered, work)
+
+    @staticmethod
+    def split(
+        rows: torch.Tensor, batch: BatchMetadata, ordered: list[Work], work: list[Work]
+    ) -> list[torch.Tensor]:
+        """Per item of ``work`` (in its order), its rows of ``rows`` (one per token of ``batch``)."""
+        cu = batch.cu_seqlens.tolist()
+        by_item = {id(w): rows[cu[i] : cu[i + 1]] for i, w in enumerate(ordered)}
+        return [by_item[id(w)] for w in work]
+
+    def build(
+        self, work: list[Work], captures: list[Capture] = (), *, gdn_chunks: bool = True
+    ) -> tuple[BatchMetadata, list[Work]]:
+        """The batch for ``work`` (decodes first; blocks allocated as needed) and that order.
+        Nothing is computed and ``num_computed`` does not move. ``gdn_chunks=False`` lets a
+        multi-token segment start anywhere (a batch for attention only, e.g. the MTP head's)."""
         is_decode = [w.seq.num_computed > 0 and w.num_tokens == 1 for w in work]
         decodes = [w for w, d in zip(work, is_decode) if d]
         ordered = decodes + [w for w, d in zip(work, is_decode) if not d]
@@ -99,7 +122,7 @@ class PagedRunner:
             s, start = w.seq, w.seq.num_computed
             end = start + w.num_tokens
             assert end <= len(s.tokens)
-            if i >= len(decodes):
+            if i >= len(decodes) and gdn_chunks:
                 assert start % GDN_CHUNK == 0, "prefill segments start on a multiple of 64"
             while len(s.blocks) * bs < end:
                 s.blocks.append(self.free_blocks.pop())
@@ -129,9 +152,4 @@ class PagedRunner:
             capture_slots=t([c.slot for c in captures]),
             logits_indices=torch.arange(len(ids)),
         )
-        logits = self.model.forward(batch, self.caches)
-        assert logits.dtype == torch.float32 and logits.shape[0] == len(ids)
-        for w in ordered:
-            w.seq.num_computed += w.num_tokens
-        rows = {id(w): logits[cu[i] : cu[i + 1]] for i, w in enumerate(ordered)}
-        return [rows[id(w)] for w in work]
+        return batch, ordered

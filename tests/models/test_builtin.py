@@ -28,17 +28,6 @@ SAMPLE_PROMPTS = (
 )
 
 
-@pytest.fixture(scope="session")
-def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A private $DELTASERVE_CACHE (the user's ~/.cache is never touched by tests)."""
-    return tmp_path_factory.mktemp("deltaserve-cache")
-
-
-@pytest.fixture(scope="session")
-def builtin_paths(cache_root: Path) -> dict[str, Path]:
-    return {name: ensure_builtin_model(name, cache_dir=cache_root / "models") for name in builtin_names()}
-
-
 def digest(folder: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
 
@@ -49,7 +38,7 @@ def test_names() -> None:
 
 def test_built_once_and_reused(builtin_paths: dict[str, Path], cache_root: Path) -> None:
     path = builtin_paths["tiny-qwen3.5"]
-    assert path == cache_root / "models" / "tiny-qwen3.5-v1"
+    assert path == cache_root / "models" / "tiny-qwen3.5-v2"
     before = {f.name: f.stat().st_mtime_ns for f in path.iterdir()}
     hashes = digest(path)
     assert ensure_builtin_model("tiny-qwen3.5", cache_dir=cache_root / "models") == path
@@ -57,7 +46,7 @@ def test_built_once_and_reused(builtin_paths: dict[str, Path], cache_root: Path)
     assert digest(path) == hashes
     # the atomic build leaves no temporary folders behind
     assert sorted(p.name for p in (cache_root / "models").iterdir()) == sorted(
-        f"{n}-v1" for n in builtin_names()
+        f"{n}-v2" for n in builtin_names()
     )
     assert {
         "config.json",
