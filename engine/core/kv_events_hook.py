@@ -1,0 +1,68 @@
+"""The engine core's cache events: the collector wired to the cache, the publisher, per step.
+
+``CoreKVEvents.open`` (None unless ``kv_events`` is enabled with a zmq publisher) hooks a
+``KVEventCollector`` (``cache/event_collector.py``) into the cache's radix tree, its prefix
+index (tokens) and the disk store's index, and starts a ``KVEventPublisher``. The core calls
+``end_step`` after every step (and once at start: ``AllBlocksCleared`` then what the disk
+holds): it takes the step's events and queues them, never blocking. A batch the queue
+refused leaves a gap no replay fills, so the next ``end_step`` publishes a full resync
+(``AllBlocksCleared`` and every item held) instead of a delta, until one is accepted.
+``close`` (after the disk tier closed, whose last writes are events too) publishes what is
+left and stops the publisher. Runs on the core's thread only (the disk index's changes come
+from the store's writer thread through the collector's deque).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltaserve.cache.disk_tier import DiskTier
+from deltaserve.cache.event_collector import KVEventCollector
+from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.config_kv_events import KVEventsConfig
+from deltaserve.engine.core.kv_event_publisher import KVEventPublisher
+
+
+class CoreKVEvents:
+    def __init__(self, config: KVEventsConfig, cache: CacheManager, disk: DiskTier | None) -> None:
+        self.collector = KVEventCollector(cache.block_size)
+        self.publisher = KVEventPublisher(config)
+        self._cache = cache
+        self.collector.attach(cache.tree)
+        cache.kv.on_tokens = self.collector.note_tokens
+        self._disk_index: Any = None
+        if disk is not None:
+            self.watch_disk(disk)
+        self._resync = False
+
+    @classmethod
+    def open(cls, config: KVEventsConfig, cache: CacheManager, disk: DiskTier | None) -> CoreKVEvents | None:
+        return cls(config, cache, disk) if config.active else None
+
+    def watch_disk(self, disk: DiskTier) -> None:
+        """Follow the disk store's index: what it holds now, then each change. Called before
+        the first step, when no write is queued (so nothing changes the index meanwhile)."""
+        # the store keeps its index private; the observer is its one reader here
+        index = disk.store._index  # noqa: SLF001
+        self.collector.disk_loaded((e.kind, e.key, e.parent) for e in index.entries())
+        index.on_change = self.collector.disk_changed
+        self._disk_index = index
+
+    def end_step(self) -> None:
+        events = self.collector.take_events()
+        if self._resync:
+            events = self.collector.resync_events()
+        if events:
+            self._resync = not self.publisher.publish(events)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.publisher.counters)
+
+    def close(self) -> None:
+        """Publish the last changes (the disk tier's final writes), stop publishing, unhook."""
+        self.end_step()
+        self.publisher.close()
+        self._cache.tree.on_change = None
+        self._cache.kv.on_tokens = None
+        if self._disk_index is not None:
+            self._disk_index.on_change = None
