@@ -73,7 +73,7 @@ class KVEventPublisher:
                 if self._replay is not None
                 else ("endpoint", config.endpoint)
             )
-            raise ConfigError(f"kv_events.{key} = {value!r}: {e}") from None
+            raise ConfigError(f"kv_events.{key} = {value!r}: {zmq.strerror(e.errno)}") from None
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
             self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
