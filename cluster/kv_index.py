@@ -40,6 +40,7 @@ from deltaserve.cache.kv_events import (
     decode_batch,
     hash_int,
 )
+from deltaserve.cluster.affinity import short_key
 from deltaserve.logs import get_logger
 
 log = get_logger("deltaserve.cluster")
@@ -53,6 +54,10 @@ class ReplicaCacheIndex:
     checkpoints: dict[str, set[int]] = field(default_factory=lambda: {m: set() for m in MEDIA})
     parents: dict[int, int] = field(default_factory=dict)  # a stored block -> its parent (0: root)
     tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)  # when the event had them
+    # the routing keys (``affinity.short_key``) held in any medium -> in how many media: what
+    # the router's view reads (``cluster/kv_feed.py``), kept as events arrive
+    kv_short: dict[int, int] = field(default_factory=dict)
+    ckpt_short: dict[int, int] = field(default_factory=dict)
 
     def clear(self) -> None:
         for sets in (self.blocks, self.checkpoints):
@@ -60,6 +65,8 @@ class ReplicaCacheIndex:
                 s.clear()
         self.parents.clear()
         self.tokens.clear()
+        self.kv_short.clear()
+        self.ckpt_short.clear()
 
     def apply(self, event: Event) -> None:
         if isinstance(event, BlockStored):
@@ -68,7 +75,7 @@ class ReplicaCacheIndex:
             n = event.block_size
             for i, raw in enumerate(event.block_hashes):
                 key = hash_int(raw)
-                held.add(key)
+                _add(held, self.kv_short, key)
                 self.parents[key] = parent
                 if len(event.token_ids) >= (i + 1) * n:
                     self.tokens[key] = tuple(event.token_ids[i * n : (i + 1) * n])
@@ -77,14 +84,19 @@ class ReplicaCacheIndex:
             held = self.blocks.setdefault(event.medium or "GPU", set())
             for raw in event.block_hashes:
                 key = hash_int(raw)
-                held.discard(key)
+                _discard(held, self.kv_short, key)
                 if not any(key in s for s in self.blocks.values()):
                     self.parents.pop(key, None)
                     self.tokens.pop(key, None)
         elif isinstance(event, CheckpointStored):
-            self.checkpoints.setdefault(event.medium or "GPU", set()).add(hash_int(event.block_hash))
+            _add(
+                self.checkpoints.setdefault(event.medium or "GPU", set()),
+                self.ckpt_short,
+                hash_int(event.block_hash),
+            )
         elif isinstance(event, CheckpointRemoved):
-            self.checkpoints.setdefault(event.medium or "GPU", set()).discard(hash_int(event.block_hash))
+            held = self.checkpoints.setdefault(event.medium or "GPU", set())
+            _discard(held, self.ckpt_short, hash_int(event.block_hash))
         elif isinstance(event, AllBlocksCleared):
             self.clear()
 
@@ -192,6 +204,32 @@ class KVEventSubscriber:
         finally:
             sock.close(linger=0)
         return applied
+
+
+def _add(held: set[int], refs: dict[int, int], key: int) -> None:
+    if key not in held:
+        held.add(key)
+        k = short_key(key)
+        refs[k] = refs.get(k, 0) + 1
+
+
+def _discard(held: set[int], refs: dict[int, int], key: int) -> None:
+    if key in held:
+        held.discard(key)
+        k = short_key(key)
+        if refs[k] <= 1:
+            del refs[k]
+        else:
+            refs[k] -= 1
+
+
+def connectable(endpoint: str, host: str) -> str:
+    """A bound endpoint (``tcp://0.0.0.0:5557``, ``tcp://*:5557``, ``tcp://[::]:5557``) as
+    another machine connects to it: the wildcard address replaced by ``host``."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:", "tcp://:::"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint[len(wildcard) :]}"
+    return endpoint
 
 
 def _starts_clean(batch: KVEventBatch) -> bool:

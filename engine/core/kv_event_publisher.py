@@ -54,6 +54,9 @@ class KVEventPublisher:
         self._next_seq = 0
         self._stop = False
         self._closed = False
+        # a replay asked for batches older than the buffer: the core publishes a full resync
+        # on its next step (``CoreKVEvents.end_step``); set by the thread, cleared by the core
+        self.resync_requested = False
         self.counters = {"kv_events.published": 0, "kv_events.dropped": 0, "kv_events.batches_dropped": 0}
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -154,6 +157,9 @@ class KVEventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
+        oldest = self._buffer[0][0] if self._buffer else self._next_seq
+        if start_seq < oldest:
+            self.resync_requested = True
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))

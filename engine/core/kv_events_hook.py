@@ -6,7 +6,8 @@ index (tokens) and the disk store's index, and starts a ``KVEventPublisher``. Th
 ``end_step`` after every step (and once at start: ``AllBlocksCleared`` then what the disk
 holds): it takes the step's events and queues them, never blocking. A batch the queue
 refused leaves a gap no replay fills, so the next ``end_step`` publishes a full resync
-(``AllBlocksCleared`` and every item held) instead of a delta, until one is accepted.
+(``AllBlocksCleared`` and every item held) instead of a delta, until one is accepted; so does
+the step after a replay request older than the replay buffer (a subscriber that joined late).
 ``close`` (after the disk tier closed, whose last writes are events too) publishes what is
 left and stops the publisher. Runs on the core's thread only (the disk index's changes come
 from the store's writer thread through the collector's deque).
@@ -50,7 +51,8 @@ class CoreKVEvents:
 
     def end_step(self) -> None:
         events = self.collector.take_events()
-        if self._resync:
+        if self._resync or self.publisher.resync_requested:
+            self.publisher.resync_requested = False
             events = self.collector.resync_events()
         if events:
             self._resync = not self.publisher.publish(events)

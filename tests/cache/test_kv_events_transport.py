@@ -222,3 +222,34 @@ def test_an_endpoint_in_use_is_a_config_error_at_start(core_factory: Any) -> Non
                 **{"kv_events.enable_kv_cache_events": True, "kv_events.endpoint": f"tcp://*:{port}"}
             )
         assert str(e.value) == f"kv_events.endpoint = 'tcp://*:{port}': Address already in use"
+
+
+def test_a_late_subscriber_past_the_replay_buffer_gets_a_resync(core_factory: Any) -> None:
+    """The replay buffer holds 2 batches; a subscriber that joins after many asks from 0: the
+    engine answers with a full resync on its next step, which makes the index exact."""
+    cfg = _config(buffer_steps=2)
+    dotted = {f"kv_events.{k}": v for k, v in msgspec.structs.asdict(cfg).items() if v is not None}
+    core = core_factory(**dotted)
+    sub = None
+    try:
+        rng = random.Random(3)
+        for _ in range(2):
+            core.add_request(core.make_request(rand_tokens(rng, 80), greedy(3)))
+            while core.has_work():
+                core.step()
+        assert core.kv_events is not None and core.kv_events.publisher._next_seq > 4
+        sub = KVEventSubscriber(_local(cfg.endpoint), cfg.replay_endpoint)
+        time.sleep(0.3)
+        assert sub.catch_up() == 0  # batch 0 is long gone from the buffer
+        deadline = time.monotonic() + 5.0
+        while not core.kv_events.publisher.resync_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        core.kv_events.end_step()  # the next step: the resync
+        _drain(sub, core.kv_events.publisher._next_seq - 1)
+        want = contents(core.cache.tree)
+        assert not sub.stale and sub.index.blocks["GPU"] == want.blocks["GPU"] != set()
+        assert sub.index.checkpoints["GPU"] == want.checkpoints["GPU"]
+    finally:
+        core.close()
+        if sub is not None:
+            sub.close()
