@@ -38,7 +38,9 @@ class KVEventsConfig(_Section):
         str,
         _doc(
             "The PUB socket: `tcp://*:PORT` (bound; any address with `*`, `::`, or an `ipc://` / "
-            "`inproc://` one is bound) or `tcp://HOST:PORT` (connected to a subscriber that binds)."
+            "`inproc://` one is bound) or `tcp://HOST:PORT` (connected to a subscriber that binds). "
+            "`tcp://*:*` binds a free port: what cluster replicas on one machine need (each reports "
+            "its own to the router)."
         ),
     ] = "tcp://*:5557"
     replay_endpoint: Annotated[
@@ -83,7 +85,11 @@ class KVEventsConfig(_Section):
                     value,
                     "expected a ZeroMQ endpoint: tcp://HOST:PORT, ipc://PATH or inproc://NAME",
                 )
-        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+        if (
+            self.replay_endpoint is not None
+            and self.replay_endpoint == self.endpoint
+            and not self.endpoint.endswith(":*")  # (each binds a free port of its own)
+        ):
             raise _bad(
                 "kv_events.replay_endpoint", self.replay_endpoint, "must differ from kv_events.endpoint"
             )
