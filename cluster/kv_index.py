@@ -13,8 +13,10 @@ exact:
   ``AllBlocksCleared`` (the engine's resync, or its restart) rebuilds it from scratch; a
   router must not trust a stale index (``cluster/affinity.py`` falls back to the replica's
   polled reports);
-* a sequence number that goes back to 0 with ``AllBlocksCleared`` is a restarted engine: a
-  new stream; anything else at or below the last applied number is a duplicate, skipped.
+* live sequence numbers that go back (0 with ``AllBlocksCleared``, or any number not above
+  the last one received live) are a restarted engine: the index starts over, from a replay
+  of the new stream's start when its first batches were missed; a number at or below the
+  last applied one that a replay applied already is skipped.
 
 Events of a tag it does not know are skipped (``decode_batch``). Not thread-safe: one owner
 calls ``poll``; readers of ``index`` from other threads copy under ``lock``.
@@ -121,8 +123,17 @@ class KVEventSubscriber:
         self.index = ReplicaCacheIndex()
         self.lock = threading.Lock()
         self.last_seq = -1  # the last batch applied (-1: none yet)
+        self._last_live = -1  # the last sequence number received from the PUB socket
         self.stale = False
-        self.counters = {"batches": 0, "events": 0, "replayed": 0, "gaps": 0, "lost": 0, "skipped_events": 0}
+        self.counters = {
+            "batches": 0,
+            "events": 0,
+            "replayed": 0,
+            "gaps": 0,
+            "lost": 0,
+            "skipped_events": 0,
+            "restarts": 0,
+        }
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self._ctx = zmq.Context()
@@ -157,11 +168,20 @@ class KVEventSubscriber:
         (several when a gap was replayed first)."""
         batch, skipped = decode_batch(payload)
         self.counters["skipped_events"] += skipped
-        restart = seq == 0 and _starts_clean(batch)
-        if seq <= self.last_seq and not restart:
-            return 0  # a duplicate (a replay raced the live stream)
+        # live numbers only go up from one publisher: going back is a restarted one (whose
+        # first batches may have gone before the SUB socket reconnected): a new stream
+        went_back = seq <= self._last_live
+        self._last_live = seq
+        if went_back or (seq == 0 and _starts_clean(batch)):
+            with self.lock:
+                self.index.clear()
+            if self.last_seq >= 0:
+                self.counters["restarts"] += 1
+            self.last_seq = -1
+        elif seq <= self.last_seq:
+            return 0  # applied already, from a replay
         applied = 0
-        if not restart and seq > self.last_seq + 1:  # (a late joiner: a gap from 0)
+        if seq > self.last_seq + 1:  # (a late joiner, or a restart we joined late: a gap from 0)
             self.counters["gaps"] += 1
             applied += self._replay(self.last_seq + 1, seq)
             if self.last_seq + 1 < seq:  # the gap is lost for good
