@@ -223,6 +223,7 @@ def test_a_subscriber_that_never_reads_and_a_full_queue_never_stall_a_step(
             {"kv_events.publisher": "zmq"},
             "kv_events.publisher = 'zmq': needs kv_events.enable_kv_cache_events = true (nothing is collected)",
         ),
+        ({"kv_events.publisher": "kafka"}, "kv_events.publisher = 'kafka': expected one of null, zmq"),
         ({"kv_events.buffer_steps": 0}, "kv_events.buffer_steps = 0: Expected `int` >= 1"),
         ({"kv_events.hwm": -1}, "kv_events.hwm = -1: Expected `int` >= 0"),
         ({"kv_events.endpoints": "tcp://*:1"}, "kv_events.endpoints: unknown key"),
