@@ -19,6 +19,11 @@ class KVEventsPublisherKind(str, enum.Enum):
     ZMQ = "zmq"
 
 
+class KVEventsLayout(str, enum.Enum):
+    ARRAY = "array"  # events as tagged arrays: vLLM's first layout, what most routers decode
+    MAP = "map"  # events as maps of named fields with a "type" tag: newer vLLM's
+
+
 class KVEventsConfig(_Section):
     """``[kv_events]``: publish what the cache stores and evicts, per tier, as vLLM's KV events
     (ZeroMQ PUB, msgpack ``KVEventBatch``; docs/cluster.md, "Cache events"), plus our
@@ -68,6 +73,14 @@ class KVEventsConfig(_Section):
         ),
     ] = 100_000
     topic: Annotated[str, _doc("Topic frame of every message (subscribers filter on its prefix).")] = ""
+    layout: Annotated[
+        KVEventsLayout,
+        _doc(
+            "Ours, not vLLM's: how each event is encoded. `array`: a tagged array (vLLM's first "
+            "layout, what most routers decode); `map`: a map of named fields with a `type` tag (newer "
+            "vLLM's). Subscribers here read both."
+        ),
+    ] = KVEventsLayout.ARRAY
 
     @property
     def active(self) -> bool:

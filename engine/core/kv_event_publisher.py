@@ -49,6 +49,7 @@ class KVEventPublisher:
     def __init__(self, config: KVEventsConfig, *, data_parallel_rank: int = 0) -> None:
         self._rank = data_parallel_rank
         self._topic = config.topic.encode()
+        self._layout = config.layout.value
         self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
@@ -141,7 +142,7 @@ class KVEventPublisher:
                 return
             seq, batch = item
             try:
-                payload = encode_batch(batch)
+                payload = encode_batch(batch, self._layout)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
             except (zmq.ZMQError, OverflowError, TypeError) as e:
                 log.error("kv_events.send_failed", seq=seq, error=repr(e))

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from deltaserve.cache.event_collector import contents
-from deltaserve.cache.kv_events import MEDIA, hash_int
+from deltaserve.cache.kv_events import MEDIA, decode_batch, hash_int
 from deltaserve.cluster.kv_index import KVEventSubscriber
 from deltaserve.engine.core.engine_core import EngineCore
 from tests.engine.conftest import greedy
@@ -192,8 +192,36 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared | CheckpointStored]
 
 
-def test_the_wire_is_vllms_and_replay_resends_from_a_sequence_number(core_factory: Any) -> None:
-    events, pub, replay = _events()
+# newer vLLM's layout: each event a map of named fields with its tag under "type"
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class MapCheckpointStored(MapEvent, tag="CheckpointStored"):
+    block_hash: bytes
+    medium: str | None
+
+
+class MapBatch(EventBatch):
+    events: list[MapBlockStored | MapCheckpointStored]
+
+
+@pytest.mark.parametrize("layout", ["array", "map"])
+def test_the_wire_is_vllms_and_replay_resends_from_a_sequence_number(core_factory: Any, layout: str) -> None:
+    events, pub, replay = _events(**{"kv_events.layout": layout})
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -206,18 +234,21 @@ def test_the_wire_is_vllms_and_replay_resends_from_a_sequence_number(core_factor
             core.add_request(core.make_request(prompt, greedy(2)))
             while core.has_work():
                 core.step()
-            decoder = msgspec.msgpack.Decoder(KVEventBatch)
+            decoder = msgspec.msgpack.Decoder(KVEventBatch if layout == "array" else MapBatch)
             frames: list[list[bytes]] = []
             while sub.poll(2000):
                 frames.append(sub.recv_multipart())
-                if any(isinstance(e, BlockStored) for e in decoder.decode(frames[-1][2]).events):
+                if any(
+                    isinstance(e, BlockStored | MapBlockStored) for e in decoder.decode(frames[-1][2]).events
+                ):
                     break
             assert frames, "nothing published"
             topic, seq, payload = frames[-1]
             assert topic == b"" and len(seq) == 8
             batch = decoder.decode(payload)
             assert batch.data_parallel_rank == 0 and batch.ts > 0
-            stored = [e for e in batch.events if isinstance(e, BlockStored)]
+            stored = [e for e in batch.events if isinstance(e, BlockStored | MapBlockStored)]
+            assert decode_batch(payload)[0].events  # ours reads either layout
             assert (
                 stored[0].medium == "GPU"
                 and stored[0].block_size == 16

@@ -141,6 +141,20 @@ def test_unknown_event_tags_are_skipped_not_fatal() -> None:
     payload = msgspec.msgpack.encode(Batch(1.5, [_stored(5), _Future([b"x" * 16]), _stored(6)], 0))
     batch, skipped = decode_batch(payload)
     assert skipped == 1 and [type(e) for e in batch.events] == [BlockStored, BlockStored]
+    # the map layout (newer vLLM's), with a field this decoder does not know: ignored
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [7],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "CPU",
+        "kv_cache_spec_kind": "full_attention",
+    }
+    maps = msgspec.msgpack.encode(Batch(2.0, [stored, {"type": "BlockMoved", "block_hashes": []}], 0))
+    batch, skipped = decode_batch(maps)
+    assert skipped == 1 and batch.events == [BlockStored([7], None, [], 16, None, "CPU")]
     with pytest.raises(msgspec.ValidationError):  # a known tag with bad fields still fails
         decode_batch(msgspec.msgpack.encode(Batch(1.5, [["BlockStored", "not a list"]], 0)))
 
@@ -155,10 +169,10 @@ def test_a_subscriber_that_never_reads_and_a_full_queue_never_stall_a_step(
     stuck = {"on": True}
     encode = kv_event_publisher.encode_batch
 
-    def slow_encode(batch: KVEventBatch) -> bytes:
+    def slow_encode(batch: KVEventBatch, layout: str) -> bytes:
         while stuck["on"]:
             time.sleep(0.01)
-        return encode(batch)
+        return encode(batch, layout)
 
     monkeypatch.setattr(kv_event_publisher, "encode_batch", slow_encode)
     ctx = zmq.Context()
