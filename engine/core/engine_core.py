@@ -161,11 +161,16 @@ class EngineCore:
         self.async_scheduling = config.engine.async_scheduling
         self.overlap = Overlap(self) if self.async_scheduling else None
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
-        # cache events (``kv_events``): the first batch says this cache starts empty but for its disk
-        self.kv_events = CoreKVEvents.open(config.kv_events, self.cache, self.disk)
-        if self.kv_events is not None:
-            self.kv_events.end_step()
+        # cache events (``kv_events``): bound before the disk is locked (a port in use fails first)
+        self.kv_events = CoreKVEvents.open(config.kv_events, self.cache)
+        try:
+            self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
+        if self.kv_events is not None:  # the first batch: the cache starts empty but for its disk
+            self.kv_events.start(self.disk)
         now = resident()  # measured, beside the capacity line's expected_rss_mib
         log.info(
             "engine.ready",

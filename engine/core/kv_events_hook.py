@@ -1,10 +1,10 @@
 """The engine core's cache events: the collector wired to the cache, the publisher, per step.
 
-``CoreKVEvents.open`` (None unless ``kv_events`` is enabled with a zmq publisher) hooks a
-``KVEventCollector`` (``cache/event_collector.py``) into the cache's radix tree, its prefix
-index (tokens) and the disk store's index, and starts a ``KVEventPublisher``. The core calls
-``end_step`` after every step (and once at start: ``AllBlocksCleared`` then what the disk
-holds): it takes the step's events and queues them, never blocking. A batch the queue
+``CoreKVEvents.open`` (None unless ``kv_events`` is enabled with a zmq publisher) starts a
+``KVEventPublisher`` and hooks a ``KVEventCollector`` (``cache/event_collector.py``) into the
+cache's radix tree and its prefix index (tokens); ``start`` adds the disk store's index, once
+the disk tier is open. The core calls ``end_step`` after every step (and ``start`` publishes
+the first batch: ``AllBlocksCleared`` then what the disk holds): it takes the step's events and queues them, never blocking. A batch the queue
 refused leaves a gap no replay fills, so the next ``end_step`` publishes a full resync
 (``AllBlocksCleared`` and every item held) instead of a delta, until one is accepted; so does
 the step after a replay request older than the replay buffer (a subscriber that joined late).
@@ -25,20 +25,24 @@ from deltaserve.engine.core.kv_event_publisher import KVEventPublisher
 
 
 class CoreKVEvents:
-    def __init__(self, config: KVEventsConfig, cache: CacheManager, disk: DiskTier | None) -> None:
+    def __init__(self, config: KVEventsConfig, cache: CacheManager) -> None:
         self.collector = KVEventCollector(cache.block_size)
-        self.publisher = KVEventPublisher(config)
+        self.publisher = KVEventPublisher(config)  # (a ConfigError when its endpoint is taken)
         self._cache = cache
         self.collector.attach(cache.tree)
         cache.kv.on_tokens = self.collector.note_tokens
         self._disk_index: Any = None
-        if disk is not None:
-            self.watch_disk(disk)
         self._resync = False
 
     @classmethod
-    def open(cls, config: KVEventsConfig, cache: CacheManager, disk: DiskTier | None) -> CoreKVEvents | None:
-        return cls(config, cache, disk) if config.active else None
+    def open(cls, config: KVEventsConfig, cache: CacheManager) -> CoreKVEvents | None:
+        return cls(config, cache) if config.active else None
+
+    def start(self, disk: DiskTier | None) -> None:
+        """Follow the disk tier too (if any) and publish the first batch."""
+        if disk is not None:
+            self.watch_disk(disk)
+        self.end_step()
 
     def watch_disk(self, disk: DiskTier) -> None:
         """Follow the disk store's index: what it holds now, then each change. Called before

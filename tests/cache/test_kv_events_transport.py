@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -249,16 +250,20 @@ def test_config_errors_name_the_key_and_the_value(dotted: dict[str, Any], messag
     assert str(e.value) == message
 
 
-def test_an_endpoint_in_use_is_a_config_error_at_start(core_factory: Any) -> None:
+def test_an_endpoint_in_use_is_a_config_error_at_start_before_the_disk_is_locked(
+    core_factory: Any, tmp_path: Path
+) -> None:
+    disk = {"cache.disk_path": str(tmp_path / "store")}
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(ConfigError) as e:  # the engine does not start
             core_factory(
-                **{"kv_events.enable_kv_cache_events": True, "kv_events.endpoint": f"tcp://*:{port}"}
+                **disk, **{"kv_events.enable_kv_cache_events": True, "kv_events.endpoint": f"tcp://*:{port}"}
             )
         assert str(e.value) == f"kv_events.endpoint = 'tcp://*:{port}': Address already in use"
+    core_factory(**disk).close()  # the store was never locked by the engine that failed
 
 
 def test_a_late_subscriber_past_the_replay_buffer_gets_a_resync(core_factory: Any) -> None:
