@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 # the kinds' values, shared by the store's ItemKind and the tier's DiskItemKind (IntEnums)
@@ -90,6 +90,9 @@ class DiskIndex:
         self._inflation = 0.0
         self._used = 0
         self._reserved = 0
+        # observer of the cache events (``cache/event_collector.py``): (kind, key, parent,
+        # stored) for each entry added or removed, called under the owner's lock
+        self.on_change: Callable[[int, int, int, bool], None] | None = None
 
     # ------------------------------------------------------------------ reading
     @property
@@ -188,10 +191,14 @@ class DiskIndex:
         self._entries[ident] = entry
         self._used += entry.size
         self._push(entry)
+        if self.on_change is not None:
+            self.on_change(entry.kind, entry.key, entry.parent, True)
 
     def remove(self, entry: DiskEntry) -> None:
         """Forget a stored entry (evicted or found damaged); its parent may become a leaf."""
         del self._entries[(entry.kind, entry.key)]
+        if self.on_change is not None:
+            self.on_change(entry.kind, entry.key, entry.parent, False)
         self._used -= entry.size
         entry.gen += 1
         self._drop_dependent(entry.parent)

@@ -11,7 +11,7 @@ removes one when told. Torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from deltaserve.cache.block_pool import BlockPool, PagedBlockPool
 from deltaserve.cache.hashing import block_hashes
@@ -37,6 +37,8 @@ class PrefixIndex:
         self.host = host  # a published block that is cached on the host releases its host copy
         # full-block hashes of active requests' prompts -> number of such requests
         self.inflight: dict[int, int] = {}
+        # observer of the cache events (``cache/event_collector.py``): a published block's tokens
+        self.on_tokens: Callable[[int, Sequence[int]], None] | None = None
 
     @property
     def version(self) -> int:
@@ -172,6 +174,8 @@ class PrefixIndex:
                     tree.remove_leaf(node)
                     raise
             seq.nodes.append(node)
+            if self.on_tokens is not None:
+                self.on_tokens(key, token_ids[i * self.block_size : (i + 1) * self.block_size])
 
     def _publish_promote(self, node: Node, block_id: int) -> None:
         """Host node ``node`` takes computed block ``block_id`` (the caller's), pinned; its

@@ -108,6 +108,9 @@ class RadixTree:
         # checkpoint leaves a tier (the key of the block it ends)
         self.on_remove: Callable[[Node], None] | None = None
         self.on_checkpoint_gone: Callable[[int], None] | None = None
+        # observer of the cache events (``cache/event_collector.py``): a node whose tier
+        # membership may have changed (it reads the node's state later, once per step)
+        self.on_change: Callable[[Node], None] | None = None
 
     def tick(self) -> int:
         return next(self._clock)
@@ -138,6 +141,7 @@ class RadixTree:
         self.num_nodes += 1
         self.version += 1
         self._maybe_push_leaf(node)
+        self._changed(node)
         return node
 
     def remove_leaf(self, node: Node) -> None:
@@ -151,6 +155,7 @@ class RadixTree:
             parent.device_children -= 1
             del self.by_block[node.block_id]
         node.parent = None
+        self._changed(node)
         self.num_nodes -= 1
         self.version += 1
         if parent is not self.root:
@@ -166,7 +171,7 @@ class RadixTree:
         del self.by_block[block]
         node.host_block = host_block
         node.parent.device_children -= 1
-        self.set_moving(node, True)
+        self.set_moving(node, True)  # (tells ``on_change``)
         self._maybe_push_leaf(node.parent)
         return block
 
@@ -179,6 +184,7 @@ class RadixTree:
         self.by_block[block_id] = node
         parent.device_children += 1
         self.version += 1
+        self._changed(node)
 
     def move(self, node: Node, block_id: int) -> int:
         """``node``'s KV moves to device block ``block_id`` (a copy the caller plans, and the
@@ -196,11 +202,13 @@ class RadixTree:
         node.moving = moving
         self.version += 1
         self._maybe_push_leaf(node)
+        self._changed(node)
 
     def set_ckpt_moving(self, node: Node, moving: bool) -> None:
         node.ckpt_moving = moving
         self.version += 1
         self._maybe_push_leaf(node)
+        self._changed(node)
 
     def touch(self, node: Node) -> None:
         node.last_access = self.tick()
@@ -229,6 +237,7 @@ class RadixTree:
         self.num_checkpoints += 1
         self.version += 1
         self._maybe_push_leaf(node)  # its leaf priority changed
+        self._changed(node)
 
     def detach_checkpoint(self, node: Node) -> int:
         slot = node.checkpoint_slot
@@ -242,6 +251,7 @@ class RadixTree:
         self.num_checkpoints -= 1
         self.version += 1
         self._maybe_push_leaf(node)
+        self._changed(node)
         return slot
 
     def pin_checkpoint(self, node: Node) -> None:
@@ -286,6 +296,11 @@ class RadixTree:
     def refresh(self, node: Node) -> None:
         """Re-queue ``node`` as an eviction candidate after a change to what it holds."""
         self._maybe_push_leaf(node)
+        self._changed(node)
+
+    def _changed(self, node: Node) -> None:
+        if self.on_change is not None:
+            self.on_change(node)
 
     def _maybe_push_leaf(self, node: Node) -> None:
         if self.is_evictable_leaf(node):

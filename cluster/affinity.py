@@ -44,7 +44,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,8 +113,10 @@ class _Prediction:
 class ReplicaView:
     """What one replica likely holds (see the module docstring)."""
 
-    ckpt_reported: set[int] = field(default_factory=set)
-    kv_reported: set[int] = field(default_factory=set)
+    # (sets from a report; with cache events, the subscriber's live key counts: ``on_events``)
+    ckpt_reported: Collection[int] = field(default_factory=set)
+    kv_reported: Collection[int] = field(default_factory=set)
+    events: bool = False  # the keys come from the replica's cache events, not its reports
     ckpt_predicted: OrderedDict[int, _Prediction] = field(default_factory=OrderedDict)
     kv_predicted: OrderedDict[int, _Prediction] = field(default_factory=OrderedDict)
     report_seq: Any = None
@@ -306,11 +308,34 @@ class AffinityIndex:
             view.report_time = taken
             view.reported_load = int(report.get("running", 0)) + int(report.get("waiting", 0))
             view.stats = dict(report.get("stats") or {})
-            if "ckpt_keys" in report:  # a replica that cannot read its cache sends no keys
+            if "ckpt_keys" in report and not view.events:  # (no keys: it cannot read its cache)
                 view.ckpt_reported = unpack_keys(report.get("ckpt_keys"))
                 view.kv_reported = unpack_keys(report.get("kv_keys"))
             self._prune(view, taken)
             return True
+
+    def on_events(self, replica_id: Hashable, ckpt_keys: Collection[int], kv_keys: Collection[int]) -> None:
+        """The replica's cache as its event stream rebuilt it (``cluster/kv_feed.py``), current
+        as of now: it replaces the reported keys (later reports' keys are ignored until
+        ``events_lost``) and checks the predictions of completed requests against it. The
+        collections are read, not copied: the feed keeps them up to date."""
+        with self._lock:
+            view = self.views.get(replica_id)
+            if view is None:
+                return
+            view.events = True
+            view.ckpt_reported, view.kv_reported = ckpt_keys, kv_keys
+            self._prune(view, self.clock())
+
+    def events_lost(self, replica_id: Hashable) -> None:
+        """The replica's event stream cannot be trusted (a gap no replay filled, a subscriber
+        not caught up yet): back to its polled reports, from the next one."""
+        with self._lock:
+            view = self.views.get(replica_id)
+            if view is not None and view.events:
+                view.events = False
+                view.ckpt_reported, view.kv_reported = set(), set()
+                view.report_seq = None  # the last report's keys apply again when it is re-read
 
     def _prune(self, view: ReplicaView, taken: float) -> None:
         """Drop predictions a report proves wrong, and stale ones."""
@@ -409,6 +434,7 @@ class AffinityIndex:
                         "kv_predicted": len(v.kv_predicted),
                         "reports": v.reports,
                         "reported_load": v.reported_load,
+                        "keys_from": "events" if v.events else "reports",
                     }
                     for rid, v in self.views.items()
                 },

@@ -19,7 +19,9 @@ out ``n`` at the ingress. Methods (called through a ``DeploymentHandle``):
   (running, waiting), numeric engine stats (for the ingress's aggregated ``/metrics``), and the
   cache contents the router corrects its index with: the 64-bit keys of the radix-tree nodes
   holding a checkpoint (joint-hit boundaries; every unit boundary on a model without GDN
-  layers) and of the other unit-boundary nodes (KV only), most recently used first, capped.
+  layers) and of the other unit-boundary nodes (KV only), most recently used first, capped;
+  with cache events on, where they are published (``kv_events``: endpoints this node's
+  address replaces a wildcard of), which the router then follows instead of the keys.
 * ``check_health()`` — raises once the engine loop is dead, so Ray replaces the replica.
 * ``check_integrity()`` — the core's accounting, checked between two steps.
 
@@ -41,12 +43,21 @@ from typing import Any
 import msgspec
 
 from deltaserve.cluster.affinity import pack_keys, short_key
+from deltaserve.cluster.kv_index import connectable
 from deltaserve.engine.constraint import trusted_decode
 from deltaserve.engine.errors import EngineDeadError
 from deltaserve.engine.messages import AddRequest, StepOutputs, TokenDelta
 from deltaserve.logs import get_logger
 
 log = get_logger("deltaserve.cluster")
+
+
+def node_address() -> str:
+    """This machine's address as other nodes of the Ray cluster reach it."""
+    import ray.util  # (Ray is there: this runs in a replica)
+
+    return str(ray.util.get_node_ip_address())
+
 
 #: engine stats forwarded in reports (numeric values only)
 _STAT_PREFIXES = (
@@ -220,6 +231,14 @@ class EngineReplica:
             keys = None
         if keys is not None:
             report["ckpt_keys"], report["kv_keys"] = pack_keys(keys[0]), pack_keys(keys[1])
+        events = getattr(self.local.core, "kv_events", None)
+        if events is not None:  # where the router subscribes (``cluster/kv_feed.py``)
+            pub, host = events.publisher, node_address()
+            report["kv_events"] = {
+                "endpoint": connectable(pub.endpoint, host),
+                "replay_endpoint": connectable(pub.replay_endpoint, host) if pub.replay_endpoint else None,
+                "topic": self.local.core.config.kv_events.topic,
+            }
         return report
 
     async def check_health(self) -> None:

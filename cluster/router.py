@@ -10,6 +10,9 @@ replicas), on the handle's router loop:
   that has room (``max_ongoing_requests``), else the next rank, else backs off and asks again.
 * ``on_request_routed`` / ``on_request_completed`` feed the index's predictions;
   ``update_replicas`` / ``on_replica_actor_died`` make it forget replicas that are gone.
+* With cache events (a replica's report names its ``kv_events`` endpoint), a replica's view is
+  fed from its event stream (``cluster/kv_feed.py``) instead of its polled keys, which stay
+  the fallback; ``kv_events=False`` in ``request_router_kwargs`` turns that off.
 * Loads are Ray's per-replica queue-length cache (requests in flight, kept by the router
   itself), or the replica's last reported running + waiting when the cache entry is stale.
 
@@ -30,6 +33,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from deltaserve import logs
 from deltaserve.cluster import registry
 from deltaserve.cluster.affinity import AffinityIndex, AffinityPolicy, RouteHint
+from deltaserve.cluster.kv_feed import EventFeeds
 
 # Ray Serve pickles this module *by value* into every process holding a handle (see
 # deltaserve.cluster.registry): module-level state here must stay immutable and picklable.
@@ -67,6 +71,7 @@ class PrefixAffinityRouter(RequestRouter):
         max_predicted_keys: int = 65536,
         prediction_ttl_s: float = 600.0,
         report_margin_s: float = 1.0,
+        kv_events: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -86,6 +91,8 @@ class PrefixAffinityRouter(RequestRouter):
             report_margin_s=report_margin_s,
         )
         self.routed: dict[str, int] = {}
+        # replicas that publish cache events feed their view from them (``cluster/kv_feed.py``)
+        self.feeds: EventFeeds | None = EventFeeds() if kv_events else None
         registry.register(self)
 
     # ------------------------------------------------------------------ identity
@@ -107,10 +114,14 @@ class PrefixAffinityRouter(RequestRouter):
         for r in replicas:
             try:
                 self.index.on_report(r.replica_id, r.routing_stats)
+                if self.feeds is not None:
+                    self.feeds.on_report(r.replica_id, r.routing_stats)
             except Exception:  # a malformed report must not stop routing
                 logs.get_logger("deltaserve.cluster").exception(
                     "cluster.bad_report", replica=replica_name(r.replica_id)
                 )
+        if self.feeds is not None:
+            self.feeds.refresh(self.index)
 
     async def choose_replicas(
         self,
@@ -148,11 +159,15 @@ class PrefixAffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.index.set_replicas(r.replica_id for r in replicas)
+        if self.feeds is not None:
+            self.feeds.keep({r.replica_id for r in replicas})
         self._ingest_reports(replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.forget(replica_id)
+        if self.feeds is not None:
+            self.feeds.forget(replica_id)
         logs.get_logger("deltaserve.cluster").warning(
             "cluster.replica_died", replica=replica_name(replica_id)
         )

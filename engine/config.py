@@ -42,6 +42,7 @@ from deltaserve.engine.config_base import (
     _doc,
     _Section,
 )
+from deltaserve.engine.config_kv_events import KVEventsConfig
 from deltaserve.engine.config_load import (
     _explain,
     normalise_data,
@@ -62,7 +63,7 @@ from deltaserve.engine.errors import ConfigError
 # names importable from here (the sections, the enums, the loading helpers) for every caller
 __all__ = [
     "CacheConfig", "ConfigError", "CoreProcess", "DType", "EngineConfig", "EngineLoopConfig", "GiB",
-    "KernelBackend", "KernelsConfig", "LogLevel", "LoggingConfig", "MiB", "ModelConfig",
+    "KVEventsConfig", "KernelBackend", "KernelsConfig", "LogLevel", "LoggingConfig", "MiB", "ModelConfig",
     "SchedulerConfig", "StructuredOutputsConfig", "format_bytes", "parse_bytes", "parse_override",
     "read_config_file", "set_dotted",
 ]  # fmt: skip
@@ -138,7 +139,7 @@ class ModelConfig(_Section):
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole engine configuration: ``[model]``, ``[cache]``, ``[scheduler]``, ``[kernels]``,
-    ``[engine]``, ``[structured_outputs]``, ``[logging]`` (every key: docs/config.md).
+    ``[engine]``, ``[structured_outputs]``, ``[logging]``, ``[kv_events]`` (every key: docs/config.md).
 
     Build it with ``EngineConfig.load(path, overrides)`` (TOML/JSON/YAML), ``from_dict``, or
     in code (``EngineConfig(cache=CacheConfig(block_size=32))``); all three validate and
@@ -153,6 +154,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine: EngineLoopConfig = msgspec.field(default_factory=EngineLoopConfig)
     structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _sections().items():

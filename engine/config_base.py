@@ -115,7 +115,7 @@ def _enum_hint(reason: str, typ: Any) -> str:
     if "Invalid enum value" in reason:
         base = getattr(typ, "__origin__", typ)
         args = getattr(typ, "__args__", ())
-        for t in (base, *args):
+        for t in (base, *args, *getattr(base, "__args__", ())):  # (an optional enum: a union)
             if isinstance(t, type) and issubclass(t, enum.Enum):
                 return "expected one of " + ", ".join(m.value for m in t)
     return reason

@@ -31,6 +31,7 @@ import argparse
 import enum
 import errno
 import ipaddress
+import json
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,18 @@ class Flag:
         return ", ".join(self.names)
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's ``--kv-events-config '{...}'``); its keys become the
+    section's (``engine_key_overrides``), checked as any config key is."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 V, L, B = "vLLM", "llama-server", "vLLM, llama-server"
 K, S, SAME, A, R = Kind.KEY, Kind.SERVER, Kind.SAME, Kind.ACCEPTED, Kind.REFUSED
 REPLICAS_HINT = "one GPU per engine here; for data parallelism run --replicas N (docs/cluster.md)"
@@ -140,6 +153,9 @@ FLAGS: tuple[Flag, ...] = (
          "cache.disk_path", metavar="DIR"),
     Flag(("--async-scheduling",), V, K, "overlap the host work with the model", "engine.async_scheduling",
          arity=Arity.NONE, const=True),
+    Flag(("--kv-events-config",), V, K, "cache events in vLLM's format over ZeroMQ: a JSON object of its keys "
+         "(enable_kv_cache_events, endpoint, replay_endpoint, ...; docs/cluster.md)", "kv_events",
+         type=json_object, metavar="JSON"),
     Flag(("--disable-log-stats",), V, K, "no periodic engine.stats lines", "logging.stats_interval_s",
          arity=Arity.NONE, const=0.0),
     # --- ServerConfig fields
@@ -277,6 +293,12 @@ def engine_key_overrides(args: argparse.Namespace, shorthands: dict[str, str]) -
     ]
     given += [
         (flag.shown, flag.target, getattr(args, flag.dest, None)) for flag in FLAGS if flag.kind is Kind.KEY
+    ]
+    # a JSON-object flag (--kv-events-config) sets each of its keys in its section
+    given = [
+        (option, f"{key}.{k}", v) if isinstance(value, dict) else (option, key, value)
+        for option, key, value in given
+        for k, v in (value.items() if isinstance(value, dict) else [(None, None)])
     ]
     for option, key, value in given:
         if value is None:

@@ -36,6 +36,7 @@ Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling
   ``checkpoints_evicted``, ``checkpoints_skipped{reason=budget|pool|value}``, ``kv_evicted_blocks``,
   ``kv_moved_blocks``, ``checkpoints_evicted_for_kv``, ``cache_page_conversions{to=kv|checkpoint}``,
   ``engine_requests{outcome=finished|aborted|failed}``, ``engine_steps``, ``engine_steps_failed``,
+  ``kv_events_published``, ``kv_events_dropped`` (cache events, ``[kv_events]``),
   ``prefix_cache_hits_by_tier{tier=device|host|disk}``, ``prefix_cache_miss_tokens{cause}`` (every
   prompt token not served from the cache under one cause: ``cache/loss.py``); with a disk tier ``disk_bytes_written``,
   ``disk_bytes_read``, ``disk_queue_drops``, ``disk_write_errors``, ``disk_damaged_items``,
@@ -83,6 +84,8 @@ _ENGINE_COUNTERS = {
     "checkpoints.evicted_for_kv": ("checkpoints_evicted_for_kv", "Checkpoints evicted to give their page to KV blocks (one budget)."),
     "scheduler.steps": ("engine_steps", "Engine steps run."),
     "steps.failed": ("engine_steps_failed", "Engine steps that raised (their requests ended with an error)."),
+    "kv_events.published": ("kv_events_published", "Cache events sent to subscribers (kv_events; 0 when off)."),
+    "kv_events.dropped": ("kv_events_dropped", "Cache events dropped: the publisher's queue was full (a resync follows)."),
 }  # fmt: skip
 
 

@@ -46,6 +46,7 @@ from deltaserve.engine.core.builder import (
     resolve_ops,
 )
 from deltaserve.engine.core.grammar_wait import GrammarWait
+from deltaserve.engine.core.kv_events_hook import CoreKVEvents
 from deltaserve.engine.core.overlap import Overlap
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
 from deltaserve.engine.core.step_phases import StepPhases
@@ -160,7 +161,16 @@ class EngineCore:
         self.async_scheduling = config.engine.async_scheduling
         self.overlap = Overlap(self) if self.async_scheduling else None
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
+        # cache events (``kv_events``): bound before the disk is locked (a port in use fails first)
+        self.kv_events = CoreKVEvents.open(config.kv_events, self.cache)
+        try:
+            self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
+        if self.kv_events is not None:  # the first batch: the cache starts empty but for its disk
+            self.kv_events.start(self.disk)
         now = resident()  # measured, beside the capacity line's expected_rss_mib
         log.info(
             "engine.ready",
@@ -309,6 +319,9 @@ class EngineCore:
         if self.disk is not None:
             close_disk_tier(self.disk, self.cache, self.runner)
             self.disk = None
+        if self.kv_events is not None:  # after the disk's last writes, which are events too
+            self.kv_events.close()
+            self.kv_events = None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenDelta]:
@@ -322,6 +335,8 @@ class EngineCore:
         self.releaser.worked()
         outputs = self._admit_parked() if self.parked else []
         outputs += self._step()
+        if self.kv_events is not None:
+            self.kv_events.end_step()
         self.phases.close()
         if not self.has_work():
             self.releaser.idle()
@@ -534,6 +549,8 @@ class EngineCore:
         out: dict[str, Any] = dict(self.counters)
         out.update(self.scheduler.stats())
         out.update(self.cache.stats())
+        if self.kv_events is not None:
+            out.update(self.kv_events.stats())
         g = self.grammars
         out.update({
             "grammar.compiles": g.compiles, "grammar.compile_errors": g.compile_errors,

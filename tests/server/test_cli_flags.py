@@ -30,6 +30,7 @@ from deltaserve.server.cli_flags import (
     Kind,
     accepted_flags,
     docs_table,
+    json_object,
     log_start,
     refusal,
     warn_open_host,
@@ -53,6 +54,11 @@ def sample(flag: Any) -> tuple[str, Any]:
     """A command-line value for ``flag`` and the value its key should get."""
     if flag.type is int:
         return "64", 64
+    if flag.type is json_object:  # a whole section: its keys
+        return '{"enable_kv_cache_events": true, "topic": "kv"}', {
+            "enable_kv_cache_events": True,
+            "topic": "kv",
+        }
     return {"scheduler.policy": ("lpm", "lpm")}.get(flag.target, ("/tmp/x", "/tmp/x"))
 
 
@@ -69,6 +75,9 @@ def test_each_shorthand_sets_its_key(flag: Any, name: str) -> None:
         assert engine_overrides(parse(name)) == {flag.target: flag.const}
         return
     text, value = sample(flag)
+    if flag.type is json_object:
+        assert engine_overrides(parse(name, text)) == {f"{flag.target}.{k}": v for k, v in value.items()}
+        return
     assert engine_overrides(parse(name, text)) == {flag.target: value}
 
 
@@ -83,9 +92,36 @@ def test_each_shorthand_key_is_an_engine_config_key(flag: Any, tmp_path: Path) -
         value = str(tmp_path / "store")
         if flag.target == "model.chat_template":
             Path(value).write_text("{{ messages }}")
+    if flag.type is json_object:
+        config = EngineConfig.load(None, {f"{flag.target}.{k}": v for k, v in value.items()})
+        assert all(getattr(getattr(config, flag.target), k) == v for k, v in value.items())
+        return
     config = EngineConfig.load(None, {flag.target: value})
     section, key = flag.target.split(".")
     assert getattr(getattr(config, section), key) == value
+
+
+def test_kv_events_config_is_vllms_json_and_its_keys_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from deltaserve.engine.cli import config_from_args
+
+    text = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5600", "topic": "kv"}'
+    config = config_from_args(
+        parse("--kv-events-config", text), engine_overrides(parse("--kv-events-config", text))
+    )
+    assert (
+        config.kv_events.active
+        and config.kv_events.endpoint == "tcp://*:5600"
+        and config.kv_events.topic == "kv"
+    )
+    with pytest.raises(ConfigError, match=r"^kv_events.endpoints: unknown key$"):
+        args = parse("--kv-events-config", '{"endpoints": "tcp://*:1"}')
+        config_from_args(args, engine_overrides(args))
+    with pytest.raises(SystemExit) as e:
+        parse("--kv-events-config", "[1]")
+    assert (
+        e.value.code == 2
+        and "--kv-events-config: expected a JSON object, got '[1]'" in capsys.readouterr().err
+    )
 
 
 def test_the_shorthands_reach_the_engine_config() -> None:
