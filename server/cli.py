@@ -58,6 +58,7 @@ SHORTHANDS = {
     "device": "model.device",
     "max_model_len": "model.max_model_len",
     "gpu_memory_utilization": "cache.gpu_memory_utilization",
+    "remote_cache": "cache.remote",
 }
 
 
@@ -75,6 +76,11 @@ def _add_model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--gpu-memory-utilization", type=float, default=None, metavar="F",
         help="cache.gpu_memory_utilization: share of the GPU's memory the engine may use (CUDA)",
+    )  # fmt: skip
+    s.add_argument(
+        "--remote-cache", default=None, metavar="URL",
+        help="cache.remote: mooncake://HOST:PORT of a Mooncake Store master (`deltaserve store`) the "
+        "replicas share as a cache tier (docs/cache.md, docs/cluster.md)",
     )  # fmt: skip
     core = s.add_mutually_exclusive_group()
     core.add_argument(

@@ -1,0 +1,217 @@
+"""The remote tier on a real Mooncake Store master (``cache/remote_tier.py``).
+
+A master runs in a subprocess on a free 127.0.0.1 port (``tests/cache/remote_helpers.py``)
+and is stopped in each test; engines are the built-in tiny model, in this process. What is
+checked: a conversation started on engine A and continued on engine B is served from the
+store with greedy outputs equal to cache-off, and an engine started after both warms from
+what they published; a torn write (objects without their path manifest) is never read; a
+master killed or stalled costs hits, never a request or an output, and the counters say so.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from deltaserve.cache.remote_store import RemoteStore
+from deltaserve.engine import EngineConfig, EngineCore
+from deltaserve.engine.config_sections import CacheConfig
+from deltaserve.engine.errors import ConfigError
+from tests.cache.remote_helpers import Master, master  # noqa: F401 (a fixture)
+from tests.engine.conftest import core_factory, tiny_loaded, tiny_path  # noqa: F401 (fixtures)
+from tests.engine.test_prefix_cache import rand_tokens, serve
+
+
+def _remote(m: Master, **extra: Any) -> dict[str, Any]:
+    dotted: dict[str, Any] = {
+        "cache.remote": m.url,
+        "cache.remote_write_bytes_per_s": None,
+        "cache.remote_segment_bytes": "64MiB",
+        "cache.remote_buffer_bytes": "16MiB",
+        "cache.remote_timeout_s": 10.0,  # (a loaded box: only the outage tests shorten it)
+    }
+    dotted.update(extra)
+    return dotted
+
+
+def _store(core: EngineCore) -> RemoteStore:
+    assert core.disk is not None
+    store = core.disk.store
+    assert isinstance(store, RemoteStore)
+    return store
+
+
+def _ready(core: EngineCore) -> EngineCore:
+    assert _store(core).client.wait_ready(60), "the engine's client did not join the master"
+    return core
+
+
+def _published(core: EngineCore) -> None:
+    """Wait for the engine's writes to reach the store (write-through is asynchronous)."""
+    assert _store(core).flush(60)
+
+
+def _conversations(rng: random.Random) -> list[list[int]]:
+    return [rand_tokens(rng, 150 + 30 * i) for i in range(3)]
+
+
+def _next_turn(convs: list[list[int]], outs: list[list[int]], rng: random.Random) -> list[list[int]]:
+    return [c + o + rand_tokens(rng, 20) for c, o in zip(convs, outs, strict=True)]
+
+
+def _remote_hits(core: EngineCore) -> int:
+    s = core.stats()
+    assert (
+        s["prefix_cache.hit_tokens_disk"]
+        == s["prefix_cache.hit_tokens"] - s["prefix_cache.hit_tokens_device"]
+    )
+    return int(s["prefix_cache.hit_tokens_disk"])
+
+
+def test_a_conversation_moved_to_another_engine_is_served_from_the_store(
+    core_factory: Any,  # noqa: F811
+    master: Master,  # noqa: F811
+) -> None:
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    rng = random.Random(3)
+    convs = _conversations(rng)
+    a = _ready(core_factory(**_remote(master)))
+    outs = serve(a, convs, 6)
+    assert outs == serve(plain, convs, 6)
+    _published(a)
+    assert _store(a).stats()["remote.published"] > 0
+    convs = _next_turn(convs, outs, rng)
+    b = _ready(core_factory(**_remote(master)))  # an empty tree: every hit is the store's
+    outs = serve(b, convs, 6)
+    assert outs == serve(plain, convs, 6), "a hit from the store changed an output"
+    assert _remote_hits(b) > 0
+    s = b.stats()
+    assert s["remote.fetch_damaged"] == 0 and s["remote.read_damaged"] == 0
+    _published(b)
+    # an engine started after both warms from what they published (turn 2 is B's)
+    convs = _next_turn(convs, outs, rng)
+    c = _ready(core_factory(**_remote(master)))
+    outs = serve(c, convs, 6)
+    assert outs == serve(plain, convs, 6)
+    assert _remote_hits(c) >= _remote_hits(b)  # deeper prefixes: at least as many tokens
+    for core in (a, b, c):
+        core.check_integrity()
+        core.close()
+
+
+def test_objects_without_their_path_manifest_are_never_read(
+    core_factory: Any,  # noqa: F811
+    master: Master,  # noqa: F811
+) -> None:
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    rng = random.Random(4)
+    convs = _conversations(rng)
+    a = _ready(core_factory(**_remote(master)))
+    client = _store(a).client
+    real_call = client.call
+    dropped: list[str] = []
+
+    def no_manifest(name: str, *args: Any, **kw: Any) -> Any:  # a writer gone before its manifest
+        if name == "upsert":
+            dropped.append(args[0])
+            return 0  # the manifest never reaches the store
+        return real_call(name, *args, **kw)
+
+    client.call = no_manifest  # type: ignore[method-assign]
+    outs = serve(a, convs, 6)
+    _published(a)
+    assert dropped, "no path was published"
+    assert _store(a).stats()["remote.puts"] > len(dropped)  # its payload objects are in the store
+    b = _ready(core_factory(**_remote(master)))
+    convs = _next_turn(convs, outs, rng)
+    assert serve(b, convs, 6) == serve(plain, convs, 6)
+    s = b.stats()
+    assert _remote_hits(b) == 0
+    assert s["remote.fetches"] > 0 and s["remote.reads"] == 0  # looked up: nothing to read
+    for core in (a, b):
+        core.check_integrity()
+        core.close()
+
+
+def test_a_master_killed_costs_hits_never_a_request(
+    core_factory: Any,  # noqa: F811
+    master: Master,  # noqa: F811
+) -> None:
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    rng = random.Random(5)
+    convs = _conversations(rng)
+    a = _ready(core_factory(**_remote(master, **{"cache.remote_timeout_s": 1.0})))
+    outs = serve(a, convs, 6)
+    _published(a)
+    b = _ready(core_factory(**_remote(master, **{"cache.remote_timeout_s": 1.0})))
+    master.kill()  # kill -9: the store and all it indexed are gone, A's writes meet a dead master
+    convs = _next_turn(convs, outs, rng)
+    outs = serve(b, convs, 6)
+    assert outs == serve(plain, convs, 6)
+    assert _remote_hits(b) == 0
+    s = b.stats()
+    assert s["remote.failures"] + s["remote.timeouts"] + s["remote.refused"] > 0
+    convs = _next_turn(convs, outs, rng)
+    assert serve(a, convs, 6) == serve(plain, convs, 6)  # A's writes fail: outputs unchanged
+    assert _store(a).flush(60)
+    sa = a.stats()
+    assert sa["remote.put_failed"] + sa["remote.put_dropped"] > 0
+    for core in (a, b):
+        core.check_integrity()
+        core.close()
+
+
+def test_a_stalled_master_costs_hits_never_a_request(
+    core_factory: Any,  # noqa: F811
+    master: Master,  # noqa: F811
+) -> None:
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    rng = random.Random(6)
+    convs = _conversations(rng)
+    a = _ready(core_factory(**_remote(master)))
+    outs = serve(a, convs, 6)
+    _published(a)
+    b = _ready(core_factory(**_remote(master, **{"cache.remote_timeout_s": 0.5})))
+    master.pause()  # SIGSTOP: connections stay open, nothing answers
+    try:
+        convs = _next_turn(convs, outs, rng)
+        assert serve(b, convs, 6) == serve(plain, convs, 6)
+        s = b.stats()
+        assert _remote_hits(b) == 0
+        assert s["remote.timeouts"] + s["remote.read_timeouts"] > 0
+        assert s["prefix_cache.miss_tokens.remote_wait"] > 0 or s["remote.refused"] > 0
+    finally:
+        master.resume()
+    for core in (a, b):
+        core.check_integrity()
+        core.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://127.0.0.1:50051", "not a mooncake://HOST:PORT address (the scheme must be mooncake)"),
+        ("mooncake://127.0.0.1", "not a mooncake://HOST:PORT address (a host and a port are required)"),
+        ("mooncake://h:1/x", "not a mooncake://HOST:PORT address (nothing may follow the port)"),
+        ("mooncake://h:99999", "not a mooncake://HOST:PORT address (Port out of range 0-65535)"),
+    ],
+)
+def test_a_bad_remote_url_is_one_config_error(url: str, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        CacheConfig(remote=url)
+    assert str(e.value) == f"cache.remote = {url!r}: {why}"
+
+
+def test_the_remote_tier_with_a_disk_path_or_without_prefix_caching_is_refused() -> None:
+    url = "mooncake://127.0.0.1:50051"
+    with pytest.raises(ConfigError) as e:
+        CacheConfig(remote=url, disk_path="/tmp/x")
+    assert str(e.value) == f"cache.remote = {url!r}: not combined with cache.disk_path yet: set one of them"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.load(None, {"cache.remote": url, "cache.enable_prefix_caching": False})
+    assert str(e.value) == f"cache.remote = {url!r}: the remote tier needs enable_prefix_caching"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.load(None, {"cache.remote_timeout_s": 0})
+    assert str(e.value).startswith("cache.remote_timeout_s = 0")
