@@ -122,32 +122,6 @@ class Breaker:
         return False
 
 
-def _serve(conn: Connection, setup: tuple[Any, ...]) -> None:
-    """The client process: one ``MooncakeDistributedStore`` serving calls from the pipe.
-    (Mooncake's calls hold the GIL while they wait on the network: in a process of their
-    own they never stall the engine's threads.)"""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup(*setup)
-    conn.send(rc)
-    while rc == 0:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            break
-        if msg is None:
-            break
-        name, args = msg
-        try:
-            conn.send((True, getattr(store, name)(*args)))
-        except Exception as e:  # sent back: the parent counts it as a failed call
-            conn.send((False, repr(e)))
-    if rc == 0:
-        store.close()  # unmounts this client's segment (the parent does not wait for it)
-    os._exit(0)
-
-
 class MooncakeClient:
     """One Mooncake store client in a child process, behind an I/O thread, a timeout and a
     breaker (module docstring). The process is started on the I/O thread (and started
@@ -238,7 +212,7 @@ class MooncakeClient:
             cmd = [
                 sys.executable,
                 "-m",
-                "deltaserve.cache.remote_client",
+                "deltaserve.cache.remote_proc",
                 str(theirs.fileno()),
                 json.dumps(self._setup),
             ]
@@ -309,7 +283,3 @@ class MooncakeClient:
             proc = self._proc
             if proc is not None and proc.poll() is None:
                 proc.kill()
-
-
-if __name__ == "__main__":  # the client process (``MooncakeClient._connect``)
-    _serve(Connection(int(sys.argv[1])), tuple(json.loads(sys.argv[2])))

@@ -115,7 +115,7 @@ class RemoteStore:
         identity: StoreIdentity,
         *,
         queue_bytes: int = 256 << 20,
-        known_items: int = 1 << 20,
+        known_items: int = 1 << 17,  # (~150 bytes each)
     ) -> None:
         self.client, self.identity = client, identity
         self.ns = namespace(identity)

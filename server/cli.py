@@ -47,6 +47,7 @@ from deltaserve.server.cli_flags import address_error, package_version
 from deltaserve.server.config import API_KEY_ENV, ServerConfig, api_key_from, str_list
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.serving import bind_socket, serve
+from deltaserve.server.store_cmd import add_store_parser, store_main
 from deltaserve.server.tool_parsers import ToolParserName
 
 log = get_logger("deltaserve.server")
@@ -192,6 +193,7 @@ def build_parser(
     cli_flags.add_compat_args(s)
     for add in extra_args:
         add(s)
+    add_store_parser(sub)
     e = sub.add_parser(
         "export-tokenizer",
         help="write a model's tokenizer (and chat template) to a folder clients can load",
@@ -277,6 +279,8 @@ def main(
     args = parser.parse_args(argv)
     if args.command == "export-tokenizer":
         return _export_main(args)
+    if args.command == "store":
+        return store_main(args)
     configure_logging(args.log_level)
     from deltaserve.engine import install_uvloop
     from deltaserve.engine.cli import config_from_args

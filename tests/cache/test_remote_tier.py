@@ -13,9 +13,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgspec
 import pytest
 
-from deltaserve.cache.remote_store import RemoteStore
+from deltaserve.cache.disk_format import StoreIdentity
+from deltaserve.cache.remote_client import MooncakeClient
+from deltaserve.cache.remote_store import RemoteStore, decode_manifest, encode_manifest
+from deltaserve.cache.types import DiskItemKind
 from deltaserve.engine import EngineConfig, EngineCore
 from deltaserve.engine.config_sections import CacheConfig
 from deltaserve.engine.errors import ConfigError
@@ -215,3 +219,53 @@ def test_the_remote_tier_with_a_disk_path_or_without_prefix_caching_is_refused()
     with pytest.raises(ConfigError) as e:
         EngineConfig.load(None, {"cache.remote_timeout_s": 0})
     assert str(e.value).startswith("cache.remote_timeout_s = 0")
+
+
+def _client(m: Master) -> MooncakeClient:
+    c = MooncakeClient(m.url, segment_bytes=32 << 20, buffer_bytes=16 << 20, timeout_s=10.0)
+    assert c.wait_ready(60)
+    return c
+
+
+KV, CHECKPOINT = DiskItemKind.KV, DiskItemKind.CHECKPOINT
+IDENT = StoreIdentity("model", "weights", "float32", 4, 4, "salt", 8, 16)
+
+
+def _publish(store: RemoteStore, keys: list[int]) -> None:
+    parent = 0
+    for k in keys:
+        store.put(KV, k, parent, bytes([k % 251]) * 8, 0.0)
+        parent = k
+    store.put(CHECKPOINT, keys[-1], keys[-1], b"c" * 16, 8.0)
+    assert store.flush(30)
+
+
+def test_reads_verify_every_object_against_the_manifest_and_the_identity(master: Master) -> None:  # noqa: F811
+    a, b = RemoteStore(_client(master), IDENT), RemoteStore(_client(master), IDENT)
+    keys = [11, 12, 13]
+    _publish(a, keys)
+    assert b.read_path(keys, 1, 3, 8, 16) == ([bytes([12]) * 8, bytes([13]) * 8], b"c" * 16)
+    # another identity (here: another dtype) lives in another namespace: it finds nothing
+    other = RemoteStore(_client(master), msgspec.structs.replace(IDENT, dtype="bfloat16"))
+    assert other.lookup(keys, [3]) == []
+    # a manifest that names another path (the prompt's keys differ) is not this prompt's hit
+    assert b.read_path([11, 99, 13], 1, 3, 8, 16) is None
+    damaged, missing = b.stats()["remote.read_damaged"], b.stats()["remote.read_missing"]
+    # a damaged manifest, and one whose object sums do not match what is stored, are misses
+    raw = b.client.call("get", b._manifest(13))
+    flipped = bytearray(raw)
+    flipped[len(flipped) // 2] ^= 0xFF
+    b.client.call("upsert", b._manifest(13), bytes(flipped))
+    assert b.read_path(keys, 1, 3, 8, 16) is None and b.stats()["remote.read_damaged"] == damaged + 1
+    m = decode_manifest(raw)
+    assert m is not None
+    wrong = msgspec.structs.replace(m, kv=[*m.kv[:-1], (m.kv[-1][0], m.kv[-1][1] ^ 1)])
+    b.client.call("upsert", b._manifest(13), encode_manifest(wrong))
+    assert b.read_path(keys, 1, 3, 8, 16) is None and b.stats()["remote.read_missing"] == missing + 1
+    # a checkpoint whose KV this store cannot name is not published
+    c = RemoteStore(_client(master), IDENT)
+    c.put(CHECKPOINT, 77, 77, b"c" * 16, 4.0)
+    assert c.flush(30) and c.stats()["remote.publish_incomplete"] == 1
+    assert c.lookup([77], [1]) == []
+    for s in (a, b, c, other):
+        s.close()
