@@ -25,7 +25,12 @@ def _serve(conn: Connection, setup: tuple[Any, ...]) -> None:
 
     store = MooncakeDistributedStore()
     rc = store.setup(*setup)
-    conn.send(rc)
+    try:
+        conn.send(rc)
+    except OSError:  # the parent is gone: nothing to serve
+        if rc == 0:
+            store.close()
+        os._exit(0)
     while rc == 0:
         try:
             msg = conn.recv()
@@ -35,9 +40,13 @@ def _serve(conn: Connection, setup: tuple[Any, ...]) -> None:
             break
         name, args = msg
         try:
-            conn.send((True, getattr(store, name)(*args)))
+            answer = (True, getattr(store, name)(*args))
         except Exception as e:  # sent back: the parent counts it as a failed call
-            conn.send((False, repr(e)))
+            answer = (False, repr(e))
+        try:
+            conn.send(answer)
+        except OSError:  # the parent is gone (or gave up on this pipe)
+            break
     if rc == 0:
         store.close()  # unmounts this client's segment (the parent does not wait for it)
     os._exit(0)

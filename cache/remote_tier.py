@@ -12,6 +12,9 @@ across a network:
   after the tree hit and the checkpoint, all verified against its manifest). The request
   waits meanwhile (one round trip on a miss) while the others run; a fetch not read within
   ``read_timeout_s`` is given up (``remote_wait`` in the loss attribution).
+* **Above it, a local disk.** With ``cache.disk_path`` too, the store is a ``LayeredStore``
+  (``cache/layered_store.py``): writes go to each layer that lacks the item, and a hit is
+  read from the store only where it is deeper than what the disk holds.
 * **A store that is down costs hits only.** While the client's breaker is open
   (``cache/remote_client.py``) a fetch is not started (the request computes: ``remote_wait``)
   and writes are dropped; nothing waits on the store on the step thread.
@@ -23,15 +26,43 @@ the store's and the client's. Torch-free.
 
 from __future__ import annotations
 
-from deltaserve.cache.disk_tier import DiskFetch, DiskTier
+from collections.abc import Callable
+
+from deltaserve.cache.disk_tier import CHECKPOINT, KV, DiskFetch, DiskTier
+from deltaserve.cache.layered_store import LayeredStore
 from deltaserve.cache.remote_client import RemoteUnavailable
 from deltaserve.cache.remote_store import RemoteStore
+from deltaserve.cache.types import DiskItemKind
 
 REMOTE_WAIT = "remote_wait"  # a loss cause: a remote hit given up (deadline, or the store down)
 
 
 class RemoteTier(DiskTier):
-    store: RemoteStore
+    store: RemoteStore | LayeredStore
+
+    @property
+    def remote(self) -> RemoteStore:
+        return self.store.remote if isinstance(self.store, LayeredStore) else self.store
+
+    def probe(self, keys: list[int], hit_blocks: int, max_blocks: int) -> tuple[int, list[int]]:
+        """As the disk tier's, over what either layer is known to hold (no network)."""
+        store = self.store
+        if not isinstance(store, LayeredStore):
+            return super().probe(keys, hit_blocks, max_blocks)
+        return self._probe(
+            keys, hit_blocks, max_blocks, lambda k, key: store.disk.has(k, key) or store.remote.has(k, key)
+        )
+
+    def _probe(
+        self, keys: list[int], hit_blocks: int, max_blocks: int, has: Callable[[DiskItemKind, int], bool]
+    ) -> tuple[int, list[int]]:
+        end = hit_blocks
+        limit = min(max_blocks, len(keys))
+        while end < limit and has(KV, keys[end]):
+            end += 1
+        u = self.unit_blocks
+        bounds = [b for b in range(end // u * u, hit_blocks, -u) if has(CHECKPOINT, keys[b - 1])]
+        return end, bounds[:3]
 
     def fetch(self, request_id: str, keys: list[int], hit_blocks: int, max_blocks: int) -> DiskFetch | None:
         """The request's remote hit, being read or read; None when there can be none (no
@@ -51,7 +82,7 @@ class RemoteTier(DiskTier):
         bounds = list(range(top, hit_blocks, -u))
         if not bounds:
             return None
-        if not self.store.client.available:
+        if not self.remote.client.available and not isinstance(self.store, LayeredStore):
             self._lost[request_id] = REMOTE_WAIT
             self._gave_up.add(request_id)
             return None
@@ -71,14 +102,20 @@ class RemoteTier(DiskTier):
         return f
 
     def _read(self, f: DiskFetch) -> None:
-        """Reader thread: the deepest published path past the hit that reads whole and
-        verifies (at most three tried); nothing if the store fails meanwhile."""
+        """Reader thread: the deepest published path past the hit (and past what a local disk
+        layer holds) that reads whole and verifies (at most three tried), else the disk
+        layer's hit; nothing if the store fails meanwhile and there is no disk layer."""
+        store = self.store
+        on_disk: list[int] = []
+        if isinstance(store, LayeredStore):
+            _, on_disk = self._probe(f.keys, f.start_block, f.boundaries[0], store.disk.has)
+        deeper = [b for b in f.boundaries if b > (on_disk[0] if on_disk else 0)]
         try:
-            found = self.store.lookup(f.keys, f.boundaries)
+            found = self.remote.lookup(f.keys, deeper) if deeper and self.remote.client.available else []
             for b in found[:3]:
                 if f.timed_out:
                     return
-                got = self.store.read_path(
+                got = self.remote.read_path(
                     f.keys, f.start_block, b, self.kv_block_bytes, self.checkpoint_bytes
                 )
                 if got is not None and not f.timed_out:
@@ -86,7 +123,10 @@ class RemoteTier(DiskTier):
                     f.end_block = b  # (last: the step thread reads it once ``done``)
                     return
         except RemoteUnavailable:
-            return
+            pass
+        if on_disk and not f.timed_out:
+            f.boundaries = on_disk
+            super()._read(f)  # the disk tier's read, from the disk layer (``LayeredStore.read``)
 
     def given_up(self, request_id: str) -> str | None:
         why = super().given_up(request_id)

@@ -245,10 +245,6 @@ class CacheConfig(_Section):
                 raise _bad("cache.remote", self.remote, str(e)) from None
             if not self.enable_prefix_caching:
                 raise _bad("cache.remote", self.remote, "the remote tier needs enable_prefix_caching")
-            if self.disk_path is not None:
-                raise _bad(
-                    "cache.remote", self.remote, "not combined with cache.disk_path yet: set one of them"
-                )
 
 
 class SchedulerConfig(_Section):

@@ -15,6 +15,7 @@ import torch
 from deltaserve.cache.disk_format import StoreIdentity
 from deltaserve.cache.disk_store import DiskStore, DiskStoreError
 from deltaserve.cache.disk_tier import DiskTier
+from deltaserve.cache.layered_store import LayeredStore
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.remote_client import MooncakeClient, mooncake_import_error
 from deltaserve.cache.remote_store import RemoteStore
@@ -279,11 +280,7 @@ def open_disk_tier(
     ident = identity(loaded, runner.caches, c.block_size, spec.gdn_chunk_size)
     if c.remote is not None:
         return open_remote_tier(config, ident, cache, runner)
-    assert c.disk_path is not None
-    try:
-        store = DiskStore(c.disk_path, c.disk_bytes, ident)
-    except DiskStoreError as e:
-        raise ConfigError(f"cache.disk_path = {c.disk_path!r}: {e}") from None
+    store = open_disk_store(config, ident)
     tier = DiskTier(
         store,
         block_size=c.block_size,
@@ -297,6 +294,15 @@ def open_disk_tier(
     cache.attach_disk(tier)
     runner.disk = DiskIO(store)
     return tier
+
+
+def open_disk_store(config: EngineConfig, ident: StoreIdentity) -> DiskStore:
+    c = config.cache
+    assert c.disk_path is not None
+    try:
+        return DiskStore(c.disk_path, c.disk_bytes, ident)
+    except DiskStoreError as e:
+        raise ConfigError(f"cache.disk_path = {c.disk_path!r}: {e}") from None
 
 
 def open_remote_tier(
@@ -316,7 +322,8 @@ def open_remote_tier(
         buffer_bytes=c.remote_buffer_bytes,
         timeout_s=c.remote_timeout_s,
     )
-    store = RemoteStore(client, ident)
+    remote = RemoteStore(client, ident)
+    store = remote if c.disk_path is None else LayeredStore(open_disk_store(config, ident), remote)
     tier = RemoteTier(
         store,  # type: ignore[arg-type]
         block_size=c.block_size,
@@ -329,7 +336,7 @@ def open_remote_tier(
     )
     cache.attach_disk(tier)
     runner.disk = DiskIO(store)  # type: ignore[arg-type]
-    log.info("remote.opened", url=c.remote, namespace=store.ns)
+    log.info("remote.opened", url=c.remote, namespace=remote.ns, disk_layer=c.disk_path is not None)
     return tier
 
 

@@ -11,6 +11,7 @@ master killed or stalled costs hits, never a request or an output, and the count
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ import pytest
 from deltaserve.cache.disk_format import StoreIdentity
 from deltaserve.cache.remote_client import MooncakeClient
 from deltaserve.cache.remote_store import RemoteStore, decode_manifest, encode_manifest
+from deltaserve.cache.remote_tier import RemoteTier
 from deltaserve.cache.types import DiskItemKind
 from deltaserve.engine import EngineConfig, EngineCore
 from deltaserve.engine.config_sections import CacheConfig
@@ -41,10 +43,8 @@ def _remote(m: Master, **extra: Any) -> dict[str, Any]:
 
 
 def _store(core: EngineCore) -> RemoteStore:
-    assert core.disk is not None
-    store = core.disk.store
-    assert isinstance(store, RemoteStore)
-    return store
+    assert isinstance(core.disk, RemoteTier)
+    return core.disk.remote
 
 
 def _ready(core: EngineCore) -> EngineCore:
@@ -208,17 +208,49 @@ def test_a_bad_remote_url_is_one_config_error(url: str, why: str) -> None:
     assert str(e.value) == f"cache.remote = {url!r}: {why}"
 
 
-def test_the_remote_tier_with_a_disk_path_or_without_prefix_caching_is_refused() -> None:
+def test_the_remote_tier_without_prefix_caching_or_a_timeout_is_refused() -> None:
     url = "mooncake://127.0.0.1:50051"
-    with pytest.raises(ConfigError) as e:
-        CacheConfig(remote=url, disk_path="/tmp/x")
-    assert str(e.value) == f"cache.remote = {url!r}: not combined with cache.disk_path yet: set one of them"
     with pytest.raises(ConfigError) as e:
         EngineConfig.load(None, {"cache.remote": url, "cache.enable_prefix_caching": False})
     assert str(e.value) == f"cache.remote = {url!r}: the remote tier needs enable_prefix_caching"
     with pytest.raises(ConfigError) as e:
         EngineConfig.load(None, {"cache.remote_timeout_s": 0})
     assert str(e.value).startswith("cache.remote_timeout_s = 0")
+
+
+def test_a_disk_layer_above_the_store_serves_what_it_holds_and_the_store_the_rest(
+    core_factory: Any,  # noqa: F811
+    master: Master,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    rng = random.Random(8)
+    convs = _conversations(rng)
+
+    def layered(name: str) -> dict[str, Any]:
+        return _remote(
+            master, **{"cache.disk_path": str(tmp_path / name), "cache.disk_write_bytes_per_s": None}
+        )
+
+    a = _ready(core_factory(**layered("a")))
+    outs = serve(a, convs, 6)
+    _published(a)
+    assert a.stats()["disk.items"] > 0  # written to its own disk as well
+    convs = _next_turn(convs, outs, rng)
+    b = _ready(core_factory(**layered("b")))  # an empty disk: its hits are the store's
+    outs = serve(b, convs, 6)
+    assert outs == serve(plain, convs, 6)
+    assert _remote_hits(b) > 0 and b.stats()["remote.reads"] > 0
+    b.check_integrity()
+    b.close()  # what it holds goes to its disk
+    master.kill()
+    convs = _next_turn(convs, outs, rng)
+    b2 = core_factory(**layered("b"))  # the store is gone: its disk serves
+    assert serve(b2, convs, 6) == serve(plain, convs, 6)
+    assert _remote_hits(b2) > 0 and b2.stats()["remote.reads"] == 0
+    for core in (a, b2):
+        core.check_integrity()
+        core.close()
 
 
 def _client(m: Master) -> MooncakeClient:
