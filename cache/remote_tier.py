@@ -20,7 +20,7 @@ across a network:
   and writes are dropped; nothing waits on the store on the step thread.
 
 Counters: the disk tier's fetch counters as ``remote.*`` (``remote.fetches``,
-``remote.fetch_damaged``: a fetch that found nothing usable, ``remote.read_timeouts``, ...),
+``remote.fetch_misses``: a fetch that found nothing usable, ``remote.read_timeouts``, ...),
 the store's and the client's. Torch-free.
 """
 
@@ -133,8 +133,11 @@ class RemoteTier(DiskTier):
         return REMOTE_WAIT if why == "disk_wait" else why
 
     def stats(self) -> dict[str, int | float]:
+        # the disk tier's counters as the remote tier's; a fetch that found nothing usable is
+        # a miss here (a path not in the store), not damage
+        names = {"disk.fetch_damaged": "remote.fetch_misses"}
         out: dict[str, int | float] = {
-            ("remote." + k[len("disk.") :] if k.startswith("disk.") else k): v
+            names.get(k, "remote." + k[len("disk.") :] if k.startswith("disk.") else k): v
             for k, v in self.counters.items()
         }
         out.update(self.store.stats())

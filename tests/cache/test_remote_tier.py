@@ -92,7 +92,7 @@ def test_a_conversation_moved_to_another_engine_is_served_from_the_store(
     assert outs == serve(plain, convs, 6), "a hit from the store changed an output"
     assert _remote_hits(b) > 0
     s = b.stats()
-    assert s["remote.fetch_damaged"] == 0 and s["remote.read_damaged"] == 0
+    assert s["remote.read_damaged"] == 0
     _published(b)
     # an engine started after both warms from what they published (turn 2 is B's)
     convs = _next_turn(convs, outs, rng)
@@ -162,6 +162,34 @@ def test_a_master_killed_costs_hits_never_a_request(
     assert _store(a).flush(60)
     sa = a.stats()
     assert sa["remote.put_failed"] + sa["remote.put_dropped"] > 0
+    for core in (a, b):
+        core.check_integrity()
+        core.close()
+
+
+def test_a_replica_killed_mid_write_loses_no_correctness(
+    core_factory: Any,  # noqa: F811
+    master: Master,  # noqa: F811
+) -> None:
+    """The client process of A (its store client and the memory it lends) is killed with -9
+    while A serves and writes: A goes on (a new client process joins), B reads what survives
+    (objects in the dead client's memory are misses), and no output changes."""
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    rng = random.Random(7)
+    convs = _conversations(rng)
+    a = _ready(core_factory(**_remote(master, **{"cache.remote_timeout_s": 2.0})))
+    outs = serve(a, convs[:1], 6)
+    proc = _store(a).client._proc
+    assert proc is not None
+    proc.kill()  # kill -9 of the replica's store client, its writes in flight with it
+    outs += serve(a, convs[1:], 6)
+    assert outs == serve(plain, convs, 6)
+    _published(a)
+    convs = _next_turn(convs, outs, rng)
+    b = _ready(core_factory(**_remote(master, **{"cache.remote_timeout_s": 2.0})))
+    assert serve(b, convs, 6) == serve(plain, convs, 6)
+    sa = a.stats()
+    assert sa["remote.failures"] + sa["remote.timeouts"] + sa["remote.put_dropped"] > 0
     for core in (a, b):
         core.check_integrity()
         core.close()
