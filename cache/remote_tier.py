@@ -56,6 +56,7 @@ class RemoteTier(DiskTier):
     def _probe(
         self, keys: list[int], hit_blocks: int, max_blocks: int, has: Callable[[DiskItemKind, int], bool]
     ) -> tuple[int, list[int]]:
+        """The disk tier's probe over ``has`` (which layer, or both, is the caller's choice)."""
         end = hit_blocks
         limit = min(max_blocks, len(keys))
         while end < limit and has(KV, keys[end]):

@@ -329,3 +329,19 @@ def test_reads_verify_every_object_against_the_manifest_and_the_identity(master:
     assert c.lookup([77], [1]) == []
     for s in (a, b, c, other):
         s.close()
+
+
+def test_serve_remote_cache_sets_cache_remote_and_a_bad_url_is_one_line() -> None:
+    from deltaserve.engine.cli import config_from_args
+    from deltaserve.server.cli import build_parser, engine_overrides
+
+    url = "mooncake://10.0.0.5:50051"
+    args = build_parser().parse_args(["serve", "--remote-cache", url])
+    assert engine_overrides(args) == {"cache.remote": url}
+    assert config_from_args(args, engine_overrides(args)).cache.remote == url
+    bad = build_parser().parse_args(["serve", "--remote-cache", "10.0.0.5:50051"])
+    with pytest.raises(ConfigError) as e:
+        config_from_args(bad, engine_overrides(bad))
+    assert str(e.value) == (
+        "cache.remote = '10.0.0.5:50051': not a mooncake://HOST:PORT address (the scheme must be mooncake)"
+    )
