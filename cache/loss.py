@@ -9,6 +9,8 @@ split sums to the misses by construction (``check`` asserts it). In order:
   would have had (the deepest checkpoint on its matched path);
 * ``read_budget`` / ``disk_wait``: a disk hit found and given up (its fetch refused by the
   read buffer budget, or read past ``read_timeout_s``): the blocks up to its checkpoint;
+  ``remote_wait``: the same for the remote tier (read past its deadline, or not asked for
+  while the store is unavailable), up to the deepest checkpoint this engine knows is there;
 * ``checkpoint_never_captured`` / ``checkpoint_skipped`` / ``checkpoint_evicted``: the KV is
   there past the hit (in the tree on any tier, in transit between tiers, or on disk) but no
   checkpoint at or before its end; why is the latest outcome recorded at the deepest boundary
@@ -47,7 +49,7 @@ if TYPE_CHECKING:  # (the store imports nothing of this module; types only)
 QUERY_CAUSES = (
     "cold", "kv_evicted_device", "kv_evicted_host", "kv_evicted_disk", "checkpoint_never_captured",
     "checkpoint_skipped", "checkpoint_evicted", "granularity", "in_flight", "read_budget",
-    "disk_wait", "prompt_logprobs",
+    "disk_wait", "remote_wait", "prompt_logprobs",
 )  # fmt: skip
 #: every cause: the query's, then the recompute of preempted requests
 MISS_CAUSES = (*QUERY_CAUSES, "preemption")
@@ -55,7 +57,7 @@ MISS_PREFIX = "prefix_cache.miss_tokens."
 MISS_KEYS = tuple(MISS_PREFIX + c for c in MISS_CAUSES)
 
 # what a disk fetch given up is counted as (``DiskTier.given_up``)
-GIVEN_UP_CAUSES = ("read_budget", "disk_wait")
+GIVEN_UP_CAUSES = ("read_budget", "disk_wait", "remote_wait")
 
 
 class Asked(NamedTuple):

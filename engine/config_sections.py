@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
 from deltaserve.cache.manager import GDN_CHUNK_SIZE
+from deltaserve.cache.remote_client import parse_url
 from deltaserve.cache.types import CheckpointGranularity
 from deltaserve.engine.config_base import (
     CoreProcess,
@@ -181,6 +182,37 @@ class CacheConfig(_Section):
             le=3600.0,
         ),
     ] = 5.0
+    remote: Annotated[
+        str | None,
+        _doc(
+            "Remote tier: mooncake://HOST:PORT of a Mooncake Store master (`deltaserve store`) whose store "
+            "every replica shares, below the host tier: checkpoints are written through with the KV of their "
+            "path and published whole; a prompt's hit is read from it when the tiers above lack it. A store "
+            "that is down or slow costs hits, never a request. Unset = off."
+        ),
+    ] = None
+    remote_segment_bytes: Annotated[
+        PosBytes,
+        _doc("Remote tier: memory this engine lends the store (objects live in the lenders' memory)."),
+    ] = 256 * 2**20
+    remote_buffer_bytes: Annotated[PosBytes, _doc("Remote tier: the Mooncake client's transfer buffer.")] = (
+        64 * 2**20
+    )
+    remote_write_bytes_per_s: Annotated[
+        PosBytes | None,
+        _doc(
+            "Remote tier: bytes per second written through and back; beyond it items are skipped. None: unbounded."
+        ),
+    ] = 256 * 2**20
+    remote_timeout_s: Annotated[
+        float,
+        _doc(
+            "Remote tier: a store call not answered within this many seconds fails (a remote hit not read by "
+            "then is given up: its request computes); repeated failures pause the tier with a growing backoff.",
+            gt=0.0,
+            le=600.0,
+        ),
+    ] = 2.0
 
     @property
     def fixed_split(self) -> bool:
@@ -206,6 +238,13 @@ class CacheConfig(_Section):
             raise _bad("cache.disk_path", self.disk_path, "an empty path; unset it to turn the disk tier off")
         if self.disk_path is not None and not self.enable_prefix_caching:
             raise _bad("cache.disk_path", self.disk_path, "the disk tier needs enable_prefix_caching")
+        if self.remote is not None:
+            try:
+                parse_url(self.remote)
+            except ValueError as e:
+                raise _bad("cache.remote", self.remote, str(e)) from None
+            if not self.enable_prefix_caching:
+                raise _bad("cache.remote", self.remote, "the remote tier needs enable_prefix_caching")
 
 
 class SchedulerConfig(_Section):

@@ -47,6 +47,7 @@ from deltaserve.server.cli_flags import address_error, package_version
 from deltaserve.server.config import API_KEY_ENV, ServerConfig, api_key_from, str_list
 from deltaserve.server.reasoning import ReasoningParserName
 from deltaserve.server.serving import bind_socket, serve
+from deltaserve.server.store_cmd import add_store_parser, store_main
 from deltaserve.server.tool_parsers import ToolParserName
 
 log = get_logger("deltaserve.server")
@@ -58,6 +59,7 @@ SHORTHANDS = {
     "device": "model.device",
     "max_model_len": "model.max_model_len",
     "gpu_memory_utilization": "cache.gpu_memory_utilization",
+    "remote_cache": "cache.remote",
 }
 
 
@@ -75,6 +77,11 @@ def _add_model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--gpu-memory-utilization", type=float, default=None, metavar="F",
         help="cache.gpu_memory_utilization: share of the GPU's memory the engine may use (CUDA)",
+    )  # fmt: skip
+    s.add_argument(
+        "--remote-cache", default=None, metavar="URL",
+        help="cache.remote: mooncake://HOST:PORT of a Mooncake Store master (`deltaserve store`) the "
+        "replicas share as a cache tier (docs/cache.md, docs/cluster.md)",
     )  # fmt: skip
     core = s.add_mutually_exclusive_group()
     core.add_argument(
@@ -186,6 +193,7 @@ def build_parser(
     cli_flags.add_compat_args(s)
     for add in extra_args:
         add(s)
+    add_store_parser(sub)
     e = sub.add_parser(
         "export-tokenizer",
         help="write a model's tokenizer (and chat template) to a folder clients can load",
@@ -271,6 +279,8 @@ def main(
     args = parser.parse_args(argv)
     if args.command == "export-tokenizer":
         return _export_main(args)
+    if args.command == "store":
+        return store_main(args)
     configure_logging(args.log_level)
     from deltaserve.engine import install_uvloop
     from deltaserve.engine.cli import config_from_args

@@ -303,7 +303,7 @@ MISS_ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("checkpoint_evicted", "missed: checkpoint evicted", ("checkpoint_evicted",)),
     ("granularity", "missed: granularity", ("granularity",)),
     ("in_flight", "missed: in flight", ("in_flight",)),
-    ("given_up", "missed: disk hit given up", ("read_budget", "disk_wait")),
+    ("given_up", "missed: disk hit given up", ("read_budget", "disk_wait", "remote_wait")),
     ("prompt_logprobs", "missed: prompt logprobs", ("prompt_logprobs",)),
     ("preemption", "recomputed after preemption", ("preemption",)),
 ]

@@ -12,9 +12,14 @@ from typing import Any
 
 import torch
 
+from deltaserve.cache.disk_format import StoreIdentity
 from deltaserve.cache.disk_store import DiskStore, DiskStoreError
 from deltaserve.cache.disk_tier import DiskTier
+from deltaserve.cache.layered_store import LayeredStore
 from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.remote_client import MooncakeClient, mooncake_import_error
+from deltaserve.cache.remote_store import RemoteStore
+from deltaserve.cache.remote_tier import RemoteTier
 from deltaserve.engine.config import DType, EngineConfig
 from deltaserve.engine.core.sizing import Capacity, ModelShape, plan_capacity
 from deltaserve.engine.errors import ConfigError
@@ -267,16 +272,15 @@ def open_disk_tier(
     engine holds, or a non-empty folder that is not a store, is a ``ConfigError``. A model
     the tier cannot serve (no GDN layers) logs a warning and runs without it."""
     c = config.cache
-    if c.disk_path is None:
+    if c.disk_path is None and c.remote is None:
         return None
     if not (cache.enabled and cache.has_gdn and spec.num_attn_layers):
         log.warning("disk.off", reason="the disk tier serves hybrid models (GDN and attention layers)")
         return None
     ident = identity(loaded, runner.caches, c.block_size, spec.gdn_chunk_size)
-    try:
-        store = DiskStore(c.disk_path, c.disk_bytes, ident)
-    except DiskStoreError as e:
-        raise ConfigError(f"cache.disk_path = {c.disk_path!r}: {e}") from None
+    if c.remote is not None:
+        return open_remote_tier(config, ident, cache, runner)
+    store = open_disk_store(config, ident)
     tier = DiskTier(
         store,
         block_size=c.block_size,
@@ -289,6 +293,50 @@ def open_disk_tier(
     )
     cache.attach_disk(tier)
     runner.disk = DiskIO(store)
+    return tier
+
+
+def open_disk_store(config: EngineConfig, ident: StoreIdentity) -> DiskStore:
+    c = config.cache
+    assert c.disk_path is not None
+    try:
+        return DiskStore(c.disk_path, c.disk_bytes, ident)
+    except DiskStoreError as e:
+        raise ConfigError(f"cache.disk_path = {c.disk_path!r}: {e}") from None
+
+
+def open_remote_tier(
+    config: EngineConfig, ident: StoreIdentity, cache: CacheManager, runner: ModelRunner
+) -> DiskTier:
+    """The remote tier on ``cache.remote`` (``cache/remote_tier.py``) in the disk tier's socket.
+    A missing ``mooncake`` package is a ``ConfigError``; a store that is down is not (the
+    tier connects in the background and misses until it answers)."""
+    c = config.cache
+    assert c.remote is not None
+    why = mooncake_import_error()
+    if why is not None:
+        raise ConfigError(f"cache.remote = {c.remote!r}: the mooncake package cannot be imported ({why})")
+    client = MooncakeClient(
+        c.remote,
+        segment_bytes=c.remote_segment_bytes,
+        buffer_bytes=c.remote_buffer_bytes,
+        timeout_s=c.remote_timeout_s,
+    )
+    remote = RemoteStore(client, ident)
+    store = remote if c.disk_path is None else LayeredStore(open_disk_store(config, ident), remote)
+    tier = RemoteTier(
+        store,  # type: ignore[arg-type]
+        block_size=c.block_size,
+        unit_blocks=cache.unit // c.block_size,
+        kv_block_bytes=ident.kv_block_bytes,
+        checkpoint_bytes=ident.checkpoint_bytes,
+        write_bytes_per_s=c.remote_write_bytes_per_s,
+        read_buffer_bytes=c.disk_read_buffer_bytes,
+        read_timeout_s=c.remote_timeout_s,
+    )
+    cache.attach_disk(tier)
+    runner.disk = DiskIO(store)  # type: ignore[arg-type]
+    log.info("remote.opened", url=c.remote, namespace=remote.ns, disk_layer=c.disk_path is not None)
     return tier
 
 

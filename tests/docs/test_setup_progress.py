@@ -32,13 +32,14 @@ def test_setup_prints_each_step_and_installs_what_it_did(tmp_path: Path) -> None
     assert r.returncode == 0, r.stderr
     assert r.stdout == ""  # progress is on stderr
     lines = r.stderr.splitlines()
-    for i, what in enumerate(("virtual environment", "pip", "torch==9.9.9", "deltaserve"), start=1):
-        assert any(line.startswith(f"deltaserve setup [{i}/4] ") and what in line for line in lines), r.stderr
+    steps = ("virtual environment", "pip", "torch==9.9.9", "libibverbs", "deltaserve")
+    for i, what in enumerate(steps, start=1):
+        assert any(line.startswith(f"deltaserve setup [{i}/5] ") and what in line for line in lines), r.stderr
     assert lines[-1].startswith("deltaserve: environment ready in .venv")
     assert log.read_text(encoding="utf-8").splitlines() == [
         "-m pip install -q --upgrade pip",
         "-m pip install -q torch==9.9.9",
-        "-m pip install -q -e .[test,triton,plot,cluster]",
+        "-m pip install -q -e .[test,triton,plot,cluster,remote]",
     ]
     again = subprocess.run(run, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and again.stderr == ""  # up to date: a no-op, silent

@@ -5,6 +5,7 @@
     python -m deltaserve.tools.bench.bench_cluster                               # 2 replicas, chat workload
     python -m deltaserve.tools.bench.bench_cluster --replicas 2 --sessions 16 --turns 5 --json bench.json
     python -m deltaserve.tools.bench.bench_cluster --set model.path=/models/Qwen3.5-0.8B --replica-cpus 4
+    python -m deltaserve.tools.bench.bench_cluster --routers pow2 --shared-tier --no-single
 
 One process, in order: a local Ray cluster with N replicas and ``--router prefix``, then the
 same with ``--router pow2`` (each application deployed, measured, deleted), then Ray is stopped
@@ -15,14 +16,19 @@ outputs, so every column sends the same follow-up turns). The table is loadgen's
 requests each replica served. The columns run one after another, not as interleaved rounds
 (``tools/bench/harness.py``): each must start on cold caches and the Ray cluster is stopped
 before the single engine starts; ``--json`` writes the harness's shape, the box's load included.
+
+``--shared-tier`` adds, after each router's column, the same router with a Mooncake Store
+master started here (``cache/remote_master.py``) that the replicas share as their remote cache
+tier (``cache.remote``; a fresh master per column, so each starts cold).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from deltaserve.logs import configure_logging, get_logger
@@ -50,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--routers", nargs="+", default=["prefix", "pow2"], choices=["prefix", "pow2"])
     g.add_argument("--no-single", action="store_true", help="skip the single-engine column")
+    g.add_argument(
+        "--shared-tier", action="store_true",
+        help="also each router with a Mooncake master the replicas share (cache.remote; needs the remote extra)",
+    )  # fmt: skip
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests per column (own cache salt)")
     add_json_arg(g)
     g.add_argument("--log-level", default="warning")
@@ -93,16 +103,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = plan = None
     with RayCluster(num_cpus=args.ray_cpus) as rc:
         for router in args.routers:
-            cluster = ClusterConfig(
-                replicas=args.replicas, router=router, num_cpus=args.replica_cpus, app_name=f"bench-{router}"
-            )
-            url = rc.deploy(cfg, cluster)
-            label = f"{args.replicas}x {router}"
-            res, workload, plan = asyncio.run(_measure(url, args, label, codec, args.warmup))
-            st = asyncio.run(_status(url))
-            routed[label] = (st.get("routers") or [{}])[0].get("routed", {})
-            runs.append(res)
-            rc.undeploy(cluster.app_name)
+            for shared in (False, True) if args.shared_tier else (False,):
+                cluster = ClusterConfig(
+                    replicas=args.replicas,
+                    router=router,
+                    num_cpus=args.replica_cpus,
+                    app_name=f"bench-{router}",
+                )
+                label = f"{args.replicas}x {router}" + (" + shared tier" if shared else "")
+                with _shared_tier(cfg, shared) as run_cfg:
+                    url = rc.deploy(run_cfg, cluster)
+                    res, workload, plan = asyncio.run(_measure(url, args, label, codec, args.warmup))
+                    st = asyncio.run(_status(url))
+                    routed[label] = (st.get("routers") or [{}])[0].get("routed", {})
+                    runs.append(res)
+                    rc.undeploy(cluster.app_name)
     if not args.no_single:
         runs.append(asyncio.run(_single(cfg, args, codec)))
     from deltaserve.tools.loadgen_report import agreement_rows, workload_line
@@ -121,6 +136,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(describe_box(bench.before))
     return bench.write(args.json, results)
+
+
+@contextlib.contextmanager
+def _shared_tier(cfg: Any, shared: bool) -> Iterator[Any]:
+    """``cfg``, or (``shared``) ``cfg`` with ``cache.remote`` on a master started for the column."""
+    if not shared:
+        yield cfg
+        return
+    import msgspec
+
+    from deltaserve.cache.remote_master import free_port, start_master, wait_listening
+
+    port = free_port()
+    master = start_master(port)
+    try:
+        if not wait_listening(master, "127.0.0.1", port):
+            raise RuntimeError(f"mooncake_master did not start (exit code {master.poll()})")
+        cache = msgspec.structs.replace(
+            cfg.cache, remote=f"mooncake://127.0.0.1:{port}", remote_write_bytes_per_s=None
+        )
+        yield msgspec.structs.replace(cfg, cache=cache)
+    finally:
+        master.terminate()
+        master.wait(timeout=30)
 
 
 async def _single(cfg: Any, args: argparse.Namespace, codec: Any) -> Any:

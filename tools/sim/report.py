@@ -187,7 +187,7 @@ ATTRIBUTION_COLUMNS: tuple[tuple[str, tuple[str, ...], str | None], ...] = (
     ("ckpt evicted", ("checkpoint_evicted",), None),
     ("granularity", ("granularity",), "granularity"),
     ("in flight", ("in_flight",), None),
-    ("given up", ("read_budget", "disk_wait"), None),
+    ("given up", ("read_budget", "disk_wait", "remote_wait"), None),
     ("logprobs", ("prompt_logprobs",), None),
 )
 # every query cause in exactly one column, so a row sums to 100 (a new cause must find its place)
