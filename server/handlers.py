@@ -251,6 +251,7 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ chat
     async def chat(self, request: Request) -> Response:
+        received = time.perf_counter()  # TTFT counts from here: before parsing and tokenizing
         renames = {"logprobs": "top_logprobs", "prompt": "messages"}
         body = await self._read_body(request)
         try:
@@ -264,7 +265,7 @@ class OpenAIServer:
         except Exception as e:
             raise translate_error(e, renames) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        tracker = Tracker(self.metrics, req.n)
+        tracker = Tracker(self.metrics, req.n, received)
         parse_tools = bool(req.tools) and req.tool_choice != "none" and forced is None
         tools = [msgspec.to_builtins(t) for t in req.tools or []] if parse_tools else None
         # one parser per completion turns its text (whole, streamed, or cut short) into the
@@ -326,6 +327,7 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
+        received = time.perf_counter()  # TTFT counts from here: before parsing and tokenizing
         renames = {"prompt": "prompt"}
         streams: list[OutputStream] = []
         body = await self._read_body(request)
@@ -341,7 +343,7 @@ class OpenAIServer:
                     await s.aclose()
             raise translate_error(e, renames) from e
         rid = f"cmpl-{uuid.uuid4().hex}"
-        trackers = [Tracker(self.metrics, req.n) for _ in streams]
+        trackers = [Tracker(self.metrics, req.n, received) for _ in streams]
         if req.stream:
             fmt = CompletionChunks(
                 self.token_text, rid, model, req.n, len(streams), return_ids=req.return_token_ids,

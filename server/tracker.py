@@ -34,9 +34,12 @@ class Choice:
 class Tracker:
     """The ``n`` completions of one engine request, and the metrics they feed."""
 
-    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int, received: float) -> None:
+        """``received``: ``time.perf_counter()`` when the request reached the handler, before it
+        was parsed and tokenized, so the engine's queue + prefill time (from its arrival, stamped
+        while tokenizing) always fits inside the time to first token."""
         self.metrics = metrics
-        self.t0 = time.perf_counter()
+        self.t0 = received
         self.choices = [Choice(i) for i in range(n)]
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
