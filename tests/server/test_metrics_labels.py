@@ -12,6 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deltaserve.cache.loss import MISS_CAUSES
+
 from .conftest import MODEL, Served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -66,7 +68,7 @@ async def test_every_series_has_model_name_and_the_phases_add_up(served: Served)
     assert delta["deltaserve:request_success_total{finished_reason=length}"] == 1
     # every prompt token the cache did not serve is under one cause (preemption: outside the query)
     misses = {k: v for k, v in delta.items() if k.startswith("deltaserve:prefix_cache_miss_tokens_total{")}
-    assert len(misses) == 13
+    assert len(misses) == len(MISS_CAUSES)
     queried = delta["deltaserve:prefix_cache_queries_total"] - delta["deltaserve:prefix_cache_hits_total"]
     assert queried > 0
     assert (
