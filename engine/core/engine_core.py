@@ -48,6 +48,7 @@ from deltaserve.engine.core.builder import (
 from deltaserve.engine.core.grammar_wait import GrammarWait
 from deltaserve.engine.core.overlap import Overlap
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
+from deltaserve.engine.core.spec_step import SpecDecoding
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.front.client import RequestInput
@@ -159,6 +160,8 @@ class EngineCore:
         self.states: dict[str, RequestState] = {}
         self.async_scheduling = config.engine.async_scheduling
         self.overlap = Overlap(self) if self.async_scheduling else None
+        # speculative decoding (config validation keeps it apart from async scheduling)
+        self.speculation = SpecDecoding(self, config.speculative) if config.speculative.enabled else None
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
         now = resident()  # measured, beside the capacity line's expected_rss_mib
@@ -345,6 +348,8 @@ class EngineCore:
     def _step(self) -> list[TokenDelta]:
         if self.overlap is not None:
             return self.overlap.step()
+        if self.speculation is not None:
+            return self.speculation.step()
         self.phases.enter("schedule")
         out = self.scheduler.schedule()
         if out is None:
@@ -443,15 +448,16 @@ class EngineCore:
         self.counters["requests.failed"] += 1
         return self.final_delta(req, "error", error=f"{what}: {type(error).__name__}: {error}")
 
-    def process_token(self, req: Request, token: int) -> TokenDelta:
-        """Check the stop conditions of ``req``'s new token (already in ``req.token_ids``): its
-        stop token ids (EOS unless ``ignore_eos``), its grammar's end, ``max_tokens`` and
-        ``max_model_len``, and build its delta; a request that stops ends here. Text and stop
-        strings are the front end's (``engine/front/output_processor.py``)."""
+    def process_token(self, req: Request, token: int, num_tokens: int | None = None) -> TokenDelta:
+        """Check the stop conditions of ``req``'s new token (already in ``req.token_ids``, at
+        ``num_tokens - 1``: by default its last): its stop token ids (EOS unless
+        ``ignore_eos``), its grammar's end, ``max_tokens`` and ``max_model_len``, and build its
+        delta; a request that stops ends here. Text and stop strings are the front end's
+        (``engine/front/output_processor.py``)."""
         self.counters["tokens.generated"] += 1
         state = self.states[req.request_id]
         params: SamplingParams = req.sampling_params
-        num_tokens = len(req.token_ids)
+        num_tokens = len(req.token_ids) if num_tokens is None else num_tokens
         n_out = num_tokens - len(req.prompt_token_ids)
         reason: str | None = None
         if state.matcher is not None and _constraint_done(state.matcher, token):
@@ -540,6 +546,8 @@ class EngineCore:
             "grammar.compiling": g.compiling, "grammar.parked": len(self.parked),
             "grammar.timeouts": self.parked.timeouts,
         })  # fmt: skip
+        if self.speculation is not None:
+            out.update(self.speculation.stats())
         out["time"] = time.time()
         return out
 
