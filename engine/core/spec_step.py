@@ -1,7 +1,7 @@
 """The engine step with speculative decoding (``speculative.method`` not ``none``).
 
 Each step: the drafter proposes up to ``speculative.num_tokens`` tokens for every running
-request that may draft (``SpecDecoding.drafts``: greedy, no grammar, and room left under
+request that may draft (``SpecDecoding.drafts``: no grammar, no penalties, and room left under
 ``max_tokens`` and ``max_model_len``); the scheduler turns a decode with drafts into a verify
 segment (``scheduler/scheduler.py``); the runner verifies every segment's drafts in the one
 forward and rolls rejected ones back (``engine/runner/verify.py``); ``Scheduler.update``
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from deltaserve.engine.config_spec import SpeculativeConfig
 from deltaserve.engine.messages import TokenDelta
+from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.spec.drafter import make_drafter
 from deltaserve.engine.spec.stats import SpecStats
 from deltaserve.scheduler.request import Request, RequestStatus
@@ -45,7 +46,8 @@ class SpecDecoding:
         if not req.is_decoding or req.status is not RequestStatus.RUNNING:
             return []
         state = core.states.get(req.request_id)
-        if state is None or not state.plain_greedy or state.matcher is not None:
+        # (penalties count the output so far: a draft's row would need them recounted per position)
+        if state is None or state.matcher is not None or req.sampling_params.has_penalties:
             return []
         # a window emits up to k + 1 tokens: no more than a decode could still produce
         room = min(
@@ -89,20 +91,24 @@ class SpecDecoding:
                 if first <= i < end:
                     emitted = result.verified[i - first]
                     self.counts.observe(len(s.drafts), len(emitted) - 1)
-                    outputs.append(self._emit(s.request, emitted))
+                    outputs.append(self._emit(s.request, emitted, result.verified_logprobs[i - first]))
                 elif token is not None:
                     outputs.append(self._finish_hook(s.request, core.process_token(s.request, token)))
             except Exception as e:  # the stop check of one request: that request ends
                 outputs.append(core.output_failed(s.request, e))
         return outputs
 
-    def _emit(self, req: Request, emitted: list[int]) -> TokenDelta:
+    def _emit(self, req: Request, emitted: list[int], logprobs: list[TokenLogprob] | None) -> TokenDelta:
         """Check ``req``'s emitted tokens (already appended) one at a time, as consecutive
-        decodes would; one delta for all of them, cut at the first that ends the request."""
+        decodes would; one delta for all of them (and their log-probabilities), cut at the first
+        that ends the request."""
         core = self.core
         base = len(req.token_ids) - len(emitted)
         deltas: list[TokenDelta] = []
+        state = core.states[req.request_id]
         for j, token in enumerate(emitted):
+            if logprobs is not None:
+                state.logprobs = [logprobs[j]]  # (process_token hands out the pending ones)
             d = core.process_token(req, token, num_tokens=base + j + 1)
             deltas.append(d)
             if d.finish_reason is not None:

@@ -60,7 +60,7 @@ from deltaserve.engine.runner.request_state import RequestState
 from deltaserve.engine.runner.sampling import Sampler, apply_token_mask, greedy
 from deltaserve.engine.runner.verify import (
     VerifyHost,
-    accept_greedy,
+    accept_rows,
     restore_accepted,
     tracking_copies,
     verify_fields,
@@ -116,7 +116,9 @@ class StepResult:
         self.step = step
         self.tokens = tokens
         self.logprobs = logprobs
-        self.verified: list[list[int]] = []  # the tokens each verify segment emits, in order
+        # each verify segment's emitted tokens, in order, and their log-probabilities (if asked)
+        self.verified: list[list[int]] = []
+        self.verified_logprobs: list[list[TokenLogprob] | None] = []
         self._list: list[int] | None = None
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
@@ -338,6 +340,8 @@ class ModelRunner:
                 seqs, nd, nv, cu, ends, positions, block_tables, seq_index
             )
             logits_rows = np.concatenate([logits_rows, verify_rows])
+            if states is not None:
+                verify.attach(seqs[nd : nd + nv], states)
         cap = np.array(
             [(c.item_index, c.boundary - seqs[c.item_index].start, c.slot) for c in out.plan.captures],
             dtype=np.int64,
@@ -455,10 +459,11 @@ class ModelRunner:
         self._copy_states(out.plan.restores)
         logits = self.model.forward(batch, self.caches)
         verified: list[list[int]] = []
+        verified_lp: list[list[TokenLogprob] | None] = []
         if prep.verify is None:
             self._copy_states(out.plan.decode_copies)
         else:
-            logits, verified = self._verify(logits, batch, prep.verify)
+            logits, verified, verified_lp = self._verify(logits, batch, prep.verify)
             self._copy_states(tracking_copies(out.plan.decode_copies, prep.verify, verified))
         if prep.prompt_slices:
             # (written on this thread; the engine reads them with the request's first token,
@@ -470,21 +475,21 @@ class ModelRunner:
         tokens, logprobs = self._sample(logits, prep)
         self.phases.close()
         result = StepResult(out.step, tokens, logprobs)
-        result.verified = verified
+        result.verified, result.verified_logprobs = verified, verified_lp
         self._last = result
         return result
 
     def _verify(
         self, logits: torch.Tensor, batch: BatchMetadata, host: VerifyHost
-    ) -> tuple[torch.Tensor, list[list[int]]]:
+    ) -> tuple[torch.Tensor, list[list[int]], list[list[TokenLogprob] | None]]:
         """The verify rows (the last ``host.num_tokens`` of ``logits``) decide what each
         segment emits; the rejected drafts' states are rolled back (``runner/verify.py``).
-        Returns the other rows and the emitted tokens."""
+        Returns the other rows, the emitted tokens and their log-probabilities."""
         rows = logits[logits.shape[0] - host.num_tokens :]
-        emitted = accept_greedy(greedy(rows).tolist(), host)
+        emitted, logprobs = accept_rows(rows, host, self.default_generator)
         assert batch.verify is not None
         restore_accepted(self.caches, batch.verify.records, host, emitted)
-        return logits[: logits.shape[0] - host.num_tokens], emitted
+        return logits[: logits.shape[0] - host.num_tokens], emitted, logprobs
 
     def _sample(
         self, logits: torch.Tensor, prep: PreparedStep

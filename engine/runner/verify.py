@@ -6,7 +6,9 @@ A verify segment (``models/verify.py``) is a decoding request's last token follo
 gets a logits row (after the step's other rows); row ``j`` is the target's distribution of the
 token after ``d_j`` (``d_0 = t``). Greedy acceptance: ``d_{j+1}`` is accepted while it is the
 argmax of row ``j``; the first row whose argmax differs (or row ``k``, when every draft was
-accepted) gives the token after them. So a segment emits ``a + 1`` tokens, ``a`` accepted
+accepted) gives the token after them. A sampled request's segment is accepted by rejection
+sampling instead (``engine/spec/rejection.py``), with its own temperature, top-k, top-p, min-p
+and generator; log-probabilities are the raw ones of each emitted token's row. So a segment emits ``a + 1`` tokens, ``a`` accepted
 drafts, and its request has computed ``start + a + 1`` tokens: the GDN state it must keep is
 the one after window position ``a``. The forward recorded the states after every position but
 the last (``VerifyPlan.records``); ``restore_accepted`` copies the recorded one back into the
@@ -21,12 +23,18 @@ boundary was not reached (``cache/planning.settle_verify`` drops it from the com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.runner.request_state import RequestState
+from deltaserve.engine.runner.sampling import greedy
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.spec.rejection import accept_sampled
+from deltaserve.kernels.sampler import compute_logprobs
 from deltaserve.models.batch import ModelCaches
 from deltaserve.models.verify import VerifyRecord
 from deltaserve.scheduler.scheduler import ScheduledSeq
@@ -35,12 +43,23 @@ from deltaserve.scheduler.scheduler import ScheduledSeq
 @dataclass
 class VerifyHost:
     """A step's verify segments on the host: each one's drafts and live slot, and the layout
-    (``counts``: segments longer than ``j`` tokens, per window position ``j``)."""
+    (``counts``: segments longer than ``j`` tokens, per window position ``j``). ``params`` /
+    ``states``: each segment's sampling parameters and request state, set unless every
+    segment is plain greedy."""
 
     drafts: list[tuple[int, ...]]
     slots: list[int]
     counts: list[int]
     num_tokens: int
+    params: list[SamplingParams] | None = None
+    states: list[RequestState] | None = None
+
+    def attach(self, seqs: Sequence[ScheduledSeq], states: Mapping[str, RequestState]) -> None:
+        """Keep the segments' (``seqs``) parameters and states when one is not plain greedy."""
+        row_states = [states[s.request.request_id] for s in seqs]
+        if not all(st.plain_greedy for st in row_states):
+            self.states = row_states
+            self.params = [s.request.sampling_params for s in seqs]
 
 
 def verify_fields(
@@ -82,6 +101,42 @@ def verify_fields(
         "verify_block_tables": attn_tables.reshape(-1),
     }
     return host, rows, fields
+
+
+def accept_rows(
+    rows: torch.Tensor, host: VerifyHost, default_generator: torch.Generator
+) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+    """The tokens each segment emits from its rows of ``rows`` (greedy or rejection sampling,
+    by its parameters: ``engine/spec/rejection.py``), and the raw log-probabilities of the
+    emitted tokens for the segments that asked (None for the others)."""
+    if host.params is None or host.states is None:
+        return accept_greedy(greedy(rows).tolist(), host), [None] * len(host.drafts)
+    emitted: list[list[int]] = []
+    logprobs: list[list[TokenLogprob] | None] = []
+    start = 0
+    for drafts, params, state in zip(host.drafts, host.params, host.states, strict=True):
+        seg = rows[start : start + len(drafts) + 1]
+        start += len(drafts) + 1
+        if state.plain_greedy:
+            toks = accept_greedy(greedy(seg).tolist(), VerifyHost([drafts], [], [], 0))[0]
+        else:
+            toks = accept_sampled(seg, drafts, params, state.generator or default_generator)
+        emitted.append(toks)
+        logprobs.append(
+            None if params.logprobs is None else _logprobs(seg[: len(toks)], toks, params.logprobs)
+        )
+    return emitted, logprobs
+
+
+def _logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprob]:
+    """Raw log-probabilities of ``tokens`` (one per row) and each row's ``num_top`` best."""
+    chosen, rank, top_ids, top_lp = compute_logprobs(rows, tokens, num_top)
+    return [
+        TokenLogprob(token_id=t, logprob=c, rank=r, top=list(zip(ids, lps, strict=True)))
+        for t, c, r, ids, lps in zip(
+            tokens, chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist(), strict=True
+        )
+    ]
 
 
 def accept_greedy(targets: Sequence[int], host: VerifyHost) -> list[list[int]]:
