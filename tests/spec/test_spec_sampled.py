@@ -53,3 +53,41 @@ def test_greedy_with_logprobs_equals_speculation_off(core_factory: Any) -> None:
         assert [lp.rank for lp in a] == [lp.rank for lp in b]
         assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a, b, strict=True))
     assert _spec(core)["spec_decode.num_accepted_tokens"] > 0
+
+
+def test_stats_prometheus_and_loadgen_report_acceptance(core_factory: Any) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from deltaserve.server.metrics import EngineCollector
+    from deltaserve.tools.metrics import format_table, prometheus_stats, spec_summary, stats_delta
+
+    prompts = _prompts(12, n=2)
+    off = _serve(core_factory(), prompts, greedy(MAX_TOKENS))
+    core = core_factory(**{"speculative.method": "replay", "speculative.replay_corrupt_every": 2})
+    before = core.stats()
+    _replay(core, prompts, off)
+    _serve(core, prompts, greedy(MAX_TOKENS))
+    s = core.stats()
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: s, "m"))
+    text = generate_latest(registry).decode()
+    assert (
+        f'deltaserve:spec_decode_num_drafts_total{{model_name="m"}} {float(s["spec_decode.num_drafts"])}'
+        in text
+    )
+    accepted = float(s["spec_decode.num_accepted_tokens_per_pos.0"])
+    assert (
+        f'deltaserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {accepted}'
+        in text
+    )
+    scraped = prometheus_stats(text)
+    assert scraped["spec_decode.num_accepted_tokens"] == s["spec_decode.num_accepted_tokens"] > 0
+    summary = spec_summary(stats_delta(before, s))
+    assert summary["acceptance_rate"] == s["spec_decode.acceptance_rate"]
+    assert summary["tokens_per_verify"] == s["spec_decode.mean_tokens_per_verify"]
+    table = format_table([("engine", {"spec_decode": summary})])
+    assert "spec decode acceptance" in table and "tokens per verify" in table
+    # speculation off: no such series, no such rows
+    plain = core_factory().stats()
+    assert "spec_decode.num_drafts" not in plain
+    assert "spec decode" not in format_table([("engine", {"spec_decode": spec_summary(plain)})])
