@@ -1,8 +1,9 @@
 """The engine step with speculative decoding (``speculative.method`` not ``none``).
 
 Each step: the drafter proposes up to ``speculative.num_tokens`` tokens for every running
-request that may draft (``SpecDecoding.drafts``: no grammar, no penalties, and room left under
-``max_tokens`` and ``max_model_len``); the scheduler turns a decode with drafts into a verify
+request that may draft (``SpecDecoding.drafts``: no penalties, room left under ``max_tokens``
+and ``max_model_len``; a constrained request's drafts are cut before the first its grammar
+cannot take, so a bad draft ends the accepted run, never the request); the scheduler turns a decode with drafts into a verify
 segment (``scheduler/scheduler.py``); the runner verifies every segment's drafts in the one
 forward and rolls rejected ones back (``engine/runner/verify.py``); ``Scheduler.update``
 commits what was accepted; then each request's emitted tokens are checked one by one, as a
@@ -18,7 +19,7 @@ failed stop check ends only its request).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.config_spec import SpeculativeConfig
 from deltaserve.engine.messages import TokenDelta
@@ -47,14 +48,17 @@ class SpecDecoding:
             return []
         state = core.states.get(req.request_id)
         # (penalties count the output so far: a draft's row would need them recounted per position)
-        if state is None or state.matcher is not None or req.sampling_params.has_penalties:
+        if state is None or req.sampling_params.has_penalties:
             return []
         # a window emits up to k + 1 tokens: no more than a decode could still produce
         room = min(
             req.sampling_params.max_tokens - req.num_output_tokens, core.max_model_len - req.num_tokens
         )
         k = min(self.k, room - 1)
-        return self.drafter.propose(req, k)[:k] if k > 0 else []
+        drafts = self.drafter.propose(req, k)[:k] if k > 0 else []
+        if drafts and state.matcher is not None:
+            drafts = _grammar_prefix(state.matcher, drafts)
+        return drafts
 
     def step(self) -> list[TokenDelta]:
         core = self.core
@@ -123,6 +127,19 @@ class SpecDecoding:
 
     def stats(self) -> dict[str, float]:
         return self.counts.stats()
+
+
+def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:
+    """The drafts up to the first the request's grammar cannot take, and none after one that
+    completes it; the matcher is left as it was (rolled back)."""
+    n = 0
+    for d in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(d):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return drafts[:n]
 
 
 def _merge(deltas: list[TokenDelta]) -> TokenDelta:

@@ -61,6 +61,7 @@ from deltaserve.engine.runner.sampling import Sampler, apply_token_mask, greedy
 from deltaserve.engine.runner.verify import (
     VerifyHost,
     accept_rows,
+    attach_masks,
     restore_accepted,
     tracking_copies,
     verify_fields,
@@ -342,6 +343,8 @@ class ModelRunner:
             logits_rows = np.concatenate([logits_rows, verify_rows])
             if states is not None:
                 verify.attach(seqs[nd : nd + nv], states)
+                if self.num_constrained and self.grammars is not None:
+                    attach_masks(verify, seqs[nd : nd + nv], states, self.grammars)
         cap = np.array(
             [(c.item_index, c.boundary - seqs[c.item_index].start, c.slot) for c in out.plan.captures],
             dtype=np.int64,

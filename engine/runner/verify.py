@@ -8,7 +8,9 @@ token after ``d_j`` (``d_0 = t``). Greedy acceptance: ``d_{j+1}`` is accepted wh
 argmax of row ``j``; the first row whose argmax differs (or row ``k``, when every draft was
 accepted) gives the token after them. A sampled request's segment is accepted by rejection
 sampling instead (``engine/spec/rejection.py``), with its own temperature, top-k, top-p, min-p
-and generator; log-probabilities are the raw ones of each emitted token's row. So a segment emits ``a + 1`` tokens, ``a`` accepted
+and generator; log-probabilities are the raw ones of each emitted token's row. A constrained
+segment's rows are masked first, row ``j`` with its matcher's mask after the first ``j`` drafts
+(``attach_masks``): a draft the grammar cannot take is never accepted. So a segment emits ``a + 1`` tokens, ``a`` accepted
 drafts, and its request has computed ``start + a + 1`` tokens: the GDN state it must keep is
 the one after window position ``a``. The forward recorded the states after every position but
 the last (``VerifyPlan.records``); ``restore_accepted`` copies the recorded one back into the
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.runner.request_state import RequestState
-from deltaserve.engine.runner.sampling import greedy
+from deltaserve.engine.runner.sampling import apply_token_mask, greedy
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.spec.rejection import accept_sampled
 from deltaserve.kernels.sampler import compute_logprobs
@@ -53,6 +56,9 @@ class VerifyHost:
     num_tokens: int
     params: list[SamplingParams] | None = None
     states: list[RequestState] | None = None
+    # constrained segments: one bitmask row per verify token, and which rows are constrained
+    token_mask: torch.Tensor | None = None
+    mask_rows: list[int] | None = None
 
     def attach(self, seqs: Sequence[ScheduledSeq], states: Mapping[str, RequestState]) -> None:
         """Keep the segments' (``seqs``) parameters and states when one is not plain greedy."""
@@ -103,12 +109,46 @@ def verify_fields(
     return host, rows, fields
 
 
+def attach_masks(
+    host: VerifyHost, seqs: Sequence[ScheduledSeq], states: Mapping[str, RequestState], grammars: Any
+) -> None:
+    """The token bitmask of every verify row of a constrained segment (``seqs``): row ``j`` is
+    its matcher's mask after the first ``j`` drafts (each accepted, then all rolled back), so a
+    row's mask is the one a decode at that position would have used. The drafts were cut
+    before the first one the matcher rejects (``spec_step.SpecDecoding.drafts``)."""
+    rows: list[int] = []
+    start = 0
+    mask: torch.Tensor | None = None
+    for s in seqs:
+        matcher = states[s.request.request_id].matcher
+        if matcher is not None:
+            if mask is None:
+                mask = grammars.allocate(host.num_tokens)
+            walked = 0
+            for j in range(len(s.drafts) + 1):
+                if matcher.is_terminated():
+                    break  # a draft completed the constraint: the request ends there, rows after it are moot
+                grammars.fill_masks([matcher], mask, [start + j])
+                rows.append(start + j)
+                if j < len(s.drafts):
+                    if not matcher.accept_token(s.drafts[j]):
+                        raise RuntimeError(f"draft {s.drafts[j]} does not continue the request's constraint")
+                    walked += 1
+            if walked:
+                matcher.rollback(walked)
+        start += len(s.drafts) + 1
+    if mask is not None:
+        host.token_mask, host.mask_rows = mask, rows
+
+
 def accept_rows(
     rows: torch.Tensor, host: VerifyHost, default_generator: torch.Generator
 ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
     """The tokens each segment emits from its rows of ``rows`` (greedy or rejection sampling,
     by its parameters: ``engine/spec/rejection.py``), and the raw log-probabilities of the
     emitted tokens for the segments that asked (None for the others)."""
+    if host.token_mask is not None and host.mask_rows:
+        apply_token_mask(rows, host.token_mask, host.mask_rows)
     if host.params is None or host.states is None:
         return accept_greedy(greedy(rows).tolist(), host), [None] * len(host.drafts)
     emitted: list[list[int]] = []
