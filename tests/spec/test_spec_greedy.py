@@ -182,3 +182,25 @@ def test_multi_turn_prefix_hits_unchanged(core_factory: Any) -> None:
     assert off_hits > sum(len(p) for p in prompts)  # turn 2 hit into turn 1's output
     assert on_hits >= 0.99 * off_hits
     assert _spec(spec_core)["spec_decode.acceptance_rate"] == 1.0
+
+
+def test_host_tier_under_pressure_with_drafts(core_factory: Any) -> None:
+    """Conversations that evict each other to the host tier and come back: outputs identical to
+    speculation off, with the tiers moving KV and checkpoints both ways."""
+    from tests.engine.test_host_tier import _pressured
+    from tests.engine.test_prefix_cache import rand_tokens, serve
+
+    rng = random.Random(31)
+    core = _pressured(core_factory, **{"speculative.method": "replay", "speculative.replay_corrupt_every": 3})
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    drafter = core.speculation.drafter  # type: ignore[union-attr]
+    convs = [rand_tokens(rng, 140 + 25 * i) for i in range(6)]
+    for turn in range(3):
+        want = serve(plain, convs, 12, waves=False)
+        for c, w in zip(convs, want, strict=True):
+            drafter.record(c, w)
+        assert serve(core, convs, 12, waves=True) == want, f"turn {turn}"
+        convs = [c + w + rand_tokens(rng, 24) for c, w in zip(convs, want, strict=True)]
+    s = core.stats()
+    assert s["host.kv_demoted_blocks"] > 0 and s["prefix_cache.hit_tokens_host"] > 0
+    assert s["spec_decode.num_accepted_tokens"] > 0
