@@ -500,6 +500,8 @@ class EngineCore:
         state = self.states.pop(req.request_id, None)
         if state is not None and state.matcher is not None:
             self.runner.num_constrained -= 1
+        if self.speculation is not None:
+            self.speculation.request_done(req.request_id)
         return TokenDelta(
             request_id=req.request_id,
             token_ids=token_ids if token_ids is not None else [],

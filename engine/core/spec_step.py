@@ -26,10 +26,13 @@ from deltaserve.engine.messages import TokenDelta
 from deltaserve.engine.outputs import TokenLogprob
 from deltaserve.engine.spec.drafter import make_drafter
 from deltaserve.engine.spec.stats import SpecStats
+from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from deltaserve.engine.core.engine_core import EngineCore
+
+log = get_logger("deltaserve.engine")
 
 
 class SpecDecoding:
@@ -40,6 +43,8 @@ class SpecDecoding:
         self.k = config.num_tokens
         self.drafter = make_drafter(config, core.vocab_size)
         self.counts = SpecStats(config.num_tokens)
+        # per running request: verify windows, drafted and accepted tokens (logged at its end)
+        self.per_request: dict[str, list[int]] = {}
 
     def drafts(self, req: Request) -> list[int]:
         """The drafts ``req`` verifies in the next step ([] for a request that may not draft)."""
@@ -95,6 +100,10 @@ class SpecDecoding:
                 if first <= i < end:
                     emitted = result.verified[i - first]
                     self.counts.observe(len(s.drafts), len(emitted) - 1)
+                    mine = self.per_request.setdefault(s.request.request_id, [0, 0, 0])
+                    mine[0] += 1
+                    mine[1] += len(s.drafts)
+                    mine[2] += len(emitted) - 1
                     outputs.append(self._emit(s.request, emitted, result.verified_logprobs[i - first]))
                 elif token is not None:
                     outputs.append(self._finish_hook(s.request, core.process_token(s.request, token)))
@@ -124,6 +133,15 @@ class SpecDecoding:
         if delta.finish_reason in ("stop", "length"):
             self.drafter.finished(req, req.num_output_tokens)
         return delta
+
+    def request_done(self, request_id: str) -> None:
+        """A request ended (``EngineCore.final_delta``, every ending): its own counters go to
+        the debug log (``spec.request``)."""
+        verifies, drafted, accepted = self.per_request.pop(request_id, (0, 0, 0))
+        if verifies:
+            log.debug(
+                "spec.request", request_id=request_id, verifies=verifies, drafted=drafted, accepted=accepted
+            )
 
     def stats(self) -> dict[str, float]:
         return self.counts.stats()

@@ -91,3 +91,20 @@ def test_stats_prometheus_and_loadgen_report_acceptance(core_factory: Any) -> No
     plain = core_factory().stats()
     assert "spec_decode.num_drafts" not in plain
     assert "spec decode" not in format_table([("engine", {"spec_decode": spec_summary(plain)})])
+
+
+def test_each_request_logs_its_own_counters(core_factory: Any, caplog: Any) -> None:
+    import logging
+
+    prompts = _prompts(13, n=2)
+    off = _serve(core_factory(), prompts, greedy(MAX_TOKENS))
+    core = core_factory(**{"speculative.method": "replay", "logging.level": "debug"})
+    _replay(core, prompts, off)
+    with caplog.at_level(logging.DEBUG, logger="deltaserve"):
+        _serve(core, prompts, greedy(MAX_TOKENS))
+    lines = [r for r in caplog.records if getattr(r, "event", "") == "spec.request"]
+    assert sorted(r.fields["request_id"] for r in lines) == ["r0", "r1"]  # type: ignore[attr-defined]
+    s = _spec(core)
+    assert sum(r.fields["accepted"] for r in lines) == s["spec_decode.num_accepted_tokens"]  # type: ignore[attr-defined]
+    assert sum(r.fields["verifies"] for r in lines) == s["spec_decode.num_drafts"]  # type: ignore[attr-defined]
+    assert not core.speculation.per_request  # type: ignore[union-attr]
