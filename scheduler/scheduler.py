@@ -93,7 +93,7 @@ class SchedulerOutput:
 
     @functools.cached_property
     def num_decodes(self) -> int:  # counted once (the runner and the engine both ask)
-        return sum(1 for s in self.seqs if s.is_decode)
+        return sum(1 for s in self.seqs if s.is_decode and not s.drafts)
 
     @functools.cached_property
     def num_tokens(self) -> int:
@@ -487,13 +487,16 @@ class Scheduler:
             raise RuntimeError("update() of a step that is not in flight")
         if len(verified) != out.num_verify:
             raise ValueError(f"{len(verified)} verify results for {out.num_verify} verify segments")
+        for i, emitted in enumerate(verified, start=out.num_decodes):
+            if not 1 <= len(emitted) <= len(out.seqs[i].drafts) + 1:
+                raise ValueError(
+                    f"a verify of {len(out.seqs[i].drafts)} drafts emitted {len(emitted)} tokens"
+                )
         self._inflight = None
         for s in out.seqs:
             s.request.num_computed_tokens = s.end
         for i, emitted in enumerate(verified, start=out.num_decodes):
             s = out.seqs[i]
-            if not 1 <= len(emitted) <= len(s.drafts) + 1:
-                raise ValueError(f"a verify of {len(s.drafts)} drafts emitted {len(emitted)} tokens")
             # (before the commit: the accepted drafts are hashed as the request's own tokens)
             s.request.token_ids.extend(emitted)
             s.request.num_computed_tokens = s.start + len(emitted)

@@ -204,3 +204,39 @@ def test_host_tier_under_pressure_with_drafts(core_factory: Any) -> None:
     s = core.stats()
     assert s["host.kv_demoted_blocks"] > 0 and s["prefix_cache.hit_tokens_host"] > 0
     assert s["spec_decode.num_accepted_tokens"] > 0
+
+
+def test_windows_stay_in_one_block_and_the_cache_holds_accepted_tokens_only(core_factory: Any) -> None:
+    """Every verify window lies in one KV block; after every step, each request's published
+    blocks are hashes of its own tokens (accepted drafts only) and cover no more than it computed."""
+    from deltaserve.cache.hashing import block_hashes
+
+    prompts = _prompts(6)
+    off = _serve(core_factory(), prompts, greedy(MAX_TOKENS))
+    core = core_factory(**{"speculative.method": "replay", "speculative.replay_corrupt_every": 2})
+    _replay(core, prompts, off)
+    bs = core.cache.block_size
+    schedule = core.scheduler.schedule
+    windows = 0
+
+    def checked_schedule() -> Any:
+        nonlocal windows
+        out = schedule()
+        if out is not None:
+            for s in out.seqs[out.num_decodes : out.num_decodes + out.num_verify]:
+                assert s.drafts and s.start // bs == (s.end - 1) // bs, (s.start, s.end)
+                windows += 1
+        return out
+
+    core.scheduler.schedule = checked_schedule  # type: ignore[method-assign]
+    for i, p in enumerate(prompts):
+        core.add_request(core.make_request(p, greedy(MAX_TOKENS), request_id=f"r{i}"))
+    while core.has_work():
+        core.step()
+        core.check_integrity()
+        for req in core.scheduler.running:
+            seq = req.cache
+            assert seq is not None and len(seq.nodes) * bs <= req.num_computed_tokens
+            want = block_hashes(req.token_ids[: len(seq.nodes) * bs], bs, seq.salt)
+            assert [n.key for n in seq.nodes] == want
+    assert windows > 0
