@@ -18,9 +18,13 @@ host tier's loads.
 
 1. the buffer to the device (CPU: zero-copy views), placeholder input ids resolved (below);
 2. restore copies (checkpoint slot -> live slot) planned by the cache manager;
-3. the model forward (decodes first, then prefill segments; prefill captures are written
-   by the kernels straight into their reserved slots);
-4. decode-time output tracking copies (live slot -> tracking slot);
+3. the model forward (decodes first, then verify segments, then prefill segments; prefill
+   captures are written by the kernels straight into their reserved slots);
+3b. with verify segments (speculative decoding, ``engine/runner/verify.py``): their drafts
+   accepted or rejected from their own logits rows (the last rows), and the states of every
+   segment with a rejected draft rolled back to its last accepted token;
+4. decode-time output tracking copies (live slot -> tracking slot; a verify segment's only
+   when its whole window was accepted);
 5. sampling (``engine/runner/sampling.py``), only for sequences whose piece reaches the end of their
    known tokens: one ``argmax`` when every such row is plain greedy, else the general sampler;
    first, the constrained rows' logits are masked with the token bitmask ``prepare`` built
