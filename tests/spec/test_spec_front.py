@@ -29,3 +29,19 @@ async def test_stop_string_inside_an_accepted_run(core_factory: Any) -> None:
     s = core.stats()
     assert s["spec_decode.num_accepted_tokens"] > 0 and s["spec_decode.acceptance_rate"] == 1.0
     assert not core.has_work()
+
+
+async def test_a_separate_core_process_speculates_and_reports_it(core_factory: Any) -> None:
+    from tests.engine.conftest import make_config, separate
+
+    p = prompt(60, 2)
+    async with AsyncEngine(core=core_factory()) as engine:
+        want = [t for o in await collect(engine, p, greedy(24)) for t in o.token_ids]
+    config = separate(make_config(**{"speculative.method": "replay"}))
+    async with AsyncEngine(config) as engine:
+        for _ in range(2):  # the first run teaches the drafter, the second replays it
+            got = [t for o in await collect(engine, p, greedy(24)) for t in o.token_ids]
+            assert got == want
+        await engine.check_integrity()
+        stats = await engine.fetch_stats()
+    assert stats["spec_decode.acceptance_rate"] == 1.0
