@@ -5,7 +5,8 @@ step — prefill boundaries in the computed range, and the output boundary a dec
 prompt's last chunk crosses — and returns them as ``CaptureCandidate``s in ``v1`` rank
 order (branch, tail, output, step/unit, interval; items in step order within a rank). What
 is then staged (slots, the per-step budget, eviction) is the cache manager's business.
-Torch-free and side-effect free.
+Torch-free and side-effect free; ``settle_verify`` trims a planned verify window to what was
+accepted before its step is committed.
 """
 
 from __future__ import annotations
@@ -45,3 +46,16 @@ def plan_captures(
             wanted.append(CaptureCandidate(idx, ob, CaptureKind.OUTPUT))
     wanted.sort(key=lambda c: (c.kind.rank, c.item_index))
     return wanted
+
+
+def settle_verify(item: StepItem, end: int, token_ids: Sequence[int]) -> None:
+    """A verify window (speculative decoding) was planned as a decode over all its drafts and
+    accepted up to ``end``: the item now covers ``[start, end)`` of ``token_ids`` (the request's
+    tokens with the accepted ones appended), so the commit hashes and publishes accepted tokens
+    only. An output capture planned at the window's end, which ``end`` falls short of, is
+    dropped: the runner skipped its copy, and the tracking slot holds no valid boundary until
+    a later step writes one."""
+    item.end = end
+    item.token_ids = token_ids
+    if item.seq.pending_tracking_boundary > end:
+        item.seq.pending_tracking_boundary = 0

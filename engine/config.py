@@ -58,13 +58,15 @@ from deltaserve.engine.config_sections import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+from deltaserve.engine.config_spec import SpecMethod, SpeculativeConfig
 from deltaserve.engine.errors import ConfigError
 
 # names importable from here (the sections, the enums, the loading helpers) for every caller
 __all__ = [
     "CacheConfig", "ConfigError", "CoreProcess", "DType", "EngineConfig", "EngineLoopConfig", "GiB",
     "KVEventsConfig", "KernelBackend", "KernelsConfig", "LogLevel", "LoggingConfig", "MiB", "ModelConfig",
-    "SchedulerConfig", "StructuredOutputsConfig", "format_bytes", "parse_bytes", "parse_override",
+    "SchedulerConfig", "SpecMethod", "SpeculativeConfig", "StructuredOutputsConfig", "format_bytes",
+    "parse_bytes", "parse_override",
     "read_config_file", "set_dotted",
 ]  # fmt: skip
 
@@ -155,6 +157,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _sections().items():
@@ -198,6 +201,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Rules across sections; raise ``ConfigError``."""
         # (the checkpoint unit lcm(block_size, 64) may exceed the token budget: checked by
         # the engine, which knows whether the model has GDN layers at all)
+        if self.speculative.enabled and self.engine.async_scheduling:
+            # the overlapped step commits a step before its tokens are known; a verify's
+            # accepted length decides where the next step starts
+            raise ConfigError(
+                f"speculative.method = {self.speculative.method.value!r}: needs engine.async_scheduling = false"
+            )
 
 
 @functools.cache

@@ -91,8 +91,10 @@ class PagedAttention(nn.Module):
         k = apply_rotary(k, cos, sin)
 
         self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        # verify segments attend token by token, each a decode of its own (models/verify.py)
+        view = batch.verify if batch.verify is not None else batch
         o = self.ops.paged_attention(
-            q.contiguous(), k_cache, v_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale
+            q.contiguous(), k_cache, v_cache, view.block_tables, view.cu_seqlens, view.seq_lens, self.scale
         )
         o = o.reshape(t, self.num_heads * self.head_dim)
         if gate is not None:

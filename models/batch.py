@@ -6,7 +6,10 @@ Contract (docs/contracts.md, "Batch layout" and "Cache tensors"):
   token axis; **decodes come first**: sequences ``[0, num_decodes)`` contribute exactly one
   token each and continue from their live state (recurrent path); sequences
   ``[num_decodes, B)`` are prefill segments (chunked path), each starting at a multiple of
-  the GDN chunk size (``GDN_CHUNK_SIZE``, 64).
+  the GDN chunk size (``GDN_CHUNK_SIZE``, 64). With speculative decoding, sequences
+  ``[num_decodes, num_decodes + num_verify)`` are verify segments between the two (several
+  tokens each, computed with the decode math from the live state: ``models/verify.py``), and
+  the prefill segments follow them.
 * ``ModelCaches`` holds, per full-attention layer ordinal ``i``, ``k_cache[i]`` /
   ``v_cache[i]`` of shape ``[num_blocks, block_size, Hkv, D]`` (model dtype) -- the target's
   ``num_attn_layers`` first, then the ``num_mtp_layers`` layers of the multi-token-prediction
@@ -35,6 +38,7 @@ import torch
 from torch import Tensor
 
 from deltaserve.kernels.gdn import GDN_CHUNK_SIZE
+from deltaserve.models.verify import VerifyPlan
 
 # The recurrent state is accumulated over thousands of tokens: keep it in fp32 whatever the
 # model dtype (contracts.md fixes this).
@@ -61,6 +65,8 @@ class BatchMetadata:
     capture_pos: Tensor  # [C] int64, tokens into that segment after which the state is captured
     capture_slots: Tensor  # [C] int64, state slot receiving the captured conv + ssm state
     logits_indices: Tensor  # [N] int64, token rows whose logits are returned
+    num_verify: int = 0  # sequences [num_decodes, num_decodes + num_verify) are verify segments
+    verify: VerifyPlan | None = None  # their layout (None when num_verify == 0)
 
     @property
     def num_seqs(self) -> int:

@@ -12,10 +12,12 @@ Contract (per token; ``Hk`` key heads of dim ``Dk``, ``Hv`` value heads of dim `
 * ``out_proj(GatedRMSNorm(o, z))``.
 
 Batch split: the first ``num_decodes`` tokens are one-token decodes (``causal_conv1d_update``
-+ ``recurrent_gated_delta_rule``, in place on their live slots); the rest are prefill
-segments (``causal_conv1d_varlen`` + ``chunk_gated_delta_rule``), to which the batch's
-``cu_seqlens``, slots and capture list are passed re-based to the prefill part
-(``GdnSegments``, computed once per forward).
++ ``recurrent_gated_delta_rule``, in place on their live slots); then the verify segments'
+tokens (speculative decoding: the same decode ops, one window position at a time, recording
+the states after each position: ``models/verify.py``); the rest are prefill segments
+(``causal_conv1d_varlen`` + ``chunk_gated_delta_rule``), to which the batch's ``cu_seqlens``,
+slots and capture list are passed re-based to the prefill part (``GdnSegments``, computed
+once per forward).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import Tensor, nn
 from deltaserve.models.fusion import concat_linears
 from deltaserve.models.linear import Linear
 from deltaserve.models.norms import GatedRMSNorm
+from deltaserve.models.verify import VerifyPlan, VerifyRecord
 
 if TYPE_CHECKING:
     from deltaserve.kernels import Ops
@@ -49,33 +52,87 @@ class GdnSegments:
     capture_seq: Tensor | None  # [C] index among prefill segments, None when C == 0
     capture_pos: Tensor | None
     capture_slots: Tensor | None
+    # verify segments (models/verify.py): their plan, and per window position j the token rows
+    # (counted from the first verify token) and live slots of the segments still running
+    verify: VerifyPlan | None = None
+    verify_rows: tuple[Tensor, ...] = ()
+    verify_slots: tuple[Tensor, ...] = ()
 
     @classmethod
     def from_batch(cls, batch: BatchMetadata) -> GdnSegments:
-        nd = batch.num_decodes
-        has_prefill = batch.num_seqs > nd
+        nd, nv, plan = batch.num_decodes, batch.num_verify, batch.verify
+        first = nd + nv  # the first prefill segment
+        # Decodes are one token each, so the verify tokens start at token nd and the prefill
+        # part after them.
+        offset = nd + (plan.num_tokens if plan is not None else 0)
+        has_prefill = batch.num_seqs > first
         has_capture = batch.capture_seq.numel() > 0
+        rows: tuple[Tensor, ...] = ()
+        slots: tuple[Tensor, ...] = ()
+        if plan is not None and nv:
+            starts = batch.cu_seqlens[nd:first] - nd
+            rows = tuple(starts[:m] + j for j, m in enumerate(plan.counts))
+            slots = tuple(batch.state_slots[nd : nd + m] for m in plan.counts)
         return cls(
             num_decodes=nd,
             decode_slots=batch.state_slots[:nd],
-            # Decodes are one token each, so the prefill part starts at token nd.
-            prefill_cu_seqlens=batch.cu_seqlens[nd:] - nd if has_prefill else None,
-            prefill_slots=batch.state_slots[nd:],
-            prefill_has_initial_state=batch.has_initial_state[nd:],
-            capture_seq=batch.capture_seq - nd if has_capture else None,
+            prefill_cu_seqlens=batch.cu_seqlens[first:] - offset if has_prefill else None,
+            prefill_slots=batch.state_slots[first:],
+            prefill_has_initial_state=batch.has_initial_state[first:],
+            capture_seq=batch.capture_seq - first if has_capture else None,
             capture_pos=batch.capture_pos if has_capture else None,
             capture_slots=batch.capture_slots if has_capture else None,
+            verify=plan if nv else None,
+            verify_rows=rows,
+            verify_slots=slots,
         )
 
-    def run(self, decode: Callable[[], Tensor], prefill: Callable[[], Tensor]) -> Tensor:
+    def run(
+        self,
+        decode: Callable[[], Tensor],
+        prefill: Callable[[], Tensor],
+        verify: Callable[[], Tensor] | None = None,
+    ) -> Tensor:
         """The decodes' output (``decode()``, run when there are decodes) followed on the token
-        axis by the prefill segments' (``prefill()``, run when there are)."""
+        axis by the verify segments' (``verify()``) and the prefill segments' (``prefill()``),
+        each run when there are such."""
         out = []
         if self.num_decodes > 0:
             out.append(decode())
+        if self.verify is not None and verify is not None:
+            out.append(verify())
         if self.prefill_cu_seqlens is not None:
             out.append(prefill())
         return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+
+    def verify_tokens(self) -> slice:
+        """The verify segments' rows on the token axis."""
+        n = self.verify.num_tokens if self.verify is not None else 0
+        return slice(self.num_decodes, self.num_decodes + n)
+
+    def run_verify(
+        self,
+        step: Callable[[Tensor, Tensor], Tensor],
+        inputs: Tensor,
+        state: Tensor,
+        record: list[Tensor],
+    ) -> Tensor:
+        """The verify tokens, window position by window position: ``step(rows, slots)`` is
+        the decode op on those rows of the verify tokens and those live slots (in place);
+        the state of each segment after every position but the last is appended to
+        ``record``. ``inputs``: the verify tokens' (for the output's shape)."""
+        assert self.verify is not None
+        out: Tensor | None = None
+        last = len(self.verify_rows) - 1
+        for j, (rows, slots) in enumerate(zip(self.verify_rows, self.verify_slots, strict=True)):
+            y = step(rows, slots)
+            if out is None:
+                out = inputs.new_empty((inputs.shape[0], *y.shape[1:]), dtype=y.dtype)
+            out[rows] = y
+            if j < last:
+                record.append(state.index_select(0, slots))
+        assert out is not None
+        return out
 
     def prefill(
         self, op: Callable[..., Tensor], inputs: tuple[Tensor | None, ...], state: Tensor, **options: object
@@ -161,11 +218,27 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, mixed_qkv: Tensor, seg: GdnSegments, conv_state: Tensor) -> Tensor:
         """The short convolution: the decodes' one-token update, then the prefill segments."""
-        nd = seg.num_decodes
+        nd, vt = seg.num_decodes, seg.verify_tokens()
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
         return seg.run(
             lambda: self.ops.causal_conv1d_update(mixed_qkv[:nd], weight, None, conv_state, seg.decode_slots),
-            lambda: seg.prefill(self.ops.causal_conv1d_varlen, (mixed_qkv[nd:], weight, None), conv_state),
+            lambda: seg.prefill(
+                self.ops.causal_conv1d_varlen, (mixed_qkv[vt.stop :], weight, None), conv_state
+            ),
+            lambda: self._verify_conv(mixed_qkv[vt], weight, seg, conv_state),
+        )
+
+    def _verify_conv(self, x: Tensor, weight: Tensor, seg: GdnSegments, conv_state: Tensor) -> Tensor:
+        """The verify tokens' conv, one window position at a time (``models/verify.py``); opens
+        this layer's ``VerifyRecord``."""
+        assert seg.verify is not None
+        rec = VerifyRecord()
+        seg.verify.records.append(rec)
+        return seg.run_verify(
+            lambda rows, slots: self.ops.causal_conv1d_update(x[rows], weight, None, conv_state, slots),
+            x,
+            conv_state,
+            rec.conv,
         )
 
     def _delta_rule(
@@ -173,16 +246,34 @@ class GatedDeltaNet(nn.Module):
     ) -> Tensor:
         """The gated delta rule: the decodes' recurrent step, then the prefill segments' chunked
         scan (which writes the captured states into their slots)."""
-        nd = seg.num_decodes
+        nd, vt = seg.num_decodes, seg.verify_tokens()
+        p = vt.stop
         decodes, prefill = (
             (q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd]),
-            (q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:]),
+            (q[p:], k[p:], v[p:], g[p:], beta[p:]),
         )
         return seg.run(
             lambda: self.ops.recurrent_gated_delta_rule(
                 *decodes, ssm_state, seg.decode_slots, use_qk_l2norm=True
             ),
             lambda: seg.prefill(self.ops.chunk_gated_delta_rule, prefill, ssm_state, use_qk_l2norm=True),
+            lambda: self._verify_delta_rule(q[vt], k[vt], v[vt], g[vt], beta[vt], seg, ssm_state),
+        )
+
+    def _verify_delta_rule(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: GdnSegments, ssm_state: Tensor
+    ) -> Tensor:
+        """The verify tokens' recurrent steps, one window position at a time, into this layer's
+        ``VerifyRecord`` (opened by ``_verify_conv``)."""
+        assert seg.verify is not None
+        rec = seg.verify.records[-1]
+        return seg.run_verify(
+            lambda rows, slots: self.ops.recurrent_gated_delta_rule(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_state, slots, use_qk_l2norm=True
+            ),
+            v,
+            ssm_state,
+            rec.ssm,
         )
 
 

@@ -65,6 +65,9 @@ class Request:
     # the prompt is computed whole, without a prefix-cache hit, until the engine clears it
     # (prompt log-probabilities need the logits of every prompt position)
     compute_whole_prompt: bool = False
+    # speculative decoding: tokens proposed to follow ``token_ids``, set by the engine before a
+    # step and verified by the step that schedules them (never part of ``token_ids``)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

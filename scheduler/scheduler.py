@@ -2,7 +2,10 @@
 
 Per step (``schedule``):
 
-1. running requests that are decoding get their one token each (oldest first);
+1. running requests that are decoding get their one token each (oldest first); one with draft
+   tokens (speculative decoding) gets a *verify* segment instead: its last token and the drafts
+   that fit before the next KV block boundary (a window never crosses one, so a rejected draft
+   never holds a block of its own and every capture boundary a window reaches is its end);
 2. running requests still in prefill get their next chunk;
 3. waiting requests are admitted in the policy's order while the token budget, the
    sequence cap (``max_num_seqs``), the partial-prefill cap, live state slots and KV
@@ -42,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.planning import settle_verify
 from deltaserve.cache.types import AdmitStatus, PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.logs import get_logger
@@ -70,6 +74,9 @@ class ScheduledSeq:
     # A token is due: the piece reaches the end of the known tokens. Fixed at schedule time
     # (after update() appends the sampled token the request's length has moved on).
     samples: bool
+    # a verify segment's draft tokens (computed after ``token_ids[start]``; ``end = start + 1 +
+    # len(drafts)``); empty for every other piece
+    drafts: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -78,14 +85,15 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    seqs: list[ScheduledSeq]  # decodes first, then prefills
+    seqs: list[ScheduledSeq]  # decodes first, then verify segments (longest first), then prefills
     plan: StepPlan
     preempted: list[Request] = field(default_factory=list)
     step: int = 0
+    num_verify: int = 0  # seqs [num_decodes, num_decodes + num_verify) are verify segments
 
     @functools.cached_property
     def num_decodes(self) -> int:  # counted once (the runner and the engine both ask)
-        return sum(1 for s in self.seqs if s.is_decode)
+        return sum(1 for s in self.seqs if s.is_decode and not s.drafts)
 
     @functools.cached_property
     def num_tokens(self) -> int:
@@ -99,6 +107,7 @@ class _StepBuild:
     ctx: PolicyContext
     budget: int  # tokens left in the step
     decodes: list[ScheduledSeq] = field(default_factory=list)
+    verifies: list[ScheduledSeq] = field(default_factory=list)
     prefills: list[ScheduledSeq] = field(default_factory=list)
     scheduled: set[int] = field(default_factory=set)  # id() of the requests scheduled so far
     preempted: list[Request] = field(default_factory=list)
@@ -269,10 +278,11 @@ class Scheduler:
             raise RuntimeError("schedule() while a step is in flight")
         step = _StepBuild(self._ctx(), self.max_num_batched_tokens)
         rest = self._schedule_decodes(step)
-        if step.decodes and self.step_budget is not None:
+        streams = len(step.decodes) + len(step.verifies)
+        if streams and self.step_budget is not None:
             # bounded inter-token latency: the prefill of a step with decodes is what fits
             # in the target step time (scheduler/step_budget.py)
-            step.budget = min(step.budget, self.step_budget.prefill_budget(len(step.decodes), step.budget))
+            step.budget = min(step.budget, self.step_budget.prefill_budget(streams, step.budget))
         self._schedule_prefills(rest, step)
         if self.waiting and step.budget > 0:
             self._admit_waiting(step)
@@ -311,6 +321,15 @@ class Scheduler:
             ):
                 scheduled.discard(id(req))
                 continue
+            if req.draft_token_ids:
+                # the window's tokens sit at positions computed .. computed + k, all in the block
+                # the decode's own token is in (allocated above)
+                k = min(len(req.draft_token_ids), bs - 1 - computed % bs, budget - 1)
+                if k > 0:
+                    drafts = tuple(req.draft_token_ids[:k])
+                    step.verifies.append(ScheduledSeq(req, computed, num_tokens + k, True, True, drafts))
+                    budget -= 1 + k
+                    continue
             decodes.append(ScheduledSeq(req, computed, num_tokens, True, True))
             budget -= 1
         step.budget = budget
@@ -399,7 +418,8 @@ class Scheduler:
         """The step's output and cache plan (None: nothing to run)."""
         # a preempted request scheduled earlier in this step cannot be (victims exclude them)
         decodes = step.decodes
-        seqs = decodes + step.prefills
+        verifies = sorted(step.verifies, key=lambda s: -s.num_tokens)  # longest first (models/verify.py)
+        seqs = decodes + verifies + step.prefills if verifies else decodes + step.prefills
         if not seqs and not self.cache.has_transfers():
             return None
         # (positional: StepItem(seq, token_ids, start, end, is_decode); keywords cost a third more
@@ -408,13 +428,21 @@ class Scheduler:
             StepItem(s.request.cache, s.request.token_ids, s.start, s.end, s.is_decode)  # type: ignore[arg-type]
             for s in seqs
         ]
+        for i, s in enumerate(verifies, start=len(decodes)):
+            # the cache plans a verify as a decode over its whole window (an output capture only
+            # where the window ends on a unit boundary); ``update`` trims it to what was accepted
+            items[i].token_ids = [*s.request.token_ids, *s.drafts]
         self.phases.enter("cache_plan")
         plan = self.cache.plan_step(items)
         self.phases.enter("schedule")
-        out = SchedulerOutput(seqs=seqs, plan=plan, preempted=step.preempted, step=self.step_count)
+        out = SchedulerOutput(
+            seqs=seqs, plan=plan, preempted=step.preempted, step=self.step_count, num_verify=len(verifies)
+        )
         # (cached properties: known here without counting)
         out.num_decodes = len(decodes)
         out.num_tokens = len(decodes) + sum(s.num_tokens for s in step.prefills)
+        if verifies:
+            out.num_tokens += sum(s.num_tokens for s in verifies)
         self._inflight = out
         self.step_count += 1
         return out
@@ -440,21 +468,39 @@ class Scheduler:
         broken = self.cache.land_transfers(out.plan, failed)
         return [self.requests[seq.request_id] for seq in broken]
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
+    def update(
+        self, out: SchedulerOutput, sampled: list[int | None], verified: Sequence[Sequence[int]] = ()
+    ) -> None:
         """Apply a successful step: computed counts, published cache, sampled tokens.
 
         ``sampled[i]`` is the token ``out.seqs[i]`` sampled (None: it sampled none), or, for a
         step committed while its forward runs, that row's ``placeholder``: the request then
         counts as decoding, and its owner puts the real token in its place when it arrives.
+        ``verified[i]``: the tokens verify segment ``i`` emits (its accepted drafts, then the
+        token sampled after them; ``sampled`` holds None for it): its request computed its
+        window up to the last accepted draft, and the cache publishes that much only.
 
         A commit that raises leaves the cache whole with the plan in flight holding what it
         did not apply (``CacheManager.commit_step``): the caller aborts that plan and ends
         the step's requests."""
         if out is not self._inflight:
             raise RuntimeError("update() of a step that is not in flight")
+        if len(verified) != out.num_verify:
+            raise ValueError(f"{len(verified)} verify results for {out.num_verify} verify segments")
+        for i, emitted in enumerate(verified, start=out.num_decodes):
+            if not 1 <= len(emitted) <= len(out.seqs[i].drafts) + 1:
+                raise ValueError(
+                    f"a verify of {len(out.seqs[i].drafts)} drafts emitted {len(emitted)} tokens"
+                )
         self._inflight = None
         for s in out.seqs:
             s.request.num_computed_tokens = s.end
+        for i, emitted in enumerate(verified, start=out.num_decodes):
+            s = out.seqs[i]
+            # (before the commit: the accepted drafts are hashed as the request's own tokens)
+            s.request.token_ids.extend(emitted)
+            s.request.num_computed_tokens = s.start + len(emitted)
+            settle_verify(out.plan.items[i], s.request.num_computed_tokens, s.request.token_ids)
         self.cache.commit_step(out.plan)
         for s, token in zip(out.seqs, sampled, strict=True):
             if token is not None:
@@ -464,7 +510,11 @@ class Scheduler:
         """``out``'s forward took ``seconds`` (measured by the engine): the step-time model
         learns from it."""
         if self.step_budget is not None:
-            self.step_budget.observe(out.num_tokens - out.num_decodes, out.num_decodes, seconds)
+            # a verify window streams the weights once like a decode: it counts as one
+            nv = out.num_verify
+            verify = sum(s.num_tokens for s in out.seqs[out.num_decodes : out.num_decodes + nv]) if nv else 0
+            decodes = out.num_decodes + nv
+            self.step_budget.observe(out.num_tokens - out.num_decodes - verify, decodes, seconds)
 
     def fail_step(self, out: SchedulerOutput) -> list[Request]:
         """The step raised: release its reservations and end its requests (returned)."""

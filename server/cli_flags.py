@@ -194,7 +194,9 @@ FLAGS: tuple[Flag, ...] = (
          "unquantized checkpoint", metavar="METHOD"),
     Flag(("--kv-cache-dtype",), V, R, "the KV cache is kept in the model's --dtype", metavar="DTYPE",
          allowed=("auto",)),
-    Flag(("--speculative-config",), V, R, "no speculative decoding here: drop the option", metavar="JSON"),
+    Flag(("--speculative-config",), V, K, "speculative decoding, vLLM's JSON: method (ngram | replay | none), "
+         "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min", "speculative",
+         type=lambda text: speculative_config(text), metavar="JSON"),
     Flag(("--enable-lora",), V, R, "no LoRA adapters here: serve a merged checkpoint", arity=Arity.NONE),
     Flag(("--cpu-offload-gb",), V, R, "weights stay on --device; the cache has host and disk tiers "
          "(cache.host_memory_bytes, cache.disk_path)", metavar="GIB"),
@@ -203,6 +205,30 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--temp", "--top-p", "--top-k"), L, R, "send the sampling values in each request; the model's "
          "generation_config.json gives the defaults (--generation-config)", metavar="X"),
 )  # fmt: skip
+
+#: ``--speculative-config`` keys (vLLM's names) -> ``[speculative]`` keys
+SPECULATIVE_KEYS = {
+    "method": "method",
+    "num_speculative_tokens": "num_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+}
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object (vLLM's keys) as the ``[speculative]`` section's
+    keys; its values are checked by the section (a ``ConfigError`` naming the key)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    unknown = sorted(set(data) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r} (known: {', '.join(SPECULATIVE_KEYS)})")
+    return {SPECULATIVE_KEYS[k]: v for k, v in data.items()}
+
 
 #: vLLM tool parser names that are one of ours under another name
 TOOL_PARSER_ALIASES = {"qwen3_coder": "qwen3_xml"}
@@ -294,13 +320,13 @@ def engine_key_overrides(args: argparse.Namespace, shorthands: dict[str, str]) -
     given += [
         (flag.shown, flag.target, getattr(args, flag.dest, None)) for flag in FLAGS if flag.kind is Kind.KEY
     ]
-    # a JSON-object flag (--kv-events-config) sets each of its keys in its section
-    given = [
-        (option, f"{key}.{k}", v) if isinstance(value, dict) else (option, key, value)
-        for option, key, value in given
-        for k, v in (value.items() if isinstance(value, dict) else [(None, None)])
-    ]
+    expanded: list[tuple[str, str, object]] = []
     for option, key, value in given:
+        if isinstance(value, dict):  # an object (``--speculative-config``): a key of that section each
+            expanded += [(option, f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            expanded.append((option, key, value))
+    for option, key, value in expanded:
         if value is None:
             continue
         if key in out and out[key] != value:

@@ -41,7 +41,9 @@ Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling
   prompt token not served from the cache under one cause: ``cache/loss.py``); with a disk tier ``disk_bytes_written``,
   ``disk_bytes_read``, ``disk_queue_drops``, ``disk_write_errors``, ``disk_damaged_items``,
   ``disk_evicted_items``, ``disk_reads``, ``disk_read_wait_seconds``, ``disk_read_timeouts``,
-  ``disk_load_wait_seconds`` and gauges ``disk_cache_bytes``, ``disk_cache_items``, ``disk_cache_capacity_bytes``.
+  ``disk_load_wait_seconds`` and gauges ``disk_cache_bytes``, ``disk_cache_items``, ``disk_cache_capacity_bytes``;
+  with speculative decoding (vLLM's names) ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
+  ``spec_decode_num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos{position}``.
 """
 
 from __future__ import annotations
@@ -111,6 +113,34 @@ class EngineCollector(Collector):
             yield counter
         yield from _labelled(s, self._model)
         yield from _tiers(s, self._model)
+        if "spec_decode.num_drafts" in s:
+            yield from _spec_decode(s, self._model)
+
+
+# speculative decoding (``speculative.method`` set): stats key -> (name, help), vLLM's names
+_SPEC_COUNTERS = {
+    "spec_decode.num_drafts": ("spec_decode_num_drafts", "Verify windows (a request's drafts of one step)."),
+    "spec_decode.num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_decode.num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}  # fmt: skip
+
+
+def _spec_decode(s: dict[str, Any], model: str) -> Iterator[Any]:
+    """Speculative decoding's counters, and accepted drafts by position in the window."""
+    for key, (name, doc) in _SPEC_COUNTERS.items():
+        counter = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+        counter.add_metric([model], float(s.get(key, 0)))
+        yield counter
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Verify windows whose draft at this position (0-based) was accepted.",
+        labels=[MODEL_LABEL, "position"],
+    )
+    prefix = "spec_decode.num_accepted_tokens_per_pos."
+    for key, value in s.items():
+        if key.startswith(prefix):
+            per_pos.add_metric([model, key.removeprefix(prefix)], float(value))
+    yield per_pos
 
 
 # the disk tier's counters (present when ``cache.disk_path`` is set): stats key -> (name, help, scale)

@@ -140,6 +140,7 @@ COUNTER_PREFIXES = (
     "checkpoints.",
     "kv.evicted",
     "scheduler.",
+    "spec_decode.num_",
 )
 GAUGES = {
     "scheduler.running", "scheduler.waiting", "scheduler.oldest_waiting_s", "prefix_cache.hit_rate",
@@ -174,6 +175,13 @@ PROMETHEUS_STATS: dict[str, tuple[tuple[str, ...], ...]] = {
     "checkpoints.skipped_budget": (("deltaserve:checkpoints_skipped_total{reason=budget}",),),
     "checkpoints.skipped_pool": (("deltaserve:checkpoints_skipped_total{reason=pool}",),),
     "kv.usage": (("deltaserve:kv_cache_usage_perc",), ("vllm:kv_cache_usage_perc",)),
+    **{
+        f"spec_decode.{name}": (
+            (f"deltaserve:spec_decode_{name}_total",),
+            (f"vllm:spec_decode_{name}_total",),
+        )
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    },
     **{
         MISS_PREFIX + cause: ((f"deltaserve:prefix_cache_miss_tokens_total{{cause={cause}}}",),)
         for cause in MISS_CAUSES
@@ -234,6 +242,19 @@ def stats_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str
     return out
 
 
+def spec_summary(es: Mapping[str, Any]) -> dict[str, float | None]:
+    """Speculative decoding over a run: accepted / drafted tokens, and tokens emitted per verify
+    window (accepted + 1 each); None where the engine reports no speculation."""
+    drafts, drafted = es.get("spec_decode.num_drafts"), es.get("spec_decode.num_draft_tokens")
+    accepted = es.get("spec_decode.num_accepted_tokens")
+    if not drafts or drafted is None or accepted is None:
+        return {"acceptance_rate": None, "tokens_per_verify": None}
+    return {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_verify": 1.0 + accepted / drafts,
+    }
+
+
 # ---------------------------------------------------------------------------- summary
 def summarize(
     records: Sequence[RequestRecord],
@@ -289,6 +310,7 @@ def _engine_summary(es: Mapping[str, Any]) -> dict[str, Any]:
         "preemptions": es.get("scheduler.preemptions"),
         "kv_evicted_blocks": es.get("kv.evicted_blocks"),
         "missed": _missed(es),
+        "spec_decode": spec_summary(es),
     }
 
 
@@ -369,6 +391,8 @@ TABLE_LEGEND: list[tuple[str, str]] = [
     ("TPOT", "per request, (last token - first token) / (output tokens - 1); requests of >= 2 tokens"),
     ("ITL", "every gap between two consecutive output tokens (over gaps, not requests)"),
     ("E2E", "send to the last token"),
+    ("spec decode acceptance / tokens per verify", "speculative decoding (rows shown when the engine reports it): "
+     "accepted / drafted tokens, and tokens emitted per verify window (accepted + 1), warm-up removed"),
     ("prefix hit rate (requests)", "cached / prompt tokens summed over the completed requests, as the "
      "backend reported each one (RequestOutput.num_cached_tokens; usage.prompt_tokens_details over HTTP)"),
     ("prefix hit rate (engine)", "the engine's own counters over the run, warm-up removed: hit / looked-up "
@@ -402,6 +426,11 @@ def format_legend(columns: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> str:
         if (label != "hit rate turn N" or _turn_rows(columns) or not columns)
         and (not label.startswith("missed:") or _miss_rows(columns) or not columns)
         and (label not in ("same prompts / outputs as first", "/first column") or multi or not columns)
+        and (
+            not label.startswith("spec decode")
+            or any(lookup(c, "spec_decode.acceptance_rate") is not None for _, c in columns)
+            or not columns
+        )
     ]
     width = max(len(label) for label, _ in shown)
     lines = ["rows:"]
@@ -450,6 +479,11 @@ def format_table(
     rows: list[tuple[str, str, str]] = list(TABLE_ROWS) + _turn_rows(columns)
     at = next(i for i, (_, path, _) in enumerate(rows) if path == "engine_hit_rate") + 1
     rows[at:at] = _miss_rows(columns)  # under the engine hit rate they complete
+    if any(lookup(s, "spec_decode.acceptance_rate") is not None for _, s in columns):
+        rows += [
+            ("spec decode acceptance", "spec_decode.acceptance_rate", "pct"),
+            ("tokens per verify", "spec_decode.tokens_per_verify", "rate"),
+        ]
     header = ["metric"]
     for i, (label, _) in enumerate(columns):
         header.append(label)

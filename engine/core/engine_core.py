@@ -49,6 +49,7 @@ from deltaserve.engine.core.grammar_wait import GrammarWait
 from deltaserve.engine.core.kv_events_hook import CoreKVEvents
 from deltaserve.engine.core.overlap import Overlap
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
+from deltaserve.engine.core.spec_step import SpecDecoding
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.front.client import RequestInput
@@ -160,6 +161,8 @@ class EngineCore:
         self.states: dict[str, RequestState] = {}
         self.async_scheduling = config.engine.async_scheduling
         self.overlap = Overlap(self) if self.async_scheduling else None
+        # speculative decoding (config validation keeps it apart from async scheduling)
+        self.speculation = SpecDecoding(self, config.speculative) if config.speculative.enabled else None
         self.counters = dict.fromkeys(COUNTERS, 0)
         # cache events (``kv_events``): bound before the disk is locked (a port in use fails first)
         self.kv_events = CoreKVEvents.open(config.kv_events, self.cache)
@@ -360,6 +363,8 @@ class EngineCore:
     def _step(self) -> list[TokenDelta]:
         if self.overlap is not None:
             return self.overlap.step()
+        if self.speculation is not None:
+            return self.speculation.step()
         self.phases.enter("schedule")
         out = self.scheduler.schedule()
         if out is None:
@@ -458,15 +463,16 @@ class EngineCore:
         self.counters["requests.failed"] += 1
         return self.final_delta(req, "error", error=f"{what}: {type(error).__name__}: {error}")
 
-    def process_token(self, req: Request, token: int) -> TokenDelta:
-        """Check the stop conditions of ``req``'s new token (already in ``req.token_ids``): its
-        stop token ids (EOS unless ``ignore_eos``), its grammar's end, ``max_tokens`` and
-        ``max_model_len``, and build its delta; a request that stops ends here. Text and stop
-        strings are the front end's (``engine/front/output_processor.py``)."""
+    def process_token(self, req: Request, token: int, num_tokens: int | None = None) -> TokenDelta:
+        """Check the stop conditions of ``req``'s new token (already in ``req.token_ids``, at
+        ``num_tokens - 1``: by default its last): its stop token ids (EOS unless
+        ``ignore_eos``), its grammar's end, ``max_tokens`` and ``max_model_len``, and build its
+        delta; a request that stops ends here. Text and stop strings are the front end's
+        (``engine/front/output_processor.py``)."""
         self.counters["tokens.generated"] += 1
         state = self.states[req.request_id]
         params: SamplingParams = req.sampling_params
-        num_tokens = len(req.token_ids)
+        num_tokens = len(req.token_ids) if num_tokens is None else num_tokens
         n_out = num_tokens - len(req.prompt_token_ids)
         reason: str | None = None
         if state.matcher is not None and _constraint_done(state.matcher, token):
@@ -509,6 +515,8 @@ class EngineCore:
         state = self.states.pop(req.request_id, None)
         if state is not None and state.matcher is not None:
             self.runner.num_constrained -= 1
+        if self.speculation is not None:
+            self.speculation.request_done(req.request_id)
         return TokenDelta(
             request_id=req.request_id,
             token_ids=token_ids if token_ids is not None else [],
@@ -557,6 +565,8 @@ class EngineCore:
             "grammar.compiling": g.compiling, "grammar.parked": len(self.parked),
             "grammar.timeouts": self.parked.timeouts,
         })  # fmt: skip
+        if self.speculation is not None:
+            out.update(self.speculation.stats())
         out["time"] = time.time()
         return out
 

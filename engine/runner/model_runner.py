@@ -18,9 +18,13 @@ host tier's loads.
 
 1. the buffer to the device (CPU: zero-copy views), placeholder input ids resolved (below);
 2. restore copies (checkpoint slot -> live slot) planned by the cache manager;
-3. the model forward (decodes first, then prefill segments; prefill captures are written
-   by the kernels straight into their reserved slots);
-4. decode-time output tracking copies (live slot -> tracking slot);
+3. the model forward (decodes first, then verify segments, then prefill segments; prefill
+   captures are written by the kernels straight into their reserved slots);
+3b. with verify segments (speculative decoding, ``engine/runner/verify.py``): their drafts
+   accepted or rejected from their own logits rows (the last rows), and the states of every
+   segment with a rejected draft rolled back to its last accepted token;
+4. decode-time output tracking copies (live slot -> tracking slot; a verify segment's only
+   when its whole window was accepted);
 5. sampling (``engine/runner/sampling.py``), only for sequences whose piece reaches the end of their
    known tokens: one ``argmax`` when every such row is plain greedy, else the general sampler;
    first, the constrained rows' logits are masked with the token bitmask ``prepare`` built
@@ -40,7 +44,6 @@ sampler), ``batch_buffer`` (the packed host buffer), ``request_state``, ``host_p
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +54,7 @@ from deltaserve.cache.types import Transfer
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.runner import batch_layout as layout
 from deltaserve.engine.runner.batch_buffer import BatchBuffer
 from deltaserve.engine.runner.disk_io import DiskIO
 from deltaserve.engine.runner.host_pool import Failure, HostPool
@@ -58,12 +62,21 @@ from deltaserve.engine.runner.memory import keep_freed_memory
 from deltaserve.engine.runner.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
 from deltaserve.engine.runner.request_state import RequestState
 from deltaserve.engine.runner.sampling import Sampler, apply_token_mask, greedy
+from deltaserve.engine.runner.verify import (
+    VerifyHost,
+    accept_rows,
+    attach_masks,
+    restore_accepted,
+    tracking_copies,
+    verify_fields,
+)
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.kernels import Ops
 from deltaserve.logs import get_logger
 from deltaserve.models import BatchMetadata, CacheSpec, LoadedModel, ModelCaches
+from deltaserve.models.verify import VerifyPlan
 from deltaserve.scheduler.request import Request, is_placeholder, placeholder_row
-from deltaserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
+from deltaserve.scheduler.scheduler import SchedulerOutput
 
 log = get_logger("deltaserve.engine")
 
@@ -95,6 +108,8 @@ class PreparedStep:
     # constrained rows: their token bitmask (one row per logits row) and their logits rows
     token_mask: torch.Tensor | None = None
     mask_rows: list[int] | None = None
+    # verify segments (speculative decoding): their logits rows come last (``runner/verify.py``)
+    verify: VerifyHost | None = None
 
 
 class StepResult:
@@ -106,6 +121,9 @@ class StepResult:
         self.step = step
         self.tokens = tokens
         self.logprobs = logprobs
+        # each verify segment's emitted tokens, in order, and their log-probabilities (if asked)
+        self.verified: list[list[int]] = []
+        self.verified_logprobs: list[list[TokenLogprob] | None] = []
         self._list: list[int] | None = None
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
@@ -305,27 +323,37 @@ class ModelRunner:
         """
         self.phases.enter("build_batch")
         seqs, bs = out.seqs, self.sizes.block_size
-        n, nd = len(seqs), out.num_decodes
-        input_ids, starts, ends = _token_ids(seqs, nd)
-        positions, cu, seq_index = _token_layout(starts, ends, len(input_ids))
+        n, nd, nv = len(seqs), out.num_decodes, out.num_verify
+        input_ids, starts, ends = layout.token_ids(seqs, nd)
+        positions, cu, seq_index = layout.token_layout(starts, ends, len(input_ids))
         caches = [s.request.cache for s in seqs]
         tables = [c.block_table for c in caches]  # type: ignore[union-attr]
-        block_tables = _block_tables(tables, ends, bs)
+        block_tables = layout.block_tables(tables, ends, bs)
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         # logits rows: every decode samples; a prefill segment samples when it reaches the end
         sample_seq = list(range(nd))
-        sample_seq += [i for i in range(nd, n) if seqs[i].samples]
+        sample_seq += [i for i in range(nd + nv, n) if seqs[i].samples]
         logits_rows = cu[1:][sample_seq] - 1 if sample_seq else np.zeros(0, dtype=np.int64)
         slices: list[PromptSlice] = []
-        if states is not None and nd < n:
-            prompt_rows, slices = prompt_slices(seqs, nd, cu, states)
+        if states is not None and nd + nv < n:
+            prompt_rows, slices = prompt_slices(seqs, nd + nv, cu, states)
             if slices:
                 logits_rows = np.concatenate([logits_rows, prompt_rows])
+        verify, verify_extra = None, {}
+        if nv:
+            verify, verify_rows, verify_extra = verify_fields(
+                seqs, nd, nv, cu, ends, positions, block_tables, seq_index
+            )
+            logits_rows = np.concatenate([logits_rows, verify_rows])
+            if states is not None:
+                verify.attach(seqs[nd : nd + nv], states)
+                if self.num_constrained and self.grammars is not None:
+                    attach_masks(verify, seqs[nd : nd + nv], states, self.grammars)
         cap = np.array(
             [(c.item_index, c.boundary - seqs[c.item_index].start, c.slot) for c in out.plan.captures],
             dtype=np.int64,
         ).reshape(-1, 3)
-        ph_dst, ph_src = _take_placeholders(input_ids)
+        ph_dst, ph_src = layout.take_placeholders(input_ids)
         buffer = BatchBuffer.pack(
             {
                 "input_ids": input_ids,
@@ -342,6 +370,7 @@ class ModelRunner:
                 "placeholder_dst": ph_dst,
                 "placeholder_src": ph_src,
                 "block_tables": block_tables.reshape(-1),
+                **verify_extra,
             }
         )
         prep = PreparedStep(
@@ -355,6 +384,7 @@ class ModelRunner:
             num_placeholders=len(ph_dst),
             placeholder_step=placeholder_step,
             prompt_slices=slices,
+            verify=verify,
         )
         if prep.requests and not all_greedy:
             assert states is not None, "states are needed to sample rows that are not plain greedy"
@@ -392,6 +422,16 @@ class ModelRunner:
             block_tables=f["block_tables"].view(prep.num_seqs, prep.width),
             num_decodes=prep.num_decodes,
         )
+        v = prep.verify
+        if v is not None:
+            batch.num_verify = len(v.drafts)
+            batch.verify = VerifyPlan(
+                counts=v.counts,
+                num_tokens=v.num_tokens,
+                cu_seqlens=f["verify_cu"],
+                seq_lens=f["verify_seq_lens"],
+                block_tables=f["verify_block_tables"].view(-1, prep.width),
+            )
         return batch, f["placeholder_dst"], f["placeholder_src"]
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
@@ -425,7 +465,13 @@ class ModelRunner:
             batch.input_ids[ph_dst] = self._last.tokens[ph_src]
         self._copy_states(out.plan.restores)
         logits = self.model.forward(batch, self.caches)
-        self._copy_states(out.plan.decode_copies)
+        verified: list[list[int]] = []
+        verified_lp: list[list[TokenLogprob] | None] = []
+        if prep.verify is None:
+            self._copy_states(out.plan.decode_copies)
+        else:
+            logits, verified, verified_lp = self._verify(logits, batch, prep.verify)
+            self._copy_states(tracking_copies(out.plan.decode_copies, prep.verify, verified))
         if prep.prompt_slices:
             # (written on this thread; the engine reads them with the request's first token,
             # after the step that computed the prompt's last piece, and steps run in order)
@@ -436,8 +482,21 @@ class ModelRunner:
         tokens, logprobs = self._sample(logits, prep)
         self.phases.close()
         result = StepResult(out.step, tokens, logprobs)
+        result.verified, result.verified_logprobs = verified, verified_lp
         self._last = result
         return result
+
+    def _verify(
+        self, logits: torch.Tensor, batch: BatchMetadata, host: VerifyHost
+    ) -> tuple[torch.Tensor, list[list[int]], list[list[TokenLogprob] | None]]:
+        """The verify rows (the last ``host.num_tokens`` of ``logits``) decide what each
+        segment emits; the rejected drafts' states are rolled back (``runner/verify.py``).
+        Returns the other rows, the emitted tokens and their log-probabilities."""
+        rows = logits[logits.shape[0] - host.num_tokens :]
+        emitted, logprobs = accept_rows(rows, host, self.default_generator)
+        assert batch.verify is not None
+        restore_accepted(self.caches, batch.verify.records, host, emitted)
+        return logits[: logits.shape[0] - host.num_tokens], emitted, logprobs
 
     def _sample(
         self, logits: torch.Tensor, prep: PreparedStep
@@ -489,66 +548,6 @@ class ModelRunner:
                 if lp is not None:
                     st.logprobs.append(lp)
         return tokens.tolist()
-
-
-# --------------------------------------------------------------------- batch building (numpy)
-def _token_ids(seqs: Sequence[ScheduledSeq], nd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The step's input ids (a decode's one token, then every prefill segment's slice) and each
-    sequence's start and end (its context length after the step)."""
-    starts = np.array([s.start for s in seqs], dtype=np.int64)
-    ends = starts + 1  # a decode computes one token
-    if nd < len(seqs):
-        ends[nd:] = [s.end for s in seqs[nd:]]
-    ids_list = [s.request.token_ids[s.start] for s in seqs[:nd]]
-    for s in seqs[nd:]:
-        ids_list += s.request.token_ids[s.start : s.end]
-    return np.array(ids_list, dtype=np.int64), starts, ends
-
-
-def _token_layout(
-    starts: np.ndarray, ends: np.ndarray, num_tokens: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each token's position and sequence index, and the segments' ``cu_seqlens``."""
-    n = len(starts)
-    if num_tokens == n:  # every segment is one token (all decodes): no per-token expansion
-        return starts, np.arange(n + 1, dtype=np.int64), np.arange(n)
-    lens = ends - starts
-    cu = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
-    seq_index = np.repeat(np.arange(n), lens)
-    positions = np.arange(num_tokens, dtype=np.int64) - (cu[:-1] - starts)[seq_index]
-    return positions, cu, seq_index
-
-
-def _block_tables(tables: list[list[int]], ends: np.ndarray, block_size: int) -> np.ndarray:
-    """The block tables padded with 0 to the longest needed: flattened in one pass (C-level
-    iteration), then scattered into the padded rows. A table may hold blocks past the step's
-    end (never read): only the needed ones are copied."""
-    n = len(tables)
-    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
-    need = np.minimum((ends + block_size - 1) // block_size, table_lens)
-    width = max(int(need.max()), 1)
-    cols = np.arange(width, dtype=np.int64)
-    valid = cols < need[:, None]
-    out = np.zeros((n, width), dtype=np.int64)
-    row_start = np.cumsum(table_lens) - table_lens
-    out[valid] = flat[(row_start[:, None] + cols)[valid]]
-    return out
-
-
-def _take_placeholders(input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The positions of the placeholders in ``input_ids`` and the rows of the previous step's
-    tokens they stand for; their ids are zeroed (the device fills them in).
-
-    ``scheduler.request.is_placeholder`` / ``placeholder_row`` over a vector: placeholders are
-    exactly the negative ids, and ``-id - 1`` is the row.
-    """
-    dst = np.flatnonzero(input_ids < 0)
-    src = -input_ids[dst] - 1
-    if len(dst):
-        input_ids[dst] = 0
-    return dst, src
 
 
 def _attach_sampling(prep: PreparedStep, states: Mapping[str, RequestState]) -> None:

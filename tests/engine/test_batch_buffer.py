@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from deltaserve.engine.runner.batch_buffer import BatchBuffer
-from deltaserve.engine.runner.model_runner import _take_placeholders
+from deltaserve.engine.runner.batch_layout import take_placeholders as _take_placeholders
 from deltaserve.scheduler.request import is_placeholder, placeholder, placeholder_row
 
 

@@ -62,7 +62,9 @@ def sample(flag: Any) -> tuple[str, Any]:
     return {"scheduler.policy": ("lpm", "lpm")}.get(flag.target, ("/tmp/x", "/tmp/x"))
 
 
-KEY_FLAGS = [(f, name) for f in FLAGS if f.kind is Kind.KEY for name in f.names]
+#: one value per key (``--speculative-config``'s JSON object is a section: tested on its own)
+SCALAR_KEY_FLAGS = [f for f in FLAGS if f.kind is Kind.KEY and f.target != "speculative"]
+KEY_FLAGS = [(f, name) for f in SCALAR_KEY_FLAGS for name in f.names]
 
 
 @pytest.mark.parametrize(("flag", "name"), KEY_FLAGS, ids=[n for _, n in KEY_FLAGS])
@@ -81,7 +83,7 @@ def test_each_shorthand_sets_its_key(flag: Any, name: str) -> None:
     assert engine_overrides(parse(name, text)) == {flag.target: value}
 
 
-@pytest.mark.parametrize("flag", [f for f in FLAGS if f.kind is Kind.KEY], ids=lambda f: f.names[0])
+@pytest.mark.parametrize("flag", SCALAR_KEY_FLAGS, ids=lambda f: f.names[0])
 def test_each_shorthand_key_is_an_engine_config_key(flag: Any, tmp_path: Path) -> None:
     if flag.target in GENCFG_KEYS and flag.target.split(".")[1] not in EngineConfig().model.__struct_fields__:
         pytest.skip(f"{flag.target} comes with the model-defaults work, not in this tree yet")
@@ -135,6 +137,57 @@ def test_the_shorthands_reach_the_engine_config() -> None:
     assert config.cache.enable_prefix_caching is False and config.cache.block_size == 32
     assert config.engine.cpu_threads == 1 and config.logging.stats_interval_s == 0.0
     assert config.model.seed == 5  # --set overrides the shorthand
+
+
+def test_speculative_config_takes_vllms_json() -> None:
+    from deltaserve.engine.cli import config_from_args
+
+    args = parse(
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 6, "prompt_lookup_min": 3}',
+        "--set",
+        "speculative.prompt_lookup_min=2",
+    )
+    assert engine_overrides(args) == {
+        "speculative.method": "ngram",
+        "speculative.num_tokens": 5,
+        "speculative.prompt_lookup_max": 6,
+        "speculative.prompt_lookup_min": 3,
+    }
+    spec = config_from_args(args, engine_overrides(args)).speculative
+    assert (spec.method.value, spec.num_tokens, spec.prompt_lookup_max) == ("ngram", 5, 6)
+    assert spec.prompt_lookup_min == 2  # --set overrides the flag
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"method": "ngram", "speculative_model": "x"}', "unknown key 'speculative_model' (known: method, "
+         "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)"),
+        ("[1]", "expected a JSON object, got '[1]'"),
+        ("{method: ngram}", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ],
+)  # fmt: skip
+def test_speculative_config_refuses_what_it_cannot_read(
+    text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse("--speculative-config", text)
+    assert e.value.code == 2
+    assert f"argument --speculative-config: {message}" in capsys.readouterr().err
+
+
+def test_speculative_config_values_are_checked_by_the_section() -> None:
+    from deltaserve.engine.cli import config_from_args
+
+    args = parse("--speculative-config", '{"method": "mtp"}')
+    with pytest.raises(ConfigError) as e:
+        config_from_args(args, engine_overrides(args))
+    assert str(e.value) == "speculative.method = 'mtp': the MTP drafter is not wired yet"
+    args = parse("--speculative-config", '{"num_speculative_tokens": 0}')
+    with pytest.raises(ConfigError) as e:
+        config_from_args(args, engine_overrides(args))
+    assert str(e.value) == "speculative.num_tokens = 0: Expected `int` >= 1"
 
 
 def test_two_flags_giving_one_key_different_values_are_an_error() -> None:

@@ -1,0 +1,176 @@
+"""The engine step with speculative decoding (``speculative.method`` not ``none``).
+
+Each step: the drafter proposes up to ``speculative.num_tokens`` tokens for every running
+request that may draft (``SpecDecoding.drafts``: no penalties, room left under ``max_tokens``
+and ``max_model_len``; a constrained request's drafts are cut before the first its grammar
+cannot take, so a bad draft ends the accepted run, never the request); the scheduler turns a decode with drafts into a verify
+segment (``scheduler/scheduler.py``); the runner verifies every segment's drafts in the one
+forward and rolls rejected ones back (``engine/runner/verify.py``); ``Scheduler.update``
+commits what was accepted; then each request's emitted tokens are checked one by one, as a
+decode would have produced them (stop token ids, EOS, ``max_tokens``, ``max_model_len``):
+a request that ends inside its window emits nothing after its last token, and its token list
+is cut there. A request's emitted tokens go out as one ``TokenDelta``.
+
+Otherwise the step is ``EngineCore``'s plain one, with the same failure handling (a failed
+forward ends its step's requests; a failed commit ends them after releasing the plan; a
+failed stop check ends only its request).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from deltaserve.engine.config_spec import SpeculativeConfig
+from deltaserve.engine.messages import TokenDelta
+from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.spec.drafter import make_drafter
+from deltaserve.engine.spec.stats import SpecStats
+from deltaserve.logs import get_logger
+from deltaserve.scheduler.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from deltaserve.engine.core.engine_core import EngineCore
+
+log = get_logger("deltaserve.engine")
+
+
+class SpecDecoding:
+    """The drafter, the acceptance counters and the speculative step of one ``EngineCore``."""
+
+    def __init__(self, core: EngineCore, config: SpeculativeConfig) -> None:
+        self.core = core
+        self.k = config.num_tokens
+        self.drafter = make_drafter(config, core.vocab_size)
+        self.counts = SpecStats(config.num_tokens)
+        # per running request: verify windows, drafted and accepted tokens (logged at its end)
+        self.per_request: dict[str, list[int]] = {}
+
+    def drafts(self, req: Request) -> list[int]:
+        """The drafts ``req`` verifies in the next step ([] for a request that may not draft)."""
+        core = self.core
+        if not req.is_decoding or req.status is not RequestStatus.RUNNING:
+            return []
+        state = core.states.get(req.request_id)
+        # (penalties count the output so far: a draft's row would need them recounted per position)
+        if state is None or req.sampling_params.has_penalties:
+            return []
+        # a window emits up to k + 1 tokens: no more than a decode could still produce
+        room = min(
+            req.sampling_params.max_tokens - req.num_output_tokens, core.max_model_len - req.num_tokens
+        )
+        k = min(self.k, room - 1)
+        drafts = self.drafter.propose(req, k)[:k] if k > 0 else []
+        if drafts and state.matcher is not None:
+            drafts = _grammar_prefix(state.matcher, drafts)
+        return drafts
+
+    def step(self) -> list[TokenDelta]:
+        core = self.core
+        sched = core.scheduler
+        for req in sched.running:
+            req.draft_token_ids = self.drafts(req)
+        core.phases.enter("schedule")
+        out = sched.schedule()
+        if out is None:
+            core.cache.wait_for_disk()
+            return []
+        outputs = core.land(out, core.runner.transfer(out))
+        if not out.seqs:
+            sched.update(out, [])
+            return outputs
+        started = time.perf_counter()
+        try:
+            prep = core.runner.prepare(out, core.states)
+            result = core.runner.launch(prep)
+            sampled = result.per_seq(prep, core.states)
+        except Exception as e:  # one failed step ends only its own requests
+            return outputs + core.step_failed(out, e)
+        sched.observe_step(out, time.perf_counter() - started)
+        core.phases.enter("cache_commit")
+        try:
+            sched.update(out, sampled, result.verified)
+        except Exception as e:
+            return outputs + core.recover_failed_update(out, e)
+        core.counters["tokens.computed"] += out.num_tokens
+        core.phases.enter("outputs")
+        first, end = out.num_decodes, out.num_decodes + out.num_verify
+        for i, (s, token) in enumerate(zip(out.seqs, sampled, strict=True)):
+            try:
+                if first <= i < end:
+                    emitted = result.verified[i - first]
+                    self.counts.observe(len(s.drafts), len(emitted) - 1)
+                    mine = self.per_request.setdefault(s.request.request_id, [0, 0, 0])
+                    mine[0] += 1
+                    mine[1] += len(s.drafts)
+                    mine[2] += len(emitted) - 1
+                    outputs.append(self._emit(s.request, emitted, result.verified_logprobs[i - first]))
+                elif token is not None:
+                    outputs.append(self._finish_hook(s.request, core.process_token(s.request, token)))
+            except Exception as e:  # the stop check of one request: that request ends
+                outputs.append(core.output_failed(s.request, e))
+        return outputs
+
+    def _emit(self, req: Request, emitted: list[int], logprobs: list[TokenLogprob] | None) -> TokenDelta:
+        """Check ``req``'s emitted tokens (already appended) one at a time, as consecutive
+        decodes would; one delta for all of them (and their log-probabilities), cut at the first
+        that ends the request."""
+        core = self.core
+        base = len(req.token_ids) - len(emitted)
+        deltas: list[TokenDelta] = []
+        state = core.states[req.request_id]
+        for j, token in enumerate(emitted):
+            if logprobs is not None:
+                state.logprobs = [logprobs[j]]  # (process_token hands out the pending ones)
+            d = core.process_token(req, token, num_tokens=base + j + 1)
+            deltas.append(d)
+            if d.finish_reason is not None:
+                del req.token_ids[base + j + 1 :]  # never delivered
+                break
+        return self._finish_hook(req, _merge(deltas))
+
+    def _finish_hook(self, req: Request, delta: TokenDelta) -> TokenDelta:
+        if delta.finish_reason in ("stop", "length"):
+            self.drafter.finished(req, req.num_output_tokens)
+        return delta
+
+    def request_done(self, request_id: str) -> None:
+        """A request ended (``EngineCore.final_delta``, every ending): its own counters go to
+        the debug log (``spec.request``)."""
+        verifies, drafted, accepted = self.per_request.pop(request_id, (0, 0, 0))
+        if verifies:
+            log.debug(
+                "spec.request", request_id=request_id, verifies=verifies, drafted=drafted, accepted=accepted
+            )
+
+    def stats(self) -> dict[str, float]:
+        return self.counts.stats()
+
+
+def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:
+    """The drafts up to the first the request's grammar cannot take, and none after one that
+    completes it; the matcher is left as it was (rolled back)."""
+    n = 0
+    for d in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(d):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return drafts[:n]
+
+
+def _merge(deltas: list[TokenDelta]) -> TokenDelta:
+    """One delta for a request's consecutive deltas of one step: the last's (its finish, if
+    any) with every token and log-probability, and the first's timings."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    last.token_ids = [t for d in deltas for t in d.token_ids]
+    if any(d.logprobs for d in deltas):
+        last.logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    first = deltas[0]
+    last.queue_time_s, last.prefill_time_s = first.queue_time_s, first.prefill_time_s
+    if first.prompt_logprobs is not None:
+        last.prompt_logprobs, last.prompt_token_ids = first.prompt_logprobs, first.prompt_token_ids
+    return last
