@@ -58,7 +58,7 @@ def test_serve_toml_loads_and_is_complete() -> None:
 def test_readme_keeps_the_two_commands() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "tools/setup.sh && .venv/bin/python tools/loadgen.py\n" in text
-    assert "tools/setup.sh && .venv/bin/python -m pytest -q -ra\n" in text
+    assert "tools/setup.sh && .venv/bin/python -m pytest -q -ra -n 2\n" in text
     assert "from engine import" not in text
 
 

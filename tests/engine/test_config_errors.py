@@ -27,6 +27,7 @@ CACHE_SIZE_KEYS = {
     "memory_bytes", "kv_cache_bytes", "checkpoint_pool_bytes", "checkpoint_staging_bytes",
     "host_kv_cache_bytes", "host_checkpoint_pool_bytes", "host_memory_bytes", "host_load_bytes_per_step",
     "disk_bytes", "disk_write_bytes_per_s", "disk_read_buffer_bytes",
+    "remote_segment_bytes", "remote_buffer_bytes", "remote_write_bytes_per_s",
 }  # fmt: skip
 
 
