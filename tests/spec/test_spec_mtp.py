@@ -16,6 +16,7 @@ from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.spec.mtp import MtpDrafter
 from deltaserve.kernels import get_ops
 from deltaserve.models import LoadedModel, ensure_builtin_model, load_model
+from deltaserve.scheduler.request import Request
 from tests.engine.conftest import greedy, make_config, run_to_completion
 
 MAX_TOKENS = 29
@@ -95,23 +96,27 @@ def test_mtp_multi_turn_prefix_hit(mtp_loaded: LoadedModel) -> None:
 
 def test_mtp_drafts_match_a_fresh_prefill_of_the_context(mtp_loaded: LoadedModel) -> None:
     """The running engine's drafts after prefills and verifies (head KV written step by step,
-    rejected positions overwritten) are the drafts a fresh engine proposes right after
-    prefilling the same context: the head pass keeps its KV exact."""
-    prompt = _prompts(2, n=1)[0]
-    core = EngineCore(make_config(**{"cache.enable_prefix_caching": False}, **MTP), loaded=mtp_loaded)
+    rejected positions overwritten, the prompt in chunks) are the drafts a fresh engine
+    proposes right after prefilling the same context in one piece: the head pass keeps its KV
+    exact."""
+    prompt = [random.Random(2).randrange(5, 1000) for _ in range(100)]
+    chunked = {"cache.enable_prefix_caching": False, "scheduler.max_num_batched_tokens": 64}
+    core = EngineCore(make_config(**chunked, **MTP), loaded=mtp_loaded)  # the prompt in two chunks
     drafter = core.speculation.drafter  # type: ignore[union-attr]
     assert isinstance(drafter, MtpDrafter)
     core.add_request(core.make_request(prompt, greedy(MAX_TOKENS), request_id="r"))
-    seen: list[tuple[list[int], list[int]]] = []
+    seen: list[tuple[list[int], list[int], torch.Tensor]] = []
+    step = 0
     while core.has_work():
         core.step()
         core.check_integrity()
         req = next((r for r in core.scheduler.running if r.request_id == "r"), None)
         got = drafter.proposals.get("r")
-        if req is not None and got is not None and got[0] == len(req.token_ids):
-            seen.append((list(req.token_ids), got[1]))
-    assert len(seen) > 3
-    for tokens, drafts in seen[1::3]:  # after verifies, not only the first prefill
+        if req is not None and got is not None and got[0] == len(req.token_ids) and step % 3 == 0:
+            seen.append((list(req.token_ids), got[1], _head_kv(core, req, len(req.token_ids) - 1)))
+        step += 1
+    assert len(seen) > 2
+    for tokens, drafts, kv in seen:  # after the chunked prefill, then after verifies
         ref = EngineCore(make_config(**{"cache.enable_prefix_caching": False}, **MTP), loaded=mtp_loaded)
         ref.add_request(ref.make_request(tokens[:-1], greedy(2), request_id="x"))
         ref.step()  # the prefill: samples tokens[-1] (greedy) and drafts after it
@@ -119,6 +124,20 @@ def test_mtp_drafts_match_a_fresh_prefill_of_the_context(mtp_loaded: LoadedModel
         assert rdrafts[0] == len(tokens)
         n = min(len(drafts), len(rdrafts[1]))
         assert n >= 1 and drafts[:n] == rdrafts[1][:n]
+        # the head's KV of every computed position is the one-piece prefill's
+        torch.testing.assert_close(
+            kv, _head_kv(ref, ref.scheduler.running[0], len(tokens) - 1), atol=1e-4, rtol=1e-4
+        )
+
+
+def _head_kv(core: EngineCore, req: Request, n: int) -> torch.Tensor:
+    """The MTP head's K and V of ``req``'s positions ``0 .. n - 1`` ``[2, n, heads, dim]``."""
+    caches, bs = core.runner.caches, core.config.cache.block_size
+    layer = core.spec.num_attn_layers  # the head's KV layer: after the target's
+    table = req.cache.block_table  # type: ignore[union-attr]
+    blocks = torch.tensor([table[p // bs] for p in range(n)])
+    offs = torch.tensor([p % bs for p in range(n)])
+    return torch.stack([caches.k_cache[layer][blocks, offs], caches.v_cache[layer][blocks, offs]])
 
 
 def test_mtp_on_a_model_without_a_head_is_a_config_error(
@@ -135,3 +154,19 @@ def test_mtp_on_a_model_without_a_head_is_a_config_error(
     assert str(e.value) == (
         "speculative.method = 'mtp': the model was loaded without its MTP head (load_model(load_mtp=True))"
     )
+
+
+def test_mtp_under_preemption_and_chunked_prefill(mtp_loaded: LoadedModel) -> None:
+    """Prefill chunks (whose last row takes the next prompt token) and preempted, recomputed
+    requests (whose proposals no longer match their token count) keep the outputs identical."""
+    prompts = _prompts(3, n=5)
+    small = {
+        "cache.num_kv_blocks": 14,
+        "cache.enable_prefix_caching": True,
+        "scheduler.max_num_batched_tokens": 64,
+    }
+    off = _serve(EngineCore(make_config(**small), loaded=mtp_loaded), prompts, greedy(MAX_TOKENS))
+    core = EngineCore(make_config(**small, **MTP), loaded=mtp_loaded)
+    assert _serve(core, prompts, greedy(MAX_TOKENS)) == off
+    assert core.stats()["scheduler.preemptions"] > 0
+    _assert_consistent(_spec(core))
