@@ -2,8 +2,8 @@
 
 The method is an enum (``SpecMethod``); the drafter behind each is registered in
 ``deltaserve.engine.spec.drafter``. ``mtp`` (the model's own multi-token-prediction head)
-is accepted by the type but refused by ``check`` until it is wired into the engine, so a
-config that names it fails at load with a one-line ``ConfigError``, not at the first step.
+needs a model with one: the engine refuses a model without it with a one-line
+``ConfigError`` when it loads the model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class SpecMethod(str, enum.Enum):
     NONE = "none"  # no speculation: every decode computes one token (the default)
     NGRAM = "ngram"  # prompt lookup: the tokens that followed the context's last n-gram before
     REPLAY = "replay"  # a previous greedy run's output of the same prompt (tests, benchmarks)
-    MTP = "mtp"  # the model's multi-token-prediction head (not wired yet)
+    MTP = "mtp"  # the model's multi-token-prediction head (greedy drafts, chained)
 
 
 class SpeculativeConfig(_Section):
@@ -35,7 +35,8 @@ class SpeculativeConfig(_Section):
         _doc(
             "none | ngram (prompt lookup, vLLM's `ngram`) | replay (proposes what an earlier greedy run "
             "of the same prompt produced: acceptance near 100 %, for tests and benchmarks) | mtp (the "
-            "model's MTP head: not wired yet, a ConfigError)."
+            "model's own multi-token-prediction head, loaded with the model, drafting greedily; a model "
+            "without one is a ConfigError)."
         ),
     ] = SpecMethod.NONE
     num_tokens: Annotated[
@@ -65,8 +66,6 @@ class SpeculativeConfig(_Section):
     ] = 0
 
     def check(self) -> None:
-        if self.method is SpecMethod.MTP:
-            raise _bad("speculative.method", self.method.value, "the MTP drafter is not wired yet")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise _bad(
                 "speculative.prompt_lookup_min",

@@ -21,6 +21,7 @@ from deltaserve.cache.remote_client import MooncakeClient, mooncake_import_error
 from deltaserve.cache.remote_store import RemoteStore
 from deltaserve.cache.remote_tier import RemoteTier
 from deltaserve.engine.config import DType, EngineConfig
+from deltaserve.engine.config_spec import SpecMethod
 from deltaserve.engine.core.sizing import Capacity, ModelShape, plan_capacity
 from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.front.client import ModelInfo
@@ -28,12 +29,41 @@ from deltaserve.engine.runner.disk_io import DiskIO, identity
 from deltaserve.engine.runner.model_runner import ModelRunner, RunnerSizes
 from deltaserve.kernels import Ops, get_ops
 from deltaserve.logs import get_logger
-from deltaserve.models import CacheSpec, LoadedModel
+from deltaserve.models import CacheSpec, LoadedModel, load_model
+from deltaserve.models.loader import UnsupportedModelError
 
 log = get_logger("deltaserve.engine")
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def load_engine_model(
+    config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype, device: torch.device, ops: Ops
+) -> tuple[LoadedModel, CacheSpec]:
+    """The model (``loaded`` when given) and its caches: with the MTP head and its KV layers
+    exactly when ``speculative.method = "mtp"`` (a one-line ``ConfigError`` when the model has
+    none, or ``loaded`` was loaded without it)."""
+    want_mtp = config.speculative.method is SpecMethod.MTP
+    if loaded is None:
+        try:
+            loaded = load_model(
+                config.model.path,
+                dtype=dtype,
+                device=device,
+                ops=ops,
+                tokenizer=config.model.tokenizer,
+                load_mtp=want_mtp,
+            )
+        except UnsupportedModelError as e:
+            if not want_mtp:
+                raise
+            raise ConfigError(f"speculative.method = 'mtp': {e}") from e
+    if want_mtp and loaded.model.mtp is None:
+        raise ConfigError(
+            "speculative.method = 'mtp': the model was loaded without its MTP head (load_model(load_mtp=True))"
+        )
+    return loaded, loaded.model.cache_spec(with_mtp=want_mtp)
 
 
 def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
@@ -246,7 +276,7 @@ def build_runner(
         num_pages=capacity.num_pages,
         num_host_pages=capacity.num_host_pages,
     )
-    runner = ModelRunner(loaded, ops, sizes, device)
+    runner = ModelRunner(loaded, ops, sizes, device, with_mtp=spec.num_mtp_layers > 0)
     runner.default_generator.manual_seed(config.model.seed)
     return runner
 

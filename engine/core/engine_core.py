@@ -38,6 +38,7 @@ from deltaserve.engine.core.builder import (
     build_runner,
     close_disk_tier,
     cpu_threads,
+    load_engine_model,
     model_info,
     open_disk_tier,
     plan_engine_capacity,
@@ -64,7 +65,7 @@ from deltaserve.engine.runner.request_state import RequestState
 from deltaserve.engine.runner.sampling import plain_greedy
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.logs import get_logger, set_level
-from deltaserve.models import LoadedModel, load_model
+from deltaserve.models import LoadedModel
 from deltaserve.scheduler.request import Request, RequestStatus
 from deltaserve.scheduler.scheduler import SchedulerOutput
 
@@ -108,15 +109,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.ops = resolve_ops(config, self.device)
         torch.manual_seed(config.model.seed)
-        self.loaded = loaded or load_model(
-            config.model.path,
-            dtype=self.dtype,
-            device=self.device,
-            ops=self.ops,
-            tokenizer=config.model.tokenizer,
-        )
+        self.loaded, self.spec = load_engine_model(config, loaded, self.dtype, self.device, self.ops)
         self.tokenizer = with_chat_template(self.loaded.tokenizer, config.model)
-        self.spec = self.loaded.model.cache_spec()
         self.capacity: Capacity = plan_engine_capacity(config, self.loaded, self.spec, self.ops, self.device)
         self.cpu_threads = cpu_threads(config, self.device, self.capacity.weight_bytes)
         for warning in self.capacity.warnings:

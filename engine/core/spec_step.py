@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 from deltaserve.engine.config_spec import SpeculativeConfig
 from deltaserve.engine.messages import TokenDelta
 from deltaserve.engine.outputs import TokenLogprob
+from deltaserve.engine.runner.mtp_draft import MtpProposer
 from deltaserve.engine.spec.drafter import make_drafter
+from deltaserve.engine.spec.mtp import MtpDrafter
 from deltaserve.engine.spec.stats import SpecStats
 from deltaserve.logs import get_logger
 from deltaserve.scheduler.request import Request, RequestStatus
@@ -42,6 +44,12 @@ class SpecDecoding:
         self.core = core
         self.k = config.num_tokens
         self.drafter = make_drafter(config, core.vocab_size)
+        if isinstance(self.drafter, MtpDrafter):
+            # the head runs in the runner after every step (``engine/runner/mtp_draft.py``)
+            head = core.loaded.model.mtp
+            assert head is not None  # (load_engine_model loaded it for method = "mtp")
+            runner = core.runner
+            runner.mtp = MtpProposer(head, runner.caches, runner.sizes.block_size, self.k, self.drafter)
         self.counts = SpecStats(config.num_tokens)
         # per running request: verify windows, drafted and accepted tokens (logged at its end)
         self.per_request: dict[str, list[int]] = {}
@@ -137,6 +145,8 @@ class SpecDecoding:
     def request_done(self, request_id: str) -> None:
         """A request ended (``EngineCore.final_delta``, every ending): its own counters go to
         the debug log (``spec.request``)."""
+        if isinstance(self.drafter, MtpDrafter):
+            self.drafter.forget(request_id)
         verifies, drafted, accepted = self.per_request.pop(request_id, (0, 0, 0))
         if verifies:
             log.debug(

@@ -20,6 +20,8 @@ host tier's loads.
 2. restore copies (checkpoint slot -> live slot) planned by the cache manager;
 3. the model forward (decodes first, then verify segments, then prefill segments; prefill
    captures are written by the kernels straight into their reserved slots);
+3a. with the MTP drafter, the forward also returns every token's hidden state; after
+   sampling the head runs over the step and proposes the next drafts (``runner/mtp_draft.py``);
 3b. with verify segments (speculative decoding, ``engine/runner/verify.py``): their drafts
    accepted or rejected from their own logits rows (the last rows), and the states of every
    segment with a rejected draft rolled back to its last accepted token;
@@ -59,6 +61,7 @@ from deltaserve.engine.runner.batch_buffer import BatchBuffer
 from deltaserve.engine.runner.disk_io import DiskIO
 from deltaserve.engine.runner.host_pool import Failure, HostPool
 from deltaserve.engine.runner.memory import keep_freed_memory
+from deltaserve.engine.runner.mtp_draft import MtpProposer
 from deltaserve.engine.runner.prompt_logprobs import PromptSlice, fill_prompt_logprobs, prompt_slices
 from deltaserve.engine.runner.request_state import RequestState
 from deltaserve.engine.runner.sampling import Sampler, apply_token_mask, greedy
@@ -180,7 +183,15 @@ class RunnerSizes:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, ops: Ops, sizes: RunnerSizes, device: torch.device) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        ops: Ops,
+        sizes: RunnerSizes,
+        device: torch.device,
+        *,
+        with_mtp: bool = False,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.ops = ops
@@ -188,7 +199,8 @@ class ModelRunner:
         self.device = device
         if device.type == "cpu":
             keep_freed_memory()  # the forward's large intermediates reuse heap pages (no page faults)
-        self.spec: CacheSpec = self.model.cache_spec()
+        # ``with_mtp``: the MTP head's KV layers too (``speculative.method = "mtp"``)
+        self.spec: CacheSpec = self.model.cache_spec(with_mtp=with_mtp)
         if sizes.num_pages:
             self.caches: ModelCaches = self.spec.allocate_arena(
                 sizes.num_live_slots, sizes.num_pages, sizes.block_size, device
@@ -208,6 +220,7 @@ class ModelRunner:
         self.num_constrained = 0
         self.phases = StepPhases()  # where a step's time goes (EngineCore installs its recorder)
         self.host: HostPool | None = None
+        self.mtp: MtpProposer | None = None  # the MTP drafter's head pass (``SpecDecoding`` attaches it)
         self.disk: DiskIO | None = None  # the disk tier's copies (``EngineCore`` attaches it)
         if sizes.num_host_kv_blocks or sizes.num_host_checkpoint_slots or sizes.num_host_pages:
             self.host = HostPool(
@@ -464,7 +477,11 @@ class ModelRunner:
                 )
             batch.input_ids[ph_dst] = self._last.tokens[ph_src]
         self._copy_states(out.plan.restores)
-        logits = self.model.forward(batch, self.caches)
+        hidden = None
+        if self.mtp is not None:
+            logits, hidden = self.model.forward(batch, self.caches, return_hidden=True)
+        else:
+            logits = self.model.forward(batch, self.caches)
         verified: list[list[int]] = []
         verified_lp: list[list[TokenLogprob] | None] = []
         if prep.verify is None:
@@ -480,6 +497,9 @@ class ModelRunner:
             logits = logits[:num_sampled]
         self.phases.enter("sample")
         tokens, logprobs = self._sample(logits, prep)
+        if self.mtp is not None and hidden is not None:
+            # (the head's time counts in the sample phase: no phase of its own)
+            self.mtp.after_step(prep, batch, hidden, tokens, verified)
         self.phases.close()
         result = StepResult(out.step, tokens, logprobs)
         result.verified, result.verified_logprobs = verified, verified_lp

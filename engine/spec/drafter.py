@@ -51,7 +51,7 @@ def register_drafter(method: SpecMethod, factory: DrafterFactory) -> None:
 def make_drafter(config: SpeculativeConfig, vocab_size: int) -> Drafter:
     """The drafter of ``config.method`` (a ``ConfigError`` for a method nothing registered)."""
     # (the built-in drafters register themselves on import)
-    from deltaserve.engine.spec import ngram, replay  # noqa: F401
+    from deltaserve.engine.spec import mtp, ngram, replay  # noqa: F401
 
     factory = _DRAFTERS.get(config.method)
     if factory is None:

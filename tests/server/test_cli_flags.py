@@ -180,10 +180,9 @@ def test_speculative_config_refuses_what_it_cannot_read(
 def test_speculative_config_values_are_checked_by_the_section() -> None:
     from deltaserve.engine.cli import config_from_args
 
-    args = parse("--speculative-config", '{"method": "mtp"}')
-    with pytest.raises(ConfigError) as e:
-        config_from_args(args, engine_overrides(args))
-    assert str(e.value) == "speculative.method = 'mtp': the MTP drafter is not wired yet"
+    args = parse("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    cfg = config_from_args(args, engine_overrides(args))
+    assert (cfg.speculative.method.value, cfg.speculative.num_tokens) == ("mtp", 2)
     args = parse("--speculative-config", '{"num_speculative_tokens": 0}')
     with pytest.raises(ConfigError) as e:
         config_from_args(args, engine_overrides(args))

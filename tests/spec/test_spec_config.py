@@ -16,7 +16,6 @@ from deltaserve.scheduler.request import Request
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"speculative": {"method": "mtp"}}, "speculative.method = 'mtp': the MTP drafter is not wired yet"),
         ({"speculative": {"method": "eagle"}}, "speculative.method = 'eagle': expected one of none, ngram, replay, mtp"),
         ({"speculative": {"num_tokens": 0}}, "speculative.num_tokens = 0: Expected `int` >= 1"),
         ({"speculative": {"num_tokens": 17}}, "speculative.num_tokens = 17: Expected `int` <= 16"),
