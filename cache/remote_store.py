@@ -129,7 +129,8 @@ class RemoteStore:
         self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
             ("remote.puts", "remote.put_failed", "remote.put_dropped", "remote.published",
-             "remote.publish_incomplete", "remote.reads", "remote.read_damaged", "remote.read_missing"), 0
+             "remote.publish_incomplete", "remote.reads", "remote.read_damaged", "remote.read_missing",
+             "remote.hits", "remote.bytes_written", "remote.bytes_read"), 0
         )  # fmt: skip
         self._writer = threading.Thread(target=self._write_loop, name="deltaserve-remote-write", daemon=True)
         self._writer.start()
@@ -211,6 +212,7 @@ class RemoteStore:
             self.client.call("put", self._obj(KV, key, osum), obj, ok=_ok)
             with self._cond:
                 self.counters["remote.puts"] += 1
+                self.counters["remote.bytes_written"] += len(obj)
                 self._know_kv(key, parent, osum)
             return
         path = self._path_of(key)
@@ -225,6 +227,7 @@ class RemoteStore:
         with self._cond:
             self.counters["remote.puts"] += 1
             self.counters["remote.published"] += 1
+            self.counters["remote.bytes_written"] += len(obj) + len(manifest)
             self._know_ckpt(key)
 
     def _path_of(self, key: int) -> list[tuple[int, int]] | None:
@@ -290,6 +293,8 @@ class RemoteStore:
             self._count("remote.read_missing" if not objs[-1] else "remote.read_damaged")
             return None
         with self._cond:  # verified: this store can name them in paths it publishes
+            self.counters["remote.hits"] += 1
+            self.counters["remote.bytes_read"] += len(raw) + sum(len(o) for o in objs)
             parent = 0
             for k, s in m.kv:
                 self._know_kv(_i(k), parent, s)
