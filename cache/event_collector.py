@@ -7,13 +7,17 @@ What a tier holds (``contents``, the one definition the events and their tests s
   ``host_block >= 0``, not ``moving``): exactly the blocks a match can use, each in one tier;
 * ``GPU`` checkpoint: a node's device checkpoint slot; ``CPU`` checkpoint: its host slot once
   written (not ``ckpt_moving``);
-* ``DISK``: the disk store's indexed items (KV blocks and checkpoints), as its index says.
+* ``DISK``: the disk store's indexed items (KV blocks and checkpoints), as its index says;
+* ``REMOTE``: the items of the shared store (``cache/remote_store.py``) this engine wrote there
+  or read and verified, as the remote store's local knowledge says (``RemoteStore.items``);
+  the store may since have evicted one (reads verify), and other replicas publish theirs.
 
 How: the radix tree tells the collector of every node whose tier membership may have changed
 (``RadixTree.on_change``; insert, removal, demotion, promotion, the copy flags, checkpoint
 attach and detach); the disk index tells it of every item added or removed
-(``DiskIndex.on_change``, from the store's writer thread: those go through a deque, which
-appends and pops atomically). ``take_events`` (the core, once per step) compares the current
+(``DiskIndex.on_change``, from the store's writer thread), and so does the remote store
+(``RemoteStore.on_change``, from its writer and reader threads): those go through a deque,
+which appends and pops atomically. ``take_events`` (the core, once per step) compares the current
 membership of the nodes it was told of with what it last published and returns the
 difference as events, so a node that came and went within one step publishes nothing and the
 order of a step's changes does not matter. Its cost is the number of nodes touched in the
@@ -31,9 +35,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from deltaserve.cache.kv_events import (
+    MEDIA,
     MEDIUM_CPU,
     MEDIUM_DISK,
     MEDIUM_GPU,
+    MEDIUM_REMOTE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -46,18 +52,15 @@ from deltaserve.cache.radix_tree import Node, RadixTree
 
 _KV = 1  # the disk index's kinds (``cache/disk_index.py``)
 _CHECKPOINT = 2
+_STORES = (MEDIUM_DISK, MEDIUM_REMOTE)  # the tiers whose stores report their items themselves
 
 
 @dataclass
 class Contents:
     """What each tier holds: KV block hashes and checkpoint block hashes per medium."""
 
-    blocks: dict[str, set[int]] = field(
-        default_factory=lambda: {m: set() for m in (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)}
-    )
-    checkpoints: dict[str, set[int]] = field(
-        default_factory=lambda: {m: set() for m in (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)}
-    )
+    blocks: dict[str, set[int]] = field(default_factory=lambda: {m: set() for m in MEDIA})
+    checkpoints: dict[str, set[int]] = field(default_factory=lambda: {m: set() for m in MEDIA})
 
 
 def kv_medium(node: Node) -> str | None:
@@ -76,7 +79,11 @@ def checkpoint_media(node: Node) -> tuple[bool, bool]:
     return node.checkpoint_slot is not None, node.host_slot is not None and not node.ckpt_moving
 
 
-def contents(tree: RadixTree, disk_items: Iterable[tuple[int, int]] = ()) -> Contents:
+def contents(
+    tree: RadixTree,
+    disk_items: Iterable[tuple[int, int]] = (),
+    remote_items: Iterable[tuple[int, int]] = (),
+) -> Contents:
     """What the cache holds now, per tier (O(cache): for tests and checks, never per step)."""
     out = Contents()
     for node in tree.nodes():
@@ -88,8 +95,9 @@ def contents(tree: RadixTree, disk_items: Iterable[tuple[int, int]] = ()) -> Con
             out.checkpoints[MEDIUM_GPU].add(node.key)
         if cpu:
             out.checkpoints[MEDIUM_CPU].add(node.key)
-    for kind, key in disk_items:
-        (out.blocks if kind == _KV else out.checkpoints)[MEDIUM_DISK].add(key)
+    for medium, items in ((MEDIUM_DISK, disk_items), (MEDIUM_REMOTE, remote_items)):
+        for kind, key in items:
+            (out.blocks if kind == _KV else out.checkpoints)[medium].add(key)
     return out
 
 
@@ -99,14 +107,15 @@ class KVEventCollector:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._dirty: set[Node] = set()
-        self._disk_ops: collections.deque[tuple[int, int, int, bool]] = collections.deque()
+        # (medium, kind, key, parent, present) of the stores' items, from their threads
+        self._store_ops: collections.deque[tuple[str, int, int, int, bool]] = collections.deque()
         # what was last published: KV block -> its medium (one tier at a time), the parent of
-        # each published block, checkpoints per medium, disk items
+        # each published block, checkpoints per medium, each store's items (KV: key -> parent)
         self._kv: dict[int, str] = {}
         self._parent: dict[int, int] = {}
         self._ckpt: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
-        self._disk_kv: dict[int, int] = {}
-        self._disk_ckpt: set[int] = set()
+        self._store_kv: dict[str, dict[int, int]] = {m: {} for m in _STORES}
+        self._store_ckpt: dict[str, set[int]] = {m: set() for m in _STORES}
         # a block's tokens while it is in the device or host tier (the disk keeps none)
         self._tokens: dict[int, tuple[int, ...]] = {}
         self._pending: list[Event] = [AllBlocksCleared()]  # a (re)started engine holds nothing yet
@@ -121,7 +130,11 @@ class KVEventCollector:
 
     def disk_changed(self, kind: int, key: int, parent: int, present: bool) -> None:
         """A disk item was indexed (``present``) or dropped; any thread."""
-        self._disk_ops.append((int(kind), key, parent, present))
+        self._store_ops.append((MEDIUM_DISK, int(kind), key, parent, present))
+
+    def remote_changed(self, kind: int, key: int, parent: int, present: bool) -> None:
+        """A remote item became known to this engine (``present``) or was forgotten; any thread."""
+        self._store_ops.append((MEDIUM_REMOTE, int(kind), key, parent, present))
 
     def disk_loaded(self, items: Iterable[tuple[int, int, int]]) -> None:
         """The disk store's items (kind, key, parent) when it was opened."""
@@ -134,8 +147,8 @@ class KVEventCollector:
         events, self._pending = self._pending, []
         if self._dirty:
             events += self._tree_events()
-        if self._disk_ops:
-            events += self._disk_events()
+        if self._store_ops:
+            events += self._store_events()
         return events
 
     def _tree_events(self) -> list[Event]:
@@ -223,32 +236,34 @@ class KVEventCollector:
                 depth[k] = base
         return depth
 
-    def _disk_events(self) -> list[Event]:
-        latest: dict[tuple[int, int], tuple[int, bool]] = {}
-        while self._disk_ops:
-            kind, key, parent, present = self._disk_ops.popleft()
-            latest[(kind, key)] = (parent, present)
+    def _store_events(self) -> list[Event]:
+        latest: dict[tuple[str, int, int], tuple[int, bool]] = {}
+        while self._store_ops:
+            medium, kind, key, parent, present = self._store_ops.popleft()
+            latest[(medium, kind, key)] = (parent, present)
         ck_removed: list[Event] = []
         ck_stored: list[Event] = []
-        gone: list[int] = []
+        gone: dict[str, list[int]] = {}
         stored: list[tuple[int, int, str]] = []
-        for (kind, key), (parent, present) in latest.items():
+        for (medium, kind, key), (parent, present) in latest.items():
             if kind == _CHECKPOINT:
-                if present and key not in self._disk_ckpt:
-                    self._disk_ckpt.add(key)
-                    ck_stored.append(CheckpointStored(hash_bytes(key), MEDIUM_DISK))
-                elif not present and key in self._disk_ckpt:
-                    self._disk_ckpt.discard(key)
-                    ck_removed.append(CheckpointRemoved(hash_bytes(key), MEDIUM_DISK))
-            elif present and key not in self._disk_kv:
-                self._disk_kv[key] = parent
-                stored.append((key, parent, MEDIUM_DISK))
-            elif not present and key in self._disk_kv:
-                del self._disk_kv[key]
-                gone.append(key)
+                held = self._store_ckpt[medium]
+                if present and key not in held:
+                    held.add(key)
+                    ck_stored.append(CheckpointStored(hash_bytes(key), medium))
+                elif not present and key in held:
+                    held.discard(key)
+                    ck_removed.append(CheckpointRemoved(hash_bytes(key), medium))
+                continue
+            kv = self._store_kv[medium]
+            if present and key not in kv:
+                kv[key] = parent
+                stored.append((key, parent, medium))
+            elif not present and key in kv:
+                del kv[key]
+                gone.setdefault(medium, []).append(key)
         events = ck_removed
-        if gone:
-            events.append(BlockRemoved([hash_bytes(k) for k in gone], MEDIUM_DISK))
+        events += [BlockRemoved([hash_bytes(k) for k in keys], m) for m, keys in gone.items()]
         events += self._stored_chains(stored)
         events += ck_stored
         return events
@@ -260,6 +275,7 @@ class KVEventCollector:
         events: list[Event] = [AllBlocksCleared()]
         events += self._stored_chains([(k, self._parent.get(k, 0), m) for k, m in self._kv.items()])
         events += [CheckpointStored(hash_bytes(k), m) for m, keys in self._ckpt.items() for k in keys]
-        events += self._stored_chains([(k, p, MEDIUM_DISK) for k, p in self._disk_kv.items()])
-        events += [CheckpointStored(hash_bytes(k), MEDIUM_DISK) for k in self._disk_ckpt]
+        for m in _STORES:
+            events += self._stored_chains([(k, p, m) for k, p in self._store_kv[m].items()])
+            events += [CheckpointStored(hash_bytes(k), m) for k in self._store_ckpt[m]]
         return events

@@ -25,8 +25,15 @@ Block hashes are our 128-bit chained hashes (``cache/hashing.py``) as 16 big-end
 (vLLM's ``ExternalBlockHash`` is ``bytes | int``; msgpack ints stop at 64 bits). The root has no
 parent: the first block's ``parent_block_hash`` is None. ``medium`` is vLLM's spelling:
 ``"GPU"`` for the device tier (whatever the device is; on a CPU-only engine it is the KV pool),
-``"CPU"`` for the host tier, ``"DISK"`` for the disk tier. ``token_ids`` are the block's tokens
-when the engine saw them; a block known only from disk (after a restart) carries ``[]``.
+``"CPU"`` for the host tier, ``"DISK"`` for the disk tier; and ``"REMOTE"``, ours, for the
+shared remote tier (``cache/remote_store.py``). vLLM has no medium for a store that replicas
+share (its ``medium`` is a free string; LMCache and Mooncake connectors publish none): a
+router that scores a replica by the media it holds would otherwise count a shared-store item
+as that replica's own disk. ``REMOTE`` items are those this replica wrote to the store or
+read from it and verified (its local knowledge: never a network call); the store may evict
+one silently (reads verify, so that costs a hit, never an output), and each replica
+publishes its own. ``token_ids`` are the block's tokens when the engine saw them; a block
+known only from disk or the store carries ``[]``.
 
 Torch-free and zmq-free: the publisher (``engine/core/kv_event_publisher.py``) and the
 subscriber (``cluster/kv_index.py``) add the transport.
@@ -41,7 +48,8 @@ import msgspec
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
-MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+MEDIUM_REMOTE = "REMOTE"  # ours: vLLM has no medium for a store replicas share
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE)
 
 # the 8-byte big-endian sequence number of the replay socket's end-of-replay frame
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -22,8 +22,11 @@ read whole (every KV object after the reader's tree hit and the checkpoint, each
 against the manifest's sums and its own header) or not at all: never half a hybrid hit.
 
 **Local knowledge.** ``has``/``queued`` answer from memory (never a network call: the step
-thread asks them): what this store wrote or verified. The store may evict; a stale ``has``
-costs a write-through it skips, never a wrong read (reads verify).
+thread asks them): what this store wrote or verified (at most ``known_items`` of each kind,
+least recently used forgotten). The store may evict; a stale ``has`` costs a write-through
+it skips, never a wrong read (reads verify). ``items`` lists that knowledge, and
+``watch(on_change)`` (the cache events, ``cache/event_collector.py``) reports it, then each item
+gained or forgotten, from the writer or a reader thread, under the lock.
 
 All network I/O runs on the client's I/O thread (``cache/remote_client.py``); ``put`` queues
 for this store's writer thread (bounded: a full queue drops, counted); a store that is down
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import xxhash
@@ -127,9 +130,11 @@ class RemoteStore:
         self._queued: set[tuple[DiskItemKind, int]] = set()
         self._queued_bytes = 0
         self._closed = False
+        self.on_change: Callable[[int, int, int, bool], None] | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             ("remote.puts", "remote.put_failed", "remote.put_dropped", "remote.published",
-             "remote.publish_incomplete", "remote.reads", "remote.read_damaged", "remote.read_missing"), 0
+             "remote.publish_incomplete", "remote.reads", "remote.read_damaged", "remote.read_missing",
+             "remote.hits", "remote.bytes_written", "remote.bytes_read"), 0
         )  # fmt: skip
         self._writer = threading.Thread(target=self._write_loop, name="deltaserve-remote-write", daemon=True)
         self._writer.start()
@@ -150,17 +155,45 @@ class RemoteStore:
         with self._cond:
             return (kind, key) in self._queued
 
+    def items(self) -> list[tuple[DiskItemKind, int]]:
+        """What this store knows the shared store holds (``has``), as (kind, key)."""
+        with self._cond:
+            return [(KV, k) for k in self._kv] + [(CHECKPOINT, k) for k in self._ckpt]
+
+    def watch(self, on_change: Callable[[int, int, int, bool], None] | None) -> None:
+        """Tell ``on_change`` of every item known now, then of each item gained or forgotten
+        (None: stop); under the lock, so no change falls between the two."""
+        with self._cond:
+            if on_change is not None:
+                for key, (parent, _) in self._kv.items():
+                    on_change(int(KV), key, parent, True)
+                for key in self._ckpt:
+                    on_change(int(CHECKPOINT), key, 0, True)
+            self.on_change = on_change
+
+    def _changed(self, kind: DiskItemKind, key: int, parent: int, present: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(int(kind), key, parent, present)
+
     def _know_kv(self, key: int, parent: int, osum: int) -> None:
+        new = key not in self._kv
         self._kv[key] = (parent, osum)
         self._kv.move_to_end(key)
+        if new:
+            self._changed(KV, key, parent, True)
         if len(self._kv) > self.known_items:
-            self._kv.popitem(last=False)
+            old, (old_parent, _) = self._kv.popitem(last=False)
+            self._changed(KV, old, old_parent, False)
 
     def _know_ckpt(self, key: int) -> None:
+        new = key not in self._ckpt
         self._ckpt[key] = None
         self._ckpt.move_to_end(key)
+        if new:
+            self._changed(CHECKPOINT, key, 0, True)
         if len(self._ckpt) > self.known_items:
-            self._ckpt.popitem(last=False)
+            old, _ = self._ckpt.popitem(last=False)
+            self._changed(CHECKPOINT, old, 0, False)
 
     # ------------------------------------------------------------------ writes
     def put(
@@ -211,6 +244,7 @@ class RemoteStore:
             self.client.call("put", self._obj(KV, key, osum), obj, ok=_ok)
             with self._cond:
                 self.counters["remote.puts"] += 1
+                self.counters["remote.bytes_written"] += len(obj)
                 self._know_kv(key, parent, osum)
             return
         path = self._path_of(key)
@@ -225,6 +259,7 @@ class RemoteStore:
         with self._cond:
             self.counters["remote.puts"] += 1
             self.counters["remote.published"] += 1
+            self.counters["remote.bytes_written"] += len(obj) + len(manifest)
             self._know_ckpt(key)
 
     def _path_of(self, key: int) -> list[tuple[int, int]] | None:
@@ -290,6 +325,8 @@ class RemoteStore:
             self._count("remote.read_missing" if not objs[-1] else "remote.read_damaged")
             return None
         with self._cond:  # verified: this store can name them in paths it publishes
+            self.counters["remote.hits"] += 1
+            self.counters["remote.bytes_read"] += len(raw) + sum(len(o) for o in objs)
             parent = 0
             for k, s in m.kv:
                 self._know_kv(_i(k), parent, s)

@@ -21,7 +21,10 @@ across a network:
 
 Counters: the disk tier's fetch counters as ``remote.*`` (``remote.fetches``,
 ``remote.fetch_misses``: a fetch that found nothing usable, ``remote.read_timeouts``, ...),
-the store's and the client's. Torch-free.
+the store's (``remote.hits``: paths read whole and verified, ``remote.bytes_read`` /
+``remote.bytes_written``, ``remote.published``, ...) and the client's (``remote.timeouts``,
+``remote.breaker_opens``, ...); ``/metrics`` exports them as ``deltaserve:remote_*``
+(``server/metrics.py``). Torch-free.
 """
 
 from __future__ import annotations

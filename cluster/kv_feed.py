@@ -7,7 +7,7 @@ report (``"kv_events": {"endpoint", "replay_endpoint", "topic"}``, connectable a
 router that starts after the replica gets the replay buffer, or, when that no longer reaches
 back to 0, the full resync the engine then publishes). ``refresh`` (the router, before each
 decision) reads what arrived, without waiting, and hands ``AffinityIndex.on_events`` the
-replica's live key counts (every medium: device, host and disk all serve hits), so the
+replica's live key counts (every medium: device, host, disk and remote all serve hits), so the
 router's view of that replica is its cache as of the last event instead of the last report.
 
 Fallback: a replica that publishes no events, a subscriber not caught up yet, or a stream with

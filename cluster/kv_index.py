@@ -1,7 +1,7 @@
 """Subscriber side of the cache events: rebuild what one replica caches, per tier.
 
 ``ReplicaCacheIndex`` applies ``KVEventBatch`` events (``cache/kv_events.py``) to sets of
-block hashes per medium (``GPU``, ``CPU``, ``DISK``), KV blocks and checkpoints apart;
+block hashes per medium (``GPU``, ``CPU``, ``DISK``, ``REMOTE``), KV blocks and checkpoints apart;
 ``AllBlocksCleared`` empties it. ``KVEventSubscriber`` feeds one from a replica's ZeroMQ
 stream (vLLM's wire: ``[topic, seq, payload]`` on PUB, the ROUTER replay socket) and keeps it
 exact:

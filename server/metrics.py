@@ -42,6 +42,10 @@ Read from ``AsyncEngine.stats()`` at scrape time (a custom collector, no polling
   ``disk_bytes_read``, ``disk_queue_drops``, ``disk_write_errors``, ``disk_damaged_items``,
   ``disk_evicted_items``, ``disk_reads``, ``disk_read_wait_seconds``, ``disk_read_timeouts``,
   ``disk_load_wait_seconds`` and gauges ``disk_cache_bytes``, ``disk_cache_items``, ``disk_cache_capacity_bytes``;
+  with a remote tier (its hits count as ``tier=disk`` above) ``remote_fetches``, ``remote_hits``,
+  ``remote_fetch_misses``, ``remote_read_timeouts``, ``remote_read_wait_seconds``,
+  ``remote_damaged_reads``, ``remote_bytes_written``, ``remote_bytes_read``,
+  ``remote_items_published``, ``remote_put_drops``, ``remote_call_timeouts``, ``remote_breaker_opens``;
   with speculative decoding (vLLM's names) ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
   ``spec_decode_num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos{position}``.
 """
@@ -158,6 +162,31 @@ _DISK_COUNTERS = {
 }  # fmt: skip
 
 
+# the remote tier's counters (present when ``cache.remote`` is set): stats key -> (name, help, scale)
+_REMOTE_COUNTERS = {
+    "remote.fetches": ("remote_fetches", "Remote hits looked up in the store before admission.", 1.0),
+    "remote.hits": ("remote_hits", "Paths read whole from the store and verified (each a hit).", 1.0),
+    "remote.fetch_misses": ("remote_fetch_misses", "Fetches that found nothing usable in the store (computed instead).", 1.0),
+    "remote.read_timeouts": ("remote_read_timeouts", "Remote hits given up past cache.remote_timeout_s (computed instead).", 1.0),
+    "remote.read_wait_ms": ("remote_read_wait_seconds", "Time requests waited for their remote reads (sum).", 1e-3),
+    "remote.read_damaged": ("remote_damaged_reads", "Path reads that failed to verify (a miss).", 1.0),
+    "remote.bytes_written": ("remote_bytes_written", "Bytes written to the store (objects and path manifests).", 1.0),
+    "remote.bytes_read": ("remote_bytes_read", "Bytes read from the store for hits (verified).", 1.0),
+    "remote.published": ("remote_items_published", "Checkpoints published with their path (the manifest written last).", 1.0),
+    "remote.put_dropped": ("remote_put_drops", "Items not written: the writer queue was full or the store unavailable.", 1.0),
+    "remote.timeouts": ("remote_call_timeouts", "Store calls not answered within cache.remote_timeout_s.", 1.0),
+    "remote.breaker_opens": ("remote_breaker_opens", "Times the client stopped calling the store after failures (backoff).", 1.0),
+}  # fmt: skip
+
+
+def _remote(s: dict[str, Any], model: str) -> Iterator[Any]:
+    """The remote tier's counters (``cache/remote_tier.py``: the tier's, its store's, its client's)."""
+    for key, (name, doc, scale) in _REMOTE_COUNTERS.items():
+        counter = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+        counter.add_metric([model], float(s.get(key, 0)) * scale)
+        yield counter
+
+
 def _tiers(s: dict[str, Any], model: str) -> Iterator[Any]:
     """Prefix hits by the tier that served them, misses by cause; the disk tier's counters and gauges."""
     hits = CounterMetricFamily(
@@ -176,6 +205,8 @@ def _tiers(s: dict[str, Any], model: str) -> Iterator[Any]:
     for cause in MISS_CAUSES:
         misses.add_metric([model, cause], float(s.get(MISS_PREFIX + cause, 0)))
     yield misses
+    if "remote.calls" in s:
+        yield from _remote(s, model)
     if "disk.capacity_bytes" not in s:
         return
     for key, (name, doc, scale) in _DISK_COUNTERS.items():

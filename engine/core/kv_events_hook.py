@@ -2,8 +2,9 @@
 
 ``CoreKVEvents.open`` (None unless ``kv_events`` is enabled with a zmq publisher) starts a
 ``KVEventPublisher`` and hooks a ``KVEventCollector`` (``cache/event_collector.py``) into the
-cache's radix tree and its prefix index (tokens); ``start`` adds the disk store's index, once
-the disk tier is open. The core calls ``end_step`` after every step (and ``start`` publishes
+cache's radix tree and its prefix index (tokens); ``start`` adds the disk store's index and
+the remote store's knowledge (``REMOTE``; either or both, as the tier has them), once the
+tier is open. The core calls ``end_step`` after every step (and ``start`` publishes
 the first batch: ``AllBlocksCleared`` then what the disk holds): it takes the step's events and queues them, never blocking. A batch the queue
 refused leaves a gap no replay fills, so the next ``end_step`` publishes a full resync
 (``AllBlocksCleared`` and every item held) instead of a delta, until one is accepted; so does
@@ -17,9 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from deltaserve.cache.disk_store import DiskStore
 from deltaserve.cache.disk_tier import DiskTier
 from deltaserve.cache.event_collector import KVEventCollector
+from deltaserve.cache.layered_store import LayeredStore
 from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.remote_store import RemoteStore
 from deltaserve.engine.config_kv_events import KVEventsConfig
 from deltaserve.engine.core.kv_event_publisher import KVEventPublisher
 
@@ -32,6 +36,7 @@ class CoreKVEvents:
         self.collector.attach(cache.tree)
         cache.kv.on_tokens = self.collector.note_tokens
         self._disk_index: Any = None
+        self._remote: RemoteStore | None = None
         self._resync = False
 
     @classmethod
@@ -45,13 +50,21 @@ class CoreKVEvents:
         self.end_step()
 
     def watch_disk(self, disk: DiskTier) -> None:
-        """Follow the disk store's index: what it holds now, then each change. Called before
-        the first step, when no write is queued (so nothing changes the index meanwhile)."""
-        # the store keeps its index private; the observer is its one reader here
-        index = disk.store._index  # noqa: SLF001
-        self.collector.disk_loaded((e.kind, e.key, e.parent) for e in index.entries())
-        index.on_change = self.collector.disk_changed
-        self._disk_index = index
+        """Follow the tier's stores: the disk store's index and the remote store's knowledge,
+        what each holds now, then each change. Called before the first step, when no write is
+        queued (so nothing changes them meanwhile)."""
+        store = disk.store
+        local = store.disk if isinstance(store, LayeredStore) else store
+        remote = store.remote if isinstance(store, LayeredStore) else store
+        if isinstance(local, DiskStore):
+            # the store keeps its index private; the observer is its one reader here
+            index = local._index  # noqa: SLF001
+            self.collector.disk_loaded((e.kind, e.key, e.parent) for e in index.entries())
+            index.on_change = self.collector.disk_changed
+            self._disk_index = index
+        if isinstance(remote, RemoteStore):
+            remote.watch(self.collector.remote_changed)
+            self._remote = remote
 
     def end_step(self) -> None:
         events = self.collector.take_events()
@@ -72,3 +85,5 @@ class CoreKVEvents:
         self._cache.kv.on_tokens = None
         if self._disk_index is not None:
             self._disk_index.on_change = None
+        if self._remote is not None:
+            self._remote.watch(None)

@@ -20,8 +20,11 @@ import msgspec
 import pytest
 import zmq
 
+from deltaserve.cache.disk_store import DiskStore
 from deltaserve.cache.event_collector import contents
 from deltaserve.cache.kv_events import MEDIA, decode_batch, hash_int
+from deltaserve.cache.layered_store import LayeredStore
+from deltaserve.cache.remote_store import RemoteStore
 from deltaserve.cluster.kv_index import KVEventSubscriber
 from deltaserve.engine.core.engine_core import EngineCore
 from tests.engine.conftest import greedy
@@ -68,7 +71,8 @@ def _settle(core: EngineCore, sub: KVEventSubscriber) -> None:
     if flight is not None:  # async scheduling: the next step's disk saves run on the worker
         flight.future.result()
     if core.disk is not None:
-        core.disk.store.flush()
+        for store in _stores(core):
+            store.flush(60.0)
     assert core.kv_events is not None
     core.kv_events.end_step()
     target = core.kv_events.publisher._next_seq - 1  # the last batch queued
@@ -79,9 +83,19 @@ def _settle(core: EngineCore, sub: KVEventSubscriber) -> None:
     assert sub.last_seq == target, f"subscriber at {sub.last_seq}, publisher at {target}"
 
 
+def _stores(core: EngineCore) -> list[Any]:
+    """The tier's stores: a disk store, a remote store, or both (``LayeredStore``)."""
+    if core.disk is None:
+        return []
+    store = core.disk.store
+    return [store.disk, store.remote] if isinstance(store, LayeredStore) else [store]
+
+
 def _check(core: EngineCore, sub: KVEventSubscriber, where: str) -> None:
-    disk = core.disk.store.items() if core.disk is not None else []
-    want = contents(core.cache.tree, disk)
+    stores = _stores(core)
+    disk = [i for s in stores if isinstance(s, DiskStore) for i in s.items()]
+    remote = [i for s in stores if isinstance(s, RemoteStore) for i in s.items()]
+    want = contents(core.cache.tree, disk, remote)
     assert not sub.stale
     for m in MEDIA:
         assert sub.index.blocks[m] == want.blocks[m], f"{where}: {m} blocks differ"
@@ -145,7 +159,7 @@ def test_the_event_stream_rebuilds_every_tier_across_evictions_and_a_restart(
         finally:
             sub.close()
     assert seen[("AllBlocksCleared", None)] == 2
-    for m in MEDIA:  # every kind of change, in every tier
+    for m in ("GPU", "CPU", "DISK"):  # every kind of change, in every tier (no remote one here)
         for kind in ("BlockStored", "BlockRemoved", "CheckpointStored", "CheckpointRemoved"):
             assert seen[(kind, m)] > 0, f"no {kind} on {m}: {dict(seen)}"
 

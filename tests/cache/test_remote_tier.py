@@ -157,6 +157,15 @@ def test_a_master_killed_costs_hits_never_a_request(
     assert _remote_hits(b) == 0
     s = b.stats()
     assert s["remote.failures"] + s["remote.timeouts"] + s["remote.refused"] > 0
+    # B never wrote or read a path: it cannot know the store held one, so what the outage
+    # cost it is counted cold, not remote_wait (docs/cache.md, "The remote tier")
+    assert s["prefix_cache.miss_tokens.remote_wait"] == 0
+    assert (
+        s["prefix_cache.miss_tokens.cold"]
+        >= s["prefix_cache.query_tokens"]
+        - s["prefix_cache.hit_tokens"]
+        - (s["prefix_cache.miss_tokens.granularity"])
+    )
     convs = _next_turn(convs, outs, rng)
     assert serve(a, convs, 6) == serve(plain, convs, 6)  # A's writes fail: outputs unchanged
     assert _store(a).flush(60)
