@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from deltaserve.engine.config import EngineConfig
 from deltaserve.tools import loadgen
 from deltaserve.tools.metrics import TABLE_ROWS, RequestRecord, lookup
 from deltaserve.tools.workloads import HFCodec, TokenizersCodec
@@ -40,15 +41,7 @@ def test_end_to_end_json_has_every_field(tmp_path: Path, capsys: pytest.CaptureF
 
     engine, hf = doc["runs"]
     assert engine["label"] == "engine" and engine["backend"] == "engine"
-    assert set(engine["config"]) == {
-        "model",
-        "cache",
-        "scheduler",
-        "kernels",
-        "engine",
-        "structured_outputs",
-        "logging",
-    }
+    assert set(engine["config"]) == set(EngineConfig.__struct_fields__)  # every section, as run
     assert engine["config"]["scheduler"]["max_num_batched_tokens"] == 256
     assert hf["backend"] == "hf" and hf["model"] == engine["model"]
     fields = {f.name for f in dataclasses.fields(RequestRecord)}
