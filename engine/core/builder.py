@@ -22,6 +22,7 @@ from deltaserve.cache.remote_store import RemoteStore
 from deltaserve.cache.remote_tier import RemoteTier
 from deltaserve.engine.config import DType, EngineConfig
 from deltaserve.engine.config_spec import SpecMethod
+from deltaserve.engine.core.kv_events_hook import CoreKVEvents
 from deltaserve.engine.core.sizing import Capacity, ModelShape, plan_capacity
 from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.front.client import ModelInfo
@@ -324,6 +325,24 @@ def open_disk_tier(
     cache.attach_disk(tier)
     runner.disk = DiskIO(store)
     return tier
+
+
+def open_events_and_disk(
+    config: EngineConfig, loaded: LoadedModel, spec: CacheSpec, cache: CacheManager, runner: ModelRunner
+) -> tuple[CoreKVEvents | None, DiskTier | None]:
+    """The cache-event publisher (``kv_events``; None when off), then the disk (or remote) tier.
+    The publisher binds first, so a port in use fails before the disk store is locked; its first
+    batch says the cache starts empty but for what the disk holds."""
+    events = CoreKVEvents.open(config.kv_events, cache)
+    try:
+        disk = open_disk_tier(config, loaded, spec, cache, runner)
+    except BaseException:
+        if events is not None:
+            events.close()
+        raise
+    if events is not None:
+        events.start(disk)
+    return events, disk
 
 
 def open_disk_store(config: EngineConfig, ident: StoreIdentity) -> DiskStore:

@@ -40,14 +40,13 @@ from deltaserve.engine.core.builder import (
     cpu_threads,
     load_engine_model,
     model_info,
-    open_disk_tier,
+    open_events_and_disk,
     plan_engine_capacity,
     resolve_device,
     resolve_dtype,
     resolve_ops,
 )
 from deltaserve.engine.core.grammar_wait import GrammarWait
-from deltaserve.engine.core.kv_events_hook import CoreKVEvents
 from deltaserve.engine.core.overlap import Overlap
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
 from deltaserve.engine.core.spec_step import SpecDecoding
@@ -158,16 +157,9 @@ class EngineCore:
         # speculative decoding (config validation keeps it apart from async scheduling)
         self.speculation = SpecDecoding(self, config.speculative) if config.speculative.enabled else None
         self.counters = dict.fromkeys(COUNTERS, 0)
-        # cache events (``kv_events``): bound before the disk is locked (a port in use fails first)
-        self.kv_events = CoreKVEvents.open(config.kv_events, self.cache)
-        try:
-            self.disk = open_disk_tier(config, self.loaded, self.spec, self.cache, self.runner)
-        except BaseException:
-            if self.kv_events is not None:
-                self.kv_events.close()
-            raise
-        if self.kv_events is not None:  # the first batch: the cache starts empty but for its disk
-            self.kv_events.start(self.disk)
+        self.kv_events, self.disk = open_events_and_disk(
+            config, self.loaded, self.spec, self.cache, self.runner
+        )
         now = resident()  # measured, beside the capacity line's expected_rss_mib
         log.info(
             "engine.ready",
