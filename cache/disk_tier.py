@@ -140,20 +140,34 @@ class DiskTier:
     def fetch(self, request_id: str, keys: list[int], hit_blocks: int, max_blocks: int) -> DiskFetch | None:
         """The request's disk hit, being read or read; None when the disk adds nothing (or its
         buffers are full: the request goes on without it)."""
-        f = self.fetches.get(request_id)
-        if f is not None:
-            self._check_deadline(f)
-            if not f.timed_out and f.start_block <= hit_blocks and (not f.done or f.end_block > hit_blocks):
-                return f
-            self.discard(request_id)
-            if f.end_block == 0 or f.timed_out:  # nothing usable: no second try (no livelock)
-                self._gave_up.add(request_id)
-            # else the tree moved under it: read again from the new hit
-        if request_id in self._gave_up:
-            return None
+        f = self._fetch_in_hand(request_id, hit_blocks)
+        if f is not None or request_id in self._gave_up:
+            return f
         _, bounds = self.probe(keys, hit_blocks, max_blocks)
         if not bounds:
             return None
+        return self._start_fetch(request_id, keys, hit_blocks, bounds)
+
+    def _fetch_in_hand(self, request_id: str, hit_blocks: int) -> DiskFetch | None:
+        """The request's fetch while it still serves a hit at ``hit_blocks``; else None, a spent
+        one discarded (and given up on when it found nothing or timed out: no second try, no
+        livelock; when the tree moved under it, the caller reads again from the new hit)."""
+        f = self.fetches.get(request_id)
+        if f is None:
+            return None
+        self._check_deadline(f)
+        if not f.timed_out and f.start_block <= hit_blocks and (not f.done or f.end_block > hit_blocks):
+            return f
+        self.discard(request_id)
+        if f.end_block == 0 or f.timed_out:
+            self._gave_up.add(request_id)
+        return None
+
+    def _start_fetch(
+        self, request_id: str, keys: list[int], hit_blocks: int, bounds: list[int]
+    ) -> DiskFetch | None:
+        """A read of the path past ``hit_blocks`` to its deepest boundary in ``bounds`` (deepest
+        first), on the reader thread; None when the read buffers cannot take it."""
         nbytes = (bounds[0] - hit_blocks) * self.kv_block_bytes + self.checkpoint_bytes
         if self.buffered + nbytes > self.read_buffer_bytes:
             self.counters["disk.fetch_refused"] += 1

@@ -71,16 +71,9 @@ class RemoteTier(DiskTier):
     def fetch(self, request_id: str, keys: list[int], hit_blocks: int, max_blocks: int) -> DiskFetch | None:
         """The request's remote hit, being read or read; None when there can be none (no
         checkpoint boundary past the hit, the store unavailable, the read buffers full)."""
-        f = self.fetches.get(request_id)
-        if f is not None:
-            self._check_deadline(f)
-            if not f.timed_out and f.start_block <= hit_blocks and (not f.done or f.end_block > hit_blocks):
-                return f
-            self.discard(request_id)
-            if f.end_block == 0 or f.timed_out:  # nothing usable: no second try (no livelock)
-                self._gave_up.add(request_id)
-        if request_id in self._gave_up:
-            return None
+        f = self._fetch_in_hand(request_id, hit_blocks)
+        if f is not None or request_id in self._gave_up:
+            return f
         u = self.unit_blocks
         top = min(max_blocks, len(keys)) // u * u
         bounds = list(range(top, hit_blocks, -u))
@@ -90,20 +83,7 @@ class RemoteTier(DiskTier):
             self._lost[request_id] = REMOTE_WAIT
             self._gave_up.add(request_id)
             return None
-        nbytes = (bounds[0] - hit_blocks) * self.kv_block_bytes + self.checkpoint_bytes
-        if self.buffered + nbytes > self.read_buffer_bytes:
-            self.counters["disk.fetch_refused"] += 1
-            self._lost[request_id] = "read_budget"
-            return None
-        self._lost.pop(request_id, None)
-        now = self.clock()
-        deadline = None if self.read_timeout_s is None else now + self.read_timeout_s
-        f = DiskFetch(request_id, hit_blocks, keys, bounds, nbytes, now, deadline)
-        self.buffered += nbytes
-        self.fetches[request_id] = f
-        self.counters["disk.fetches"] += 1
-        f.future = self._reader.submit(self._read, f)
-        return f
+        return self._start_fetch(request_id, keys, hit_blocks, bounds)
 
     def _read(self, f: DiskFetch) -> None:
         """Reader thread: the deepest published path past the hit (and past what a local disk
