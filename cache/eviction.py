@@ -72,8 +72,8 @@ class CheckpointEviction(ABC):
     """Chooses which resident checkpoint a capture displaces, and which KV leaf goes."""
 
     name = ""
-    #: ``worth`` is a value per checkpoint byte (not, say, a recency): the host tier may
-    #: spread it over the KV bytes a checkpoint also holds (``HostTier.worth``)
+    #: ``worth`` is a value per checkpoint byte (not, say, a recency): with one host budget the
+    #: host tier orders by its verdict and by recency instead (``cache/host_order.py``)
     per_byte = False
     #: set by the host tier when its memory is one budget of pages: a capture the host would
     #: keep may push the weakest published checkpoint down even past a weaker tracking slot
@@ -149,6 +149,11 @@ class CheckpointEviction(ABC):
     @abstractmethod
     def worth(self, node: Node) -> float:
         """What ``node``'s checkpoint is worth, on either tier (lower goes first)."""
+
+    def likely_to_serve(self, node: Node) -> bool:
+        """Whether ``node``'s checkpoint is expected to serve a hit more often than not (a
+        strategy that does not learn reuse cannot tell: yes)."""
+        return True
 
     # -- upkeep --------------------------------------------------------------------------
     def compact(self, num_nodes: int) -> None:

@@ -23,10 +23,10 @@ what the device does not (an exclusive cache: host bytes add to device bytes).
   checkpoint (either tier) or has host nodes below it (without it they are unreachable);
   a checkpoint-less leaf with nothing below can never end a hit and is dropped.
 * A device checkpoint being evicted is demoted when the host has room, or unless the host's
-  weakest item is worth more per byte (``worth``: the device tier's eviction strategy's,
-  with one budget per byte of the checkpoint and the KV path only it makes useful; there a
-  tie goes to the newcomer, so items the value model cannot tell apart turn over like LRU
-  instead of the host freezing with whatever came first); else dropped.
+  weakest item stands higher (``worth``: with one budget under a per-byte value strategy,
+  the bands of ``cache/host_order.py`` — dominated, dead, alive — and a tie goes to the
+  newcomer, so live items turn over like LRU; else the strategy's own worth, ties to the
+  residents); else dropped.
 * The host evicts its own: checkpoint-less leaves first (no hit can end there), then the
   least valuable of the LRU leaf (valued as its checkpoint) and the weakest checkpoint.
   A full host tier means *drop*, never an error.
@@ -45,6 +45,7 @@ from deltaserve.cache.arena import blocks_per_page
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.disk_link import DiskLink
 from deltaserve.cache.eviction import CheckpointEviction
+from deltaserve.cache.host_order import ALIVE, band
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import SeqCache, Tier, Transfer, TransferKind
 
@@ -245,32 +246,14 @@ class HostTier:
         return not n.ckpt_pins and not n.ckpt_moving
 
     def worth(self, node: Node) -> float:
-        """What ``node``'s checkpoint is worth per byte of everything only it makes useful: the
-        checkpoint and the KV blocks above it up to the nearest node that forks, holds
-        another checkpoint or is the root (were it gone, those blocks could end no hit).
-        The eviction strategy's ``worth`` counts the checkpoint's bytes alone; a deep
-        conversation also holds its KV path, and a host tier full of deep tails holds few
-        conversations. With the fixed pair the KV bytes are not traded, and a strategy whose
-        worth is not per byte (``v1``: a recency) cannot be spread: its own worth. Nor is a
-        leaf's worth that already counts its KV (one device budget: ``kv_block_bytes``)."""
+        """Where ``node``'s host checkpoint stands in the host's order (lower goes first). One
+        budget of pages under a per-byte value strategy: its band (``cache/host_order.py``:
+        dominated, dead or alive; recency decides within one). Otherwise the strategy's own
+        worth: with the fixed pair the host's KV and checkpoint bytes are not traded, and a
+        worth that is not per byte (``v1``: a recency) is an order already."""
         if self.pages is None or not self.eviction.per_byte:
             return self.eviction.worth(node)
-        if self.eviction.params.kv_block_bytes and not node.children:
-            # one device budget: the strategy already spreads a leaf's worth over the KV only
-            # it keeps reachable; spreading it again would count that KV twice
-            return self.eviction.worth(node)
-        own = 0
-        above = node.parent
-        while (
-            above is not None
-            and above.parent is not None
-            and len(above.children) == 1
-            and not (above.checkpoint_slot is not None or above.host_slot is not None)
-        ):
-            own += 1
-            above = above.parent
-        ckpt = max(self.checkpoint_bytes, 1)
-        return self.eviction.worth(node) * ckpt / (ckpt + (own + 1) * self.kv_block_bytes)
+        return band(node, self.eviction)
 
     def _weakest_checkpoint(self) -> tuple[Node | None, float]:
         """The host checkpoint worth least, and its worth."""
@@ -320,6 +303,10 @@ class HostTier:
         _, worth = self._weakest_checkpoint()
         if self.pages is not None:
             worth = min(worth, self._page_victim()[1])
+            if self.eviction.per_byte:
+                # the bands are not on the strategy's scale: a capture may push a checkpoint
+                # down where the host holds something dead or dominated, not past live items
+                return worth if worth < ALIVE else math.inf
         return worth
 
     # ------------------------------------------------------------------ demotion (saves)

@@ -63,6 +63,8 @@ class ValueEviction(CheckpointEviction):
         self.kv_block_bytes = params.kv_block_bytes
         self.cost = params.cost
         self.learner = learner or ReuseLearner(capacity=max(1 << 16, 64 * params.num_checkpoint_slots))
+        self._serve_memo: dict[str, float] = {}  # class -> reuse probability, at ``_serve_at``
+        self._serve_at = -1
 
     def _class(self, state: ValueState) -> str:
         if state.hits:
@@ -111,6 +113,22 @@ class ValueEviction(CheckpointEviction):
 
     def worth(self, node: Node) -> float:
         return self.value(node)
+
+    def likely_to_serve(self, node: Node) -> bool:
+        """The learner credits checkpoints of ``node``'s class with a hit more often than not
+        (memoised per admission: the estimate moves only as admissions are observed)."""
+        state: ValueState | None = node.policy_state
+        if state is None:  # (not valued here: the default answer)
+            return True
+        learner = self.learner
+        if self._serve_at != learner.now:
+            self._serve_memo.clear()
+            self._serve_at = learner.now
+        label = self._class(state)
+        p = self._serve_memo.get(label)
+        if p is None:
+            p = self._serve_memo[label] = learner.reuse_probability(label)
+        return p >= 0.5
 
     def _shared_by_running(self, node: Node) -> bool:
         """At least two running requests fork within one unit below ``node``: its checkpoint

@@ -164,6 +164,11 @@ class _Worth(CheckpointEviction):
     def worth(self, node: Node) -> float:
         return self.table[node.key]
 
+    def likely_to_serve(self, node: Node) -> bool:
+        return node.key not in self.unlikely
+
+    unlikely: set[int] = set()  # checkpoints the "learner" expects not to serve
+
 
 def _host_with_checkpoints(
     worths: list[float], *, pages: int
@@ -205,43 +210,55 @@ def test_with_room_the_host_takes_what_the_device_evicts_whatever_its_worth() ->
     assert host.counters["host.checkpoints_refused"] == 0
 
 
-def test_full_host_keeps_the_newcomer_unless_its_weakest_is_worth_more() -> None:
+def test_full_host_turns_live_items_over_by_recency_and_dead_ones_first() -> None:
+    """One budget under a per-byte strategy: among items the strategy prices above 0 the host
+    is an LRU (the newcomer wins, however low its worth); an item priced at 0 goes first, and
+    a dead newcomer is refused while everything held is alive."""
     host, tree, table = _host_with_checkpoints([3.0, 1.0, 2.0], pages=3)
-    weakest = next(n for n in host.attached.values() if table[n.key] == 1.0)
-    assert host.floor() == pytest.approx(1.0 / 2)  # per byte of the checkpoint and its own block
-    low = _newcomer(tree, table, 0.5)
-    assert not host.demote_checkpoint(low, device_slot=8)
-    assert low.host_slot is None and host.counters["host.checkpoints_refused"] == 1
-    tie = _newcomer(tree, table, 1.0)  # a tie goes to the newcomer (items turn over like LRU)
-    assert host.demote_checkpoint(tie, device_slot=9)
-    assert weakest.host_slot is None and tie.host_slot is not None
-    assert sorted(table[n.key] for n in host.attached.values()) == [1.0, 2.0, 3.0]
+    oldest = min(host.attached.values(), key=lambda n: n.last_access)
+    assert host.floor() == math.inf  # all alive: no capture may push one down past them
+    dead = _newcomer(tree, table, 0.0)
+    assert not host.demote_checkpoint(dead, device_slot=8)
+    assert dead.host_slot is None and host.counters["host.checkpoints_refused"] == 1
+    low = _newcomer(tree, table, 0.5)  # worth less than any resident, but alive and newest
+    assert host.demote_checkpoint(low, device_slot=9)
+    assert oldest.host_slot is None and low.host_slot is not None  # the LRU one went, not the 1.0
+    assert sorted(table[n.key] for n in host.attached.values()) == [0.5, 1.0, 2.0]
+    table[next(n.key for n in host.attached.values() if table[n.key] == 2.0)] = 0.0  # it died
+    assert host.floor() == 0.0  # something dead is held: a capture may push one down
+    new = _newcomer(tree, table, 0.1)
+    assert host.demote_checkpoint(new, device_slot=10)
+    assert sorted(table[n.key] for n in host.attached.values()) == [0.1, 0.5, 1.0]
 
 
-def test_a_leaf_worth_already_per_byte_of_its_kv_is_not_spread_again() -> None:
-    """With one device budget the strategy's worth of a leaf already counts the KV only it
-    keeps reachable: the host ranks it by that worth, not by it spread over the path again
-    (which ranked deep conversations below shallow ones). A checkpoint with nodes below it,
-    and any checkpoint under a fixed device split, is still spread over its own path."""
-    for kv_block_bytes, leaf_worth in ((0, 1.0 / 2), (100, 1.0)):
-        tree = RadixTree()
-        table: dict[int, float] = {}
-        host = HostTier(
-            tree,
-            _Worth(tree, table, kv_block_bytes=kv_block_bytes),
-            num_blocks=0,
-            num_slots=0,
-            kv_block_bytes=100,
-            checkpoint_bytes=100,
-            num_pages=3,
-        )
-        top = tree.insert(tree.root, 1, block_id=0)
-        mid = tree.insert(top, 2, block_id=1)
-        leaf = tree.insert(mid, 3, block_id=2)
-        table.update({mid.key: 1.0, leaf.key: 1.0})
-        tree.attach_checkpoint(mid, 0)  # the leaf's own path is its one block: it ends at ``mid``
-        assert host.worth(leaf) == pytest.approx(leaf_worth)
-        assert host.worth(mid) == pytest.approx(1.0 / 3)  # a child below: spread over mid and top
+def test_a_checkpoint_dominated_by_one_likely_to_serve_ranks_below_dead_ones() -> None:
+    """A checkpoint with a deeper one on its unforked path below (either tier) serves only the
+    hits that stop short of it: when the learner expects the deeper one's class to serve, it
+    ranks below everything, so it goes first, though it was used last. A fork below it, or a
+    deeper checkpoint not expected to serve (rewritten replies), leaves it alive."""
+    host, tree, table = _host_with_checkpoints([1.0, 0.0], pages=3)
+    top = tree.insert(tree.root, 1, block_id=50)
+    mid = tree.insert(top, 2, block_id=51)
+    leaf = tree.insert(mid, 3, block_id=52)
+    table.update({top.key: 5.0, leaf.key: 5.0})
+    tree.attach_checkpoint(leaf, 1)  # on the device; ``top`` goes to the host
+    assert host.demote_checkpoint(top, device_slot=2)  # a free page: taken whatever its rank
+    for t in host.saves:
+        host.save_landed(t)
+    host.saves.clear()
+    assert host.worth(top) == -1.0 and host.worth(leaf) == 1.0
+    host.eviction.unlikely = {leaf.key}  # type: ignore[attr-defined]
+    assert host.worth(top) == 1.0
+    host.eviction.unlikely = set()  # type: ignore[attr-defined]
+    other = tree.insert(top, 4, block_id=53)  # a fork below ``top``: another path needs it
+    assert host.worth(top) == 1.0
+    tree.remove_leaf(other)
+    tree.touch(top)  # the most recently used of all
+    assert host.floor() == -1.0
+    newcomer = _newcomer(tree, table, 0.5)
+    assert host.demote_checkpoint(newcomer, device_slot=9)
+    assert top.host_slot is None  # the dominated one went, before the dead one (worth 0)
+    assert sorted(table[n.key] for n in host.attached.values()) == [0.0, 0.5, 1.0]
 
 
 def test_fixed_pair_keeps_its_residents_on_a_tie() -> None:

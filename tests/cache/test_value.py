@@ -15,9 +15,10 @@ from deltaserve.cache import (
     PrefixMatch,
     StepItem,
 )
-from deltaserve.cache.eviction import CostModel
+from deltaserve.cache.eviction import CostModel, EvictionParams
+from deltaserve.cache.radix_tree import RadixTree
 from deltaserve.cache.reuse import ReuseLearner, _bounds, _bucket
-from deltaserve.cache.value_eviction import ValueEviction
+from deltaserve.cache.value_eviction import ValueEviction, ValueState
 
 from .helpers import lookup
 
@@ -192,6 +193,29 @@ def test_learner_credits_the_deepest_proposal_and_resolves_misses() -> None:
         learner.tick()
     assert learner.reuse_probability("tail") == 0.0 and learner.reuse_probability("output") == 0.0
     assert learner.proposed.misses[learner._index["tail"]] == 1
+
+
+def test_likely_to_serve_follows_the_learned_reuse_of_the_class() -> None:
+    """The host's dominance test asks whether a checkpoint's class serves more often than not:
+    a class whose proposals are credited answers yes, one whose proposals all expire no; the
+    answer moves as the learner does (memoised per admission only)."""
+    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
+    tree = RadixTree()
+    value = ValueEviction(tree, EvictionParams(block_size=16), learner)
+    interval = tree.insert(tree.root, 1, block_id=0)
+    output = tree.insert(interval, 2, block_id=1)
+    interval.policy_state = ValueState(CaptureKind.INTERVAL, None, 0, None)
+    output.policy_state = ValueState(CaptureKind.OUTPUT, None, 0, None)
+    learner.register(11, CaptureKind.INTERVAL)
+    learner.register(22, CaptureKind.OUTPUT)
+    learner.observe([5, 11], limit_blocks=2, stride=2)  # 11 comes back: an interval hit
+    for _ in range(200):  # 22 never does: an output miss once its window passes
+        learner.tick()
+    assert value.likely_to_serve(interval) and not value.likely_to_serve(output)
+    for key in range(100, 104):  # outputs start coming back
+        learner.register(key, CaptureKind.OUTPUT)
+        learner.observe([5, key], limit_blocks=2, stride=2)
+    assert value.likely_to_serve(output)
 
 
 def test_learner_kept_shadow_teaches_hit_classes() -> None:

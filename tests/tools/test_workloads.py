@@ -11,6 +11,7 @@ import pytest
 from deltaserve.tools.workloads import (
     LARGE_WORKLOADS,
     PRESSURE_WORKLOADS,
+    VARIANT_WORKLOADS,
     WORKLOADS,
     ArrivalParams,
     Codec,
@@ -36,6 +37,7 @@ SMALL = {
     "swe-agent": {"sessions": 2, "turns": 4, "min_turns": 3, "prefix_len": 60, "prompt_len": 20, "output_len": 8, "tool_len": 30},
     "tree": {"sessions": 2, "prefix_len": 30, "prompt_len": 40, "output_len": 8, "branches": 3, "beam": 1, "depth": 2},
     "tenants": {"sessions": 12, "tenants": 3, "volatile_every": 2, "prefix_len": 60, "prompt_len": 20, "output_len": 8},
+    "tenants-shift": {"sessions": 12, "tenants": 3, "volatile_every": 2, "prefix_len": 60, "prompt_len": 20, "output_len": 8},
 }  # fmt: skip
 
 
@@ -253,9 +255,12 @@ def test_synthetic_reply_and_codec() -> None:
         "trace",
         *PRESSURE_WORKLOADS,
         *LARGE_WORKLOADS,
+        *VARIANT_WORKLOADS,
     }
     assert Counter(workload_names("all")) == Counter(
-        n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS + LARGE_WORKLOADS
+        n
+        for n in WORKLOADS
+        if n != "trace" and n not in PRESSURE_WORKLOADS + LARGE_WORKLOADS + VARIANT_WORKLOADS
     )
     assert workload_names("pressure") == ["multi-turn", "swe-agent", "tree", "tenants"]
 
@@ -337,6 +342,20 @@ def test_tenants_volatile_first_line_splits_a_tenants_prefix(codec: Codec) -> No
                     assert n >= 50  # the same version of the system prompt
                 else:
                     assert n < 40  # the timestamp differs: nothing past the first line is shared
+
+
+def test_tenants_shift_moves_the_popular_tenant_each_phase(codec: Codec) -> None:
+    kw = {"sessions": 400, "tenants": 8, "shift_every": 100, "shift_by": 3, "prefix_len": 20, "turns": 1}
+    plain = [s for s, _ in build("tenants", codec, **kw) if s.turn == 0]
+    shift = [s for s, _ in build("tenants-shift", codec, **kw) if s.turn == 0]
+    assert "tenants-shift" in workload_names("tenants-shift") and "tenants-shift" not in workload_names("all")
+    for phase in range(4):
+        top = [
+            Counter(s.meta["tenant"] for s in reqs[phase * 100 : phase * 100 + 100]).most_common(1)[0][0]
+            for reqs in (plain, shift)
+        ]
+        assert top[0] == 0  # Zipf: the first tenant leads every phase of the plain workload
+        assert top[1] == (3 * phase) % 8  # the shifted one's leader moves 3 ranks a phase
 
 
 def test_mooncake_trace(tmp_path: Path, tiny_codec: Codec) -> None:

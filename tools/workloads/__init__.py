@@ -30,6 +30,8 @@ tokens.
 ``random``          no sharing (the control)
 ``long-reuse``      production-shaped conversations, open loop, heavy-tailed think times:
                     a turn's prefix comes back after hundreds of other requests
+``tenants``         long per-tenant system prompts (Zipf popularity) with a volatile first
+                    line; ``tenants-shift``: the popularity ranks move every few dozen sessions
 ``trace``           replay a JSONL file of {arrival_s, prompt | prompt_token_ids |
                     messages, max_tokens} (optional: session, turn)
 ==================  ======================================================================
@@ -64,13 +66,14 @@ from deltaserve.tools.workloads.long_reuse import LongReuseWorkload, describe_re
 from deltaserve.tools.workloads.registry import (
     LARGE_WORKLOADS,
     PRESSURE_WORKLOADS,
+    VARIANT_WORKLOADS,
     WORKLOADS,
     make_workload,
     workload_names,
 )
 from deltaserve.tools.workloads.replies import expand, synthetic_reply
 from deltaserve.tools.workloads.request import RequestSpec, common_prefix_len, prompt_hash
-from deltaserve.tools.workloads.tenants import TenantsWorkload
+from deltaserve.tools.workloads.tenants import TenantsShiftWorkload, TenantsWorkload
 from deltaserve.tools.workloads.text import WORDS, TextMaker
 from deltaserve.tools.workloads.trace import MOONCAKE_BLOCK_TOKENS, TraceWorkload
 from deltaserve.tools.workloads.tree import TreeWorkload
@@ -82,6 +85,7 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "PRESSURE_WORKLOADS",
     "SLOT",
+    "VARIANT_WORKLOADS",
     "WORDS",
     "WORKLOADS",
     "AgentWorkload",
@@ -98,6 +102,7 @@ __all__ = [
     "SharedPrefixWorkload",
     "ShiftedPrefixWorkload",
     "SyntheticCodec",
+    "TenantsShiftWorkload",
     "TenantsWorkload",
     "TextMaker",
     "TokenizersCodec",

@@ -55,6 +55,8 @@ def add_workload_args(parser: argparse.ArgumentParser, *, default: str = "chat",
     g.add_argument(
         "--volatile-every", type=int, help="tenants: sessions per change of the volatile first line"
     )
+    g.add_argument("--shift-every", type=int, help="tenants-shift: sessions per popularity phase")
+    g.add_argument("--shift-by", type=int, help="tenants-shift: ranks the popularity moves each phase")
     g.add_argument(
         "--trace", metavar="FILE",
         help="trace workload: JSONL to replay ({arrival_s, prompt|prompt_token_ids|messages, max_tokens} "

@@ -12,7 +12,7 @@ from deltaserve.tools.workloads.independent import (
     ShiftedPrefixWorkload,
 )
 from deltaserve.tools.workloads.long_reuse import LongReuseWorkload
-from deltaserve.tools.workloads.tenants import TenantsWorkload
+from deltaserve.tools.workloads.tenants import TenantsShiftWorkload, TenantsWorkload
 from deltaserve.tools.workloads.trace import TraceWorkload
 from deltaserve.tools.workloads.tree import TreeWorkload
 from deltaserve.tools.workloads.workload import Workload, WorkloadParams
@@ -31,6 +31,7 @@ WORKLOADS: dict[str, type[Workload]] = {
         SWEAgentWorkload,
         TreeWorkload,
         TenantsWorkload,
+        TenantsShiftWorkload,
         LongReuseWorkload,
     )
 }
@@ -41,6 +42,9 @@ PRESSURE_WORKLOADS = ("multi-turn", "swe-agent", "tree", "tenants")
 
 #: big, open-loop shapes for a host tier, run only by name (not in ``all`` or ``pressure``)
 LARGE_WORKLOADS = ("long-reuse",)
+
+#: shapes run only by name (not in ``all``): variants of a pressure shape
+VARIANT_WORKLOADS = ("tenants-shift",)
 
 
 def make_workload(params: WorkloadParams, codec: Codec) -> Workload:
@@ -55,7 +59,11 @@ def workload_names(spec: str) -> list[str]:
     """``all``: the small shapes (every workload but trace, the pressure and the large shapes);
     ``pressure``: ``PRESSURE_WORKLOADS``; else a comma list."""
     if spec == "all":
-        names = [n for n in WORKLOADS if n != "trace" and n not in PRESSURE_WORKLOADS + LARGE_WORKLOADS]
+        names = [
+            n
+            for n in WORKLOADS
+            if n != "trace" and n not in PRESSURE_WORKLOADS + LARGE_WORKLOADS + VARIANT_WORKLOADS
+        ]
     elif spec == "pressure":
         names = list(PRESSURE_WORKLOADS)
     else:

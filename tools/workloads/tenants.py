@@ -1,4 +1,5 @@
-"""The ``tenants`` workload: many long system prompts with a volatile first line."""
+"""The ``tenants`` workloads: many long system prompts with a volatile first line;
+``tenants-shift``: the same, with the tenants' popularity shifting over time."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class TenantsWorkload(_UserTurns):
         out = []
         for s in range(int(self.p["sessions"])):
             rng = self.rng("user", s, 0)
-            k = rng.choices(range(n_tenants), weights)[0]
+            k = self._tenant(rng.choices(range(n_tenants), weights)[0], s, n_tenants)
             epoch = seen[k] // max(int(self.p["volatile_every"]), 1)
             seen[k] += 1
             first = f"Tenant {k}. Current time: day {epoch // 24} {epoch % 24:02d}:00 UTC."
@@ -46,3 +47,20 @@ class TenantsWorkload(_UserTurns):
                 )
             )  # fmt: skip
         return out
+
+    def _tenant(self, rank: int, session: int, n_tenants: int) -> int:
+        """The tenant at popularity ``rank`` for ``session`` (fixed here)."""
+        return rank
+
+
+class TenantsShiftWorkload(TenantsWorkload):
+    """``tenants`` whose popularity shifts: every ``shift_every`` sessions the Zipf ranks move
+    ``shift_by`` tenants along, so the most popular tenant of one phase is a rare one two phases
+    later and a cache's learned favourites go stale (default: 4 phases over the run)."""
+
+    name = "tenants-shift"
+    defaults = {**TenantsWorkload.defaults, "shift_every": 32, "shift_by": 5}
+
+    def _tenant(self, rank: int, session: int, n_tenants: int) -> int:
+        phase = session // max(int(self.p["shift_every"]), 1)
+        return (rank + phase * int(self.p["shift_by"])) % n_tenants

@@ -51,6 +51,8 @@ class WorkloadParams:
     beam: int | None = None  # tree: children of an expanded node that are expanded in turn
     tenants: int | None = None  # tenants: distinct system prompts
     volatile_every: int | None = None  # tenants: sessions of a tenant per change of the first line
+    shift_every: int | None = None  # tenants-shift: sessions per popularity phase
+    shift_by: int | None = None  # tenants-shift: ranks the popularity moves each phase
 
 
 COMMON_DEFAULTS: dict[str, Any] = {"output_len": 32, "len_jitter": 0.2, "think_time": 0.0}
