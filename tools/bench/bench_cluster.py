@@ -161,6 +161,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     routed[label] = (st.get("routers") or [{}])[0].get("routed", {})
                     runs.append(res)
                     churned.append(_churn_report(res, ch, st))
+                    # each column's numbers as it ends: a run cut short keeps the columns it finished
+                    log.info(
+                        "bench.column_done", label=label, summary=res.summary, routed=routed[label],
+                        churn=churned[-1].to_dict() if churned[-1] is not None else None,
+                    )  # fmt: skip
                     rc.undeploy(cluster.app_name)
     if not args.no_single:
         runs.append(asyncio.run(_single(cfg, args, codec)))
