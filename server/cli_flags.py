@@ -97,7 +97,7 @@ def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
@@ -218,12 +218,7 @@ SPECULATIVE_KEYS = {
 def speculative_config(text: str) -> dict[str, Any]:
     """``--speculative-config``'s JSON object (vLLM's keys) as the ``[speculative]`` section's
     keys; its values are checked by the section (a ``ConfigError`` naming the key)."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    data = json_object(text)
     unknown = sorted(set(data) - set(SPECULATIVE_KEYS))
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r} (known: {', '.join(SPECULATIVE_KEYS)})")

@@ -312,15 +312,32 @@ def open_disk_tier(
     if c.remote is not None:
         return open_remote_tier(config, ident, cache, runner)
     store = open_disk_store(config, ident)
-    tier = DiskTier(
+    return _attach_tier(
+        DiskTier, store, config, ident, cache, runner, c.disk_write_bytes_per_s, c.disk_read_timeout_s
+    )
+
+
+def _attach_tier(
+    cls: type[DiskTier],
+    store: Any,
+    config: EngineConfig,
+    ident: StoreIdentity,
+    cache: CacheManager,
+    runner: ModelRunner,
+    write_bytes_per_s: float | None,
+    read_timeout_s: float | None,
+) -> DiskTier:
+    """A tier of class ``cls`` over ``store``, plugged into the cache's and the runner's one
+    disk socket (the disk and the remote tier differ only in their store and rates)."""
+    tier = cls(
         store,
-        block_size=c.block_size,
-        unit_blocks=cache.unit // c.block_size,
+        block_size=config.cache.block_size,
+        unit_blocks=cache.unit // config.cache.block_size,
         kv_block_bytes=ident.kv_block_bytes,
         checkpoint_bytes=ident.checkpoint_bytes,
-        write_bytes_per_s=c.disk_write_bytes_per_s,
-        read_buffer_bytes=c.disk_read_buffer_bytes,
-        read_timeout_s=c.disk_read_timeout_s,
+        write_bytes_per_s=write_bytes_per_s,
+        read_buffer_bytes=config.cache.disk_read_buffer_bytes,
+        read_timeout_s=read_timeout_s,
     )
     cache.attach_disk(tier)
     runner.disk = DiskIO(store)
@@ -373,18 +390,9 @@ def open_remote_tier(
     )
     remote = RemoteStore(client, ident)
     store = remote if c.disk_path is None else LayeredStore(open_disk_store(config, ident), remote)
-    tier = RemoteTier(
-        store,  # type: ignore[arg-type]
-        block_size=c.block_size,
-        unit_blocks=cache.unit // c.block_size,
-        kv_block_bytes=ident.kv_block_bytes,
-        checkpoint_bytes=ident.checkpoint_bytes,
-        write_bytes_per_s=c.remote_write_bytes_per_s,
-        read_buffer_bytes=c.disk_read_buffer_bytes,
-        read_timeout_s=c.remote_timeout_s,
+    tier = _attach_tier(
+        RemoteTier, store, config, ident, cache, runner, c.remote_write_bytes_per_s, c.remote_timeout_s
     )
-    cache.attach_disk(tier)
-    runner.disk = DiskIO(store)  # type: ignore[arg-type]
     log.info("remote.opened", url=c.remote, namespace=remote.ns, disk_layer=c.disk_path is not None)
     return tier
 
