@@ -349,8 +349,9 @@ class EngineCore:
     def _step(self) -> list[TokenDelta]:
         if self.overlap is not None:
             return self.overlap.step()
-        if self.speculation is not None:
-            return self.speculation.step()
+        spec = self.speculation
+        if spec is not None:
+            spec.set_drafts()
         self.phases.enter("schedule")
         out = self.scheduler.schedule()
         if out is None:
@@ -363,17 +364,19 @@ class EngineCore:
             return outputs
         started = time.perf_counter()
         try:
-            sampled = self.runner.execute(out, self.states)
+            sampled = self.runner.execute(out, self.states) if spec is None else spec.execute(out)
         except Exception as e:  # one failed step ends only its own requests
             return outputs + self.step_failed(out, e)
         self.scheduler.observe_step(out, time.perf_counter() - started)  # the step-time model
         self.phases.enter("cache_commit")
         try:
-            self.scheduler.update(out, sampled)
+            self.scheduler.update(out, sampled, () if spec is None else spec.verified)
         except Exception as e:
             return outputs + self.recover_failed_update(out, e)
         self.counters["tokens.computed"] += out.num_tokens
         self.phases.enter("outputs")
+        if spec is not None:  # verify segments: their emitted tokens checked one by one
+            return outputs + spec.outputs(out, sampled)
         process = self.process_token
         for s, token in zip(out.seqs, sampled, strict=True):
             if token is not None:

@@ -11,14 +11,13 @@ decode would have produced them (stop token ids, EOS, ``max_tokens``, ``max_mode
 a request that ends inside its window emits nothing after its last token, and its token list
 is cut there. A request's emitted tokens go out as one ``TokenDelta``.
 
-Otherwise the step is ``EngineCore``'s plain one, with the same failure handling (a failed
-forward ends its step's requests; a failed commit ends them after releasing the plan; a
-failed stop check ends only its request).
+The step itself is ``EngineCore``'s one step (its failure handling too: a failed forward ends
+its step's requests; a failed commit ends them after releasing the plan; a failed stop check
+ends only its request), which calls ``set_drafts``, ``execute``, ``verified`` and ``outputs``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.config_spec import SpeculativeConfig
@@ -33,6 +32,8 @@ from deltaserve.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from deltaserve.engine.core.engine_core import EngineCore
+    from deltaserve.engine.runner.model_runner import StepResult
+    from deltaserve.scheduler.scheduler import SchedulerOutput
 
 log = get_logger("deltaserve.engine")
 
@@ -53,6 +54,7 @@ class SpecDecoding:
         self.counts = SpecStats(config.num_tokens)
         # per running request: verify windows, drafted and accepted tokens (logged at its end)
         self.per_request: dict[str, list[int]] = {}
+        self._result: StepResult  # the last forward's (``execute``), read by ``outputs``
 
     def drafts(self, req: Request) -> list[int]:
         """The drafts ``req`` verifies in the next step ([] for a request that may not draft)."""
@@ -73,35 +75,29 @@ class SpecDecoding:
             drafts = _grammar_prefix(state.matcher, drafts)
         return drafts
 
-    def step(self) -> list[TokenDelta]:
-        core = self.core
-        sched = core.scheduler
-        for req in sched.running:
+    def set_drafts(self) -> None:
+        """Before scheduling: each running request's drafts for this step."""
+        for req in self.core.scheduler.running:
             req.draft_token_ids = self.drafts(req)
-        core.phases.enter("schedule")
-        out = sched.schedule()
-        if out is None:
-            core.cache.wait_for_disk()
-            return []
-        outputs = core.land(out, core.runner.transfer(out))
-        if not out.seqs:
-            sched.update(out, [])
-            return outputs
-        started = time.perf_counter()
-        try:
-            prep = core.runner.prepare(out, core.states)
-            result = core.runner.launch(prep)
-            sampled = result.per_seq(prep, core.states)
-        except Exception as e:  # one failed step ends only its own requests
-            return outputs + core.step_failed(out, e)
-        sched.observe_step(out, time.perf_counter() - started)
-        core.phases.enter("cache_commit")
-        try:
-            sched.update(out, sampled, result.verified)
-        except Exception as e:
-            return outputs + core.recover_failed_update(out, e)
-        core.counters["tokens.computed"] += out.num_tokens
-        core.phases.enter("outputs")
+
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        """The step's forward: its sampled tokens (as ``ModelRunner.execute``), keeping the
+        verify segments' outcome for ``verified`` and ``outputs`` of the same step."""
+        runner, states = self.core.runner, self.core.states
+        prep = runner.prepare(out, states)
+        self._result = runner.launch(prep)
+        return self._result.per_seq(prep, states)
+
+    @property
+    def verified(self) -> list[list[int]]:
+        """The emitted tokens of each verify segment of the step ``execute`` ran."""
+        return self._result.verified
+
+    def outputs(self, out: SchedulerOutput, sampled: list[int | None]) -> list[TokenDelta]:
+        """The step's deltas: a verify segment's emitted tokens checked one by one (one delta);
+        a plain token as ``EngineCore.process_token`` checks it."""
+        core, result = self.core, self._result
+        outputs: list[TokenDelta] = []
         first, end = out.num_decodes, out.num_decodes + out.num_verify
         for i, (s, token) in enumerate(zip(out.seqs, sampled, strict=True)):
             try:
