@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Live engine vs simulator: one workload, one cache, where the missed prompt tokens went.
 
-    python tools/attribution_agree.py                      # chat, 8 x 4 turns, 12 MiB budget
+    python tools/attribution_agree.py                      # chat, 8 x 4 turns, no think time, 12 MiB
     python tools/attribution_agree.py --memory-mb 8 --workload agent --sessions 6
     python tools/attribution_agree.py --json agree.json --tolerance 3
 
@@ -54,7 +54,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     args, workload = p.parse_known_args(argv)
     args.workload_args = [a for a in workload if a != "--"]
     if not any(a.startswith("--workload") for a in args.workload_args):
-        args.workload_args = ["--workload", "chat", "--sessions", "8", "--turns", "4", *args.workload_args]
+        # no think time: which turns overlap then follows the engine's steps, not the wall
+        # clock, so the live side does not move with the machine's load
+        chat = ["--workload", "chat", "--sessions", "8", "--turns", "4", "--think-time", "0"]
+        args.workload_args = [*chat, *args.workload_args]
     return args, args.workload_args
 
 
