@@ -503,14 +503,11 @@ class EngineCore:
         error: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
     ) -> TokenDelta:
-        """The last delta of a request that has ended (or never started: an add the core
-        refused); its engine-side state goes."""
+        """The last delta of a request that has ended (or an add the core refused); its state goes."""
         state = self.states.pop(req.request_id, None)
         if state is not None and state.matcher is not None:
             self.runner.num_constrained -= 1
-        if self.speculation is not None:
-            self.speculation.request_done(req.request_id)
-        return TokenDelta(
+        delta = TokenDelta(
             request_id=req.request_id,
             token_ids=token_ids if token_ids is not None else [],
             finish_reason=reason,
@@ -519,6 +516,9 @@ class EngineCore:
             error=error,
             logprobs=logprobs,
         )
+        if self.speculation is not None:  # (its counts for the request, which ends)
+            self.speculation.request_done(req.request_id, delta)
+        return delta
 
     # ------------------------------------------------------------------ introspection
     def ready(self, stats: dict[str, Any]) -> Ready:

@@ -134,7 +134,9 @@ class SpecDecoding:
                     mine[0] += 1
                     mine[1] += len(s.drafts)
                     mine[2] += len(emitted) - 1
-                    outputs.append(self._emit(s.request, emitted, result.verified_logprobs[i - first]))
+                    delta = self._emit(s.request, emitted, result.verified_logprobs[i - first])
+                    delta.num_draft_tokens, delta.num_accepted_tokens = mine[1], mine[2]
+                    outputs.append(delta)
                 elif token is not None:
                     outputs.append(self.finish_hook(s.request, core.process_token(s.request, token)))
             except Exception as e:  # the stop check of one request: that request ends
@@ -165,12 +167,13 @@ class SpecDecoding:
             self.drafter.finished(req, req.num_output_tokens)
         return delta
 
-    def request_done(self, request_id: str) -> None:
-        """A request ended (``EngineCore.final_delta``, every ending): its own counters go to
-        the debug log (``spec.request``)."""
+    def request_done(self, request_id: str, final: TokenDelta) -> None:
+        """A request ended (``EngineCore.final_delta``, every ending): its own counters go on
+        its final delta ``final`` and to the debug log (``spec.request``)."""
         if isinstance(self.drafter, MtpDrafter):
             self.drafter.forget(request_id)
         verifies, drafted, accepted = self.per_request.pop(request_id, (0, 0, 0))
+        final.num_draft_tokens, final.num_accepted_tokens = drafted, accepted
         if verifies:
             log.debug(
                 "spec.request", request_id=request_id, verifies=verifies, drafted=drafted, accepted=accepted

@@ -190,8 +190,10 @@ async def test_a_separate_core_process_with_async_scheduling_speculates(core_fac
     config = separate(make_config(**ASYNC, **{"speculative.method": "replay"}))
     async with AsyncEngine(config) as engine:
         for _ in range(2):  # the first run teaches the drafter, the second replays it
-            got = [t for o in await collect(engine, p, greedy(24)) for t in o.token_ids]
-            assert got == want
+            outs = await collect(engine, p, greedy(24))
+            assert [t for o in outs for t in o.token_ids] == want
         await engine.check_integrity()
         stats = await engine.fetch_stats()
     assert stats["spec_decode.acceptance_rate"] == 1.0 and stats["spec_decode.num_accepted_tokens"] > 0
+    # the request's own counts crossed the process boundary on its last output
+    assert outs[-1].num_draft_tokens == outs[-1].num_accepted_tokens == stats["spec_decode.num_draft_tokens"]
