@@ -99,9 +99,10 @@ class SpecDecoding:
         for req in running:
             req.draft_token_ids = [] if none else self.drafts(req)
         drafter = self.drafter
-        if isinstance(drafter, MtpDrafter) and len(drafter.proposals) > len(running):
+        if not none and isinstance(drafter, MtpDrafter) and len(drafter.proposals) > len(running):
             # (a request that ended while its step was in flight may have had proposals
-            # recorded after its end: keep only the held requests')
+            # recorded after its end: keep only the held requests'. Only with no step in
+            # flight: the forward worker writes proposals while one is)
             held = self.core.scheduler.requests
             for rid in [r for r in drafter.proposals if r not in held]:
                 drafter.forget(rid)
