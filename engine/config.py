@@ -200,13 +200,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def validate(self) -> None:
         """Rules across sections; raise ``ConfigError``."""
         # (the checkpoint unit lcm(block_size, 64) may exceed the token budget: checked by
-        # the engine, which knows whether the model has GDN layers at all)
-        if self.speculative.enabled and self.engine.async_scheduling:
-            # the overlapped step commits a step before its tokens are known; a verify's
-            # accepted length decides where the next step starts
-            raise ConfigError(
-                f"speculative.method = {self.speculative.method.value!r}: needs engine.async_scheduling = false"
-            )
+        # the engine, which knows whether the model has GDN layers at all; speculation works
+        # with async scheduling: its verify steps are not overlapped, engine/core/overlap.py)
 
 
 @functools.cache

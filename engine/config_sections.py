@@ -372,7 +372,8 @@ class EngineLoopConfig(_Section):
         _doc(
             "Overlap the host work with the model: schedule and prepare step N+1, and process step N's "
             "outputs, while step N's forward runs on a worker thread (its sampled tokens reach step N+1 on "
-            "the device). Same outputs as off; pays on a GPU, may not on a CPU. See docs/architecture.md."
+            "the device). Same outputs as off; pays on a GPU, may not on a CPU. With speculative decoding a "
+            "step that verifies drafts (or that precedes one) is not overlapped. See docs/architecture.md."
         ),
     ] = False
     core_process: Annotated[

@@ -113,6 +113,10 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prefill_time_s: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None
+    # speculative decoding: the request's drafted and accepted draft tokens so far, on each
+    # delta that carries a verify's tokens and on its final one (0: none yet, or off)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

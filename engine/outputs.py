@@ -71,6 +71,12 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         ``TokenLogprob`` given the tokens before it (vLLM's ``prompt_logprobs``).
     prompt_token_ids (list[int] | None, default None)
         The prompt's token ids, alongside ``prompt_logprobs``.
+    num_draft_tokens (int, default 0)
+        With speculative decoding (``speculative.method``), on the request's last output: the
+        draft tokens its verifies checked. 0 on every other output, and with speculation off.
+    num_accepted_tokens (int, default 0)
+        Alongside ``num_draft_tokens``: how many of them were accepted (each an output token
+        that cost no step of its own).
     """
 
     request_id: str
@@ -89,3 +95,6 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # on the first output, when SamplingParams.prompt_logprobs is set (None at position 0)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None
+    # speculative decoding, on the last output: draft tokens checked, and accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -15,12 +15,11 @@ its stop token ids (EOS unless ``ignore_eos``), its grammar's end, ``max_tokens`
 which aborts a request a stop string ended. Admission (``check_capacity``) is the front end's
 call too: ``add_request`` trusts what it is given.
 
-Input is checked and tokenized by its ``InputProcessor`` (``make_request``: the core's own
-door, for tests and tools driving it directly); construction helpers (device,
-dtype, capacity, the runner) are in ``engine/core/builder.py``. ``step()`` is the plain
-schedule → execute → update → outputs; with ``engine.async_scheduling`` it is the
-overlapped step of ``engine/core/overlap.py``, which ends requests and builds outputs with the
-helpers here (its ``StepHost``: overlap.py never imports this module).
+Input is checked and tokenized by its ``InputProcessor`` (``make_request``: the core's own door,
+for tests and tools); construction helpers are in ``engine/core/builder.py``. ``step()`` is the
+plain schedule → execute → update → outputs (``run_step``); with ``engine.async_scheduling`` it
+is the overlapped step of ``engine/core/overlap.py``, which ends requests and builds outputs
+with the helpers here (its ``StepHost``: overlap.py never imports this module).
 """
 
 from __future__ import annotations
@@ -154,7 +153,7 @@ class EngineCore:
         self.states: dict[str, RequestState] = {}
         self.async_scheduling = config.engine.async_scheduling
         self.overlap = Overlap(self) if self.async_scheduling else None
-        # speculative decoding (config validation keeps it apart from async scheduling)
+        # speculative decoding (with async scheduling: its verify steps are not overlapped)
         self.speculation = SpecDecoding(self, config.speculative) if config.speculative.enabled else None
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.kv_events, self.disk = open_events_and_disk(
@@ -349,14 +348,19 @@ class EngineCore:
     def _step(self) -> list[TokenDelta]:
         if self.overlap is not None:
             return self.overlap.step()
-        spec = self.speculation
-        if spec is not None:
-            spec.set_drafts()
+        if self.speculation is not None:
+            self.speculation.set_drafts()
         self.phases.enter("schedule")
         out = self.scheduler.schedule()
         if out is None:
             self.cache.wait_for_disk()  # nothing runs: a read from disk may let a request in
             return []
+        return self.run_step(out)
+
+    def run_step(self, out: SchedulerOutput) -> list[TokenDelta]:
+        """Run scheduled step ``out`` on this thread, committed once its tokens are known (the
+        overlapped loop runs its verify steps so); the step's outputs."""
+        spec = self.speculation
         # copies between the device and host tiers first; a failed load ends its request only
         outputs = self.land(out, self.runner.transfer(out))
         if not out.seqs:  # a step of copies only
@@ -499,14 +503,11 @@ class EngineCore:
         error: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
     ) -> TokenDelta:
-        """The last delta of a request that has ended (or never started: an add the core
-        refused); its engine-side state goes."""
+        """The last delta of a request that has ended (or an add the core refused); its state goes."""
         state = self.states.pop(req.request_id, None)
         if state is not None and state.matcher is not None:
             self.runner.num_constrained -= 1
-        if self.speculation is not None:
-            self.speculation.request_done(req.request_id)
-        return TokenDelta(
+        delta = TokenDelta(
             request_id=req.request_id,
             token_ids=token_ids if token_ids is not None else [],
             finish_reason=reason,
@@ -515,6 +516,9 @@ class EngineCore:
             error=error,
             logprobs=logprobs,
         )
+        if self.speculation is not None:  # (its counts for the request, which ends)
+            self.speculation.request_done(req.request_id, delta)
+        return delta
 
     # ------------------------------------------------------------------ introspection
     def ready(self, stats: dict[str, Any]) -> Ready:

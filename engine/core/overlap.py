@@ -25,6 +25,14 @@ on the worker ends its step's requests and those of the step after it (scheduled
 results, refused by the worker), and ``CacheManager.discard_written`` drops what its early
 commit published. A step's host-tier copies run on the worker before its forward; the early
 commit lands them (``Scheduler.land``) first. Design notes: docs/architecture.md, "The step loop".
+
+With speculative decoding (``engine/core/spec_step.py``) a step that verifies drafts is not
+overlapped: its commit needs its accepted lengths, and a draft must follow a real token. So
+drafts are set only when no step is in flight; a step with verify segments runs on this
+thread and is committed and processed before the next is scheduled (``EngineCore.run_step``);
+and a step in flight with a request that may draft after it is waited for (before its early
+commit: nothing it reads is released meanwhile) and processed before the next is scheduled.
+Steps in which no request can draft overlap as without speculation.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from deltaserve.cache.manager import CacheManager
+    from deltaserve.engine.core.spec_step import SpecDecoding
     from deltaserve.engine.core.step_phases import StepPhases
     from deltaserve.engine.runner.model_runner import ModelRunner
     from deltaserve.engine.runner.request_state import RequestState
@@ -81,6 +90,7 @@ class StepHost(Protocol):
     states: dict[str, RequestState]
     counters: dict[str, int]
     phases: StepPhases
+    speculation: SpecDecoding | None
 
     @property
     def num_constrained(self) -> int: ...
@@ -92,6 +102,7 @@ class StepHost(Protocol):
     ) -> TokenDelta: ...
     def process_token(self, req: Request, token: int) -> TokenDelta: ...
     def output_failed(self, req: Request, error: Exception) -> TokenDelta: ...
+    def run_step(self, out: SchedulerOutput) -> list[TokenDelta]: ...
 
 
 class Overlap:
@@ -133,24 +144,47 @@ class Overlap:
         N+1, then process N's tokens while N+1 runs; N's outputs."""
         outputs: list[TokenDelta] = []
         prev, self.flight = self.flight, None
+        spec = self.core.speculation
+        drafts_next = prev is not None and spec is not None and self._drafts_after(prev, spec)
+        if drafts_next:
+            assert prev is not None
+            with contextlib.suppress(Exception):  # (a failure is handled when it is processed)
+                prev.future.result()
         self.core.phases.enter("cache_commit")
         if prev is not None and not self._commit_ahead(prev, outputs):
             prev = None  # its commit failed: that step's requests have ended
         self.apply_deferred()
-        if prev is not None and self.core.num_constrained:
-            # a constrained row's mask needs its previous token: while a request has a
-            # constraint, step N is processed before N+1 is scheduled (no overlap)
+        if prev is not None and (drafts_next or self.core.num_constrained):
+            # a constrained row's mask needs its previous token, and a draft follows a real
+            # token: step N is processed before N+1 is scheduled (no overlap)
             self._process_result(prev, outputs)
             prev = None
+        if spec is not None:
+            spec.set_drafts(none=prev is not None)  # (in flight: its tokens are placeholders)
         self.core.phases.enter("schedule")
         out = self.core.scheduler.schedule()
-        if out is not None:
+        if out is not None and out.num_verify:
+            # (prev is None: nothing drafts while a step is in flight)
+            outputs += self.core.run_step(out)
+            self._last_ready = time.perf_counter()
+        elif out is not None:
             self.flight = self._submit(out, prev, outputs)
         elif prev is None:
             self.core.cache.wait_for_disk()  # nothing runs: a read from disk may let a request in
         if prev is not None:
             self._process_result(prev, outputs)
         return outputs
+
+    def _drafts_after(self, flight: InFlight, spec: SpecDecoding) -> bool:
+        """Whether a request that samples in step ``flight`` may draft in the step after it."""
+        if flight.prep is None:
+            return False
+        seqs, deferred = flight.out.seqs, self.deferred
+        return any(
+            spec.may_draft_after(seqs[i].request)
+            for i in flight.prep.sample_seq
+            if seqs[i].request not in deferred
+        )
 
     def drain(self) -> list[TokenDelta]:
         """Finish the step in flight without starting another."""
@@ -263,7 +297,7 @@ class Overlap:
         core, seqs, deferred = self.core, flight.out.seqs, self.deferred
         core.phases.enter("outputs")
         finished = RequestStatus.FINISHED
-        logprobs = result.logprobs
+        logprobs, spec = result.logprobs, core.speculation
         for row, i in enumerate(flight.prep.sample_seq):
             req = seqs[i].request
             if req.status is finished or req in deferred:
@@ -277,7 +311,8 @@ class Overlap:
             if logprobs is not None and logprobs[row] is not None:
                 core.states[req.request_id].logprobs.append(logprobs[row])  # type: ignore[arg-type]
             try:
-                outputs.append(core.process_token(req, token))
+                delta = core.process_token(req, token)
+                outputs.append(delta if spec is None else spec.finish_hook(req, delta))
             except Exception as e:  # the stop check of one request (its grammar): that request ends
                 outputs.append(core.output_failed(req, e))
 

@@ -1,11 +1,13 @@
 """The engine step with speculative decoding (``speculative.method`` not ``none``).
 
 Each step: the drafter proposes up to ``speculative.num_tokens`` tokens for every running
-request that may draft (``SpecDecoding.drafts``: no penalties, room left under ``max_tokens``
-and ``max_model_len``; a constrained request's drafts are cut before the first its grammar
-cannot take, so a bad draft ends the accepted run, never the request); the scheduler turns a decode with drafts into a verify
-segment (``scheduler/scheduler.py``); the runner verifies every segment's drafts in the one
-forward and rolls rejected ones back (``engine/runner/verify.py``); ``Scheduler.update``
+request that may draft (``SpecDecoding.drafts``: room left under ``max_tokens`` and
+``max_model_len``; a constrained request's drafts are cut before the first its grammar cannot
+take, so a bad draft ends the accepted run, never the request; a penalised request's verify
+rows count its output as it stands at each row, drafts before it included); the scheduler
+turns a decode with drafts into a verify segment (``scheduler/scheduler.py``); the runner
+verifies every segment's drafts in the one forward and rolls rejected ones back
+(``engine/runner/verify.py``); ``Scheduler.update``
 commits what was accepted; then each request's emitted tokens are checked one by one, as a
 decode would have produced them (stop token ids, EOS, ``max_tokens``, ``max_model_len``):
 a request that ends inside its window emits nothing after its last token, and its token list
@@ -14,6 +16,14 @@ is cut there. A request's emitted tokens go out as one ``TokenDelta``.
 The step itself is ``EngineCore``'s one step (its failure handling too: a failed forward ends
 its step's requests; a failed commit ends them after releasing the plan; a failed stop check
 ends only its request), which calls ``set_drafts``, ``execute``, ``verified`` and ``outputs``.
+
+With ``engine.async_scheduling`` (``engine/core/overlap.py``) a step that verifies is never
+overlapped: its commit needs the accepted lengths, and a draft needs the real token before it.
+Drafts are set only when no step is in flight (every request's tokens are real); a step with
+verify segments runs, commits and is processed before the next is scheduled
+(``EngineCore.run_step``); a step in flight whose requests may draft after it
+(``may_draft_after``) is processed before the next is scheduled. Steps in which no request can
+draft (prefill chunks, requests about to end) overlap as without speculation.
 """
 
 from __future__ import annotations
@@ -62,23 +72,40 @@ class SpecDecoding:
         if not req.is_decoding or req.status is not RequestStatus.RUNNING:
             return []
         state = core.states.get(req.request_id)
-        # (penalties count the output so far: a draft's row would need them recounted per position)
-        if state is None or req.sampling_params.has_penalties:
+        if state is None:
             return []
         # a window emits up to k + 1 tokens: no more than a decode could still produce
-        room = min(
-            req.sampling_params.max_tokens - req.num_output_tokens, core.max_model_len - req.num_tokens
-        )
-        k = min(self.k, room - 1)
+        k = min(self.k, self._room(req) - 1)
         drafts = self.drafter.propose(req, k)[:k] if k > 0 else []
         if drafts and state.matcher is not None:
             drafts = _grammar_prefix(state.matcher, drafts)
         return drafts
 
-    def set_drafts(self) -> None:
-        """Before scheduling: each running request's drafts for this step."""
-        for req in self.core.scheduler.running:
-            req.draft_token_ids = self.drafts(req)
+    def _room(self, req: Request) -> int:
+        """Tokens ``req`` may still produce (``max_tokens``, ``max_model_len``)."""
+        return min(
+            req.sampling_params.max_tokens - req.num_output_tokens, self.core.max_model_len - req.num_tokens
+        )
+
+    def may_draft_after(self, req: Request) -> bool:
+        """Whether ``req``, which samples one token in the step in flight, may draft in the step
+        after it (async scheduling waits for that token before scheduling that step)."""
+        return req.status is RequestStatus.RUNNING and self._room(req) - 1 >= 2
+
+    def set_drafts(self, *, none: bool = False) -> None:
+        """Before scheduling: each running request's drafts for this step (``none``: no request
+        drafts, as while a step is in flight whose tokens are not known yet)."""
+        running = self.core.scheduler.running
+        for req in running:
+            req.draft_token_ids = [] if none else self.drafts(req)
+        drafter = self.drafter
+        if not none and isinstance(drafter, MtpDrafter) and len(drafter.proposals) > len(running):
+            # (a request that ended while its step was in flight may have had proposals
+            # recorded after its end: keep only the held requests'. Only with no step in
+            # flight: the forward worker writes proposals while one is)
+            held = self.core.scheduler.requests
+            for rid in [r for r in drafter.proposals if r not in held]:
+                drafter.forget(rid)
 
     def execute(self, out: SchedulerOutput) -> list[int | None]:
         """The step's forward: its sampled tokens (as ``ModelRunner.execute``), keeping the
@@ -108,9 +135,11 @@ class SpecDecoding:
                     mine[0] += 1
                     mine[1] += len(s.drafts)
                     mine[2] += len(emitted) - 1
-                    outputs.append(self._emit(s.request, emitted, result.verified_logprobs[i - first]))
+                    delta = self._emit(s.request, emitted, result.verified_logprobs[i - first])
+                    delta.num_draft_tokens, delta.num_accepted_tokens = mine[1], mine[2]
+                    outputs.append(delta)
                 elif token is not None:
-                    outputs.append(self._finish_hook(s.request, core.process_token(s.request, token)))
+                    outputs.append(self.finish_hook(s.request, core.process_token(s.request, token)))
             except Exception as e:  # the stop check of one request: that request ends
                 outputs.append(core.output_failed(s.request, e))
         return outputs
@@ -131,19 +160,21 @@ class SpecDecoding:
             if d.finish_reason is not None:
                 del req.token_ids[base + j + 1 :]  # never delivered
                 break
-        return self._finish_hook(req, _merge(deltas))
+        return self.finish_hook(req, _merge(deltas))
 
-    def _finish_hook(self, req: Request, delta: TokenDelta) -> TokenDelta:
+    def finish_hook(self, req: Request, delta: TokenDelta) -> TokenDelta:
+        """``delta`` is ``req``'s output: a drafter that learns hears of its end (stop, length)."""
         if delta.finish_reason in ("stop", "length"):
             self.drafter.finished(req, req.num_output_tokens)
         return delta
 
-    def request_done(self, request_id: str) -> None:
-        """A request ended (``EngineCore.final_delta``, every ending): its own counters go to
-        the debug log (``spec.request``)."""
+    def request_done(self, request_id: str, final: TokenDelta) -> None:
+        """A request ended (``EngineCore.final_delta``, every ending): its own counters go on
+        its final delta ``final`` and to the debug log (``spec.request``)."""
         if isinstance(self.drafter, MtpDrafter):
             self.drafter.forget(request_id)
         verifies, drafted, accepted = self.per_request.pop(request_id, (0, 0, 0))
+        final.num_draft_tokens, final.num_accepted_tokens = drafted, accepted
         if verifies:
             log.debug(
                 "spec.request", request_id=request_id, verifies=verifies, drafted=drafted, accepted=accepted

@@ -44,6 +44,8 @@ class Completion:
     num_prompt_tokens: int
     num_output: int = 0
     done: bool = False
+    # speculative decoding: the core's latest counts (drafted, accepted), for the last output
+    spec_counts: tuple[int, int] = (0, 0)
 
 
 class RequestStream(AbortingStream):
@@ -90,6 +92,8 @@ class RequestStream(AbortingStream):
             later, self._later = self._later, None
             self._processor.send_adds(later)
         reason, error = d.finish_reason, d.error
+        if d.num_draft_tokens:
+            c.spec_counts = (d.num_draft_tokens, d.num_accepted_tokens)
         try:
             detok = c.detokenizer
             text = detok.add(d.token_ids) if d.token_ids else ""
@@ -121,6 +125,7 @@ class RequestStream(AbortingStream):
                 prompt_logprobs=d.prompt_logprobs,
                 prompt_token_ids=d.prompt_token_ids,
                 num_prompt_tokens=d.num_prompt_tokens or c.num_prompt_tokens,
+                **_spec_counts(c, reason is not None),
             )
         )
 
@@ -140,6 +145,7 @@ class RequestStream(AbortingStream):
                 error=error,
                 index=c.index,
                 num_prompt_tokens=c.num_prompt_tokens,
+                **_spec_counts(c, True),
             )
         )
 
@@ -150,6 +156,13 @@ class RequestStream(AbortingStream):
         for c in self.open():
             self.end(c, reason, error)
         return sent
+
+
+def _spec_counts(c: Completion, last: bool) -> dict[str, int]:
+    """The speculative-decoding counts a completion's output carries: on its last only."""
+    if not last:
+        return {}
+    return {"num_draft_tokens": c.spec_counts[0], "num_accepted_tokens": c.spec_counts[1]}
 
 
 class OutputProcessor:

@@ -120,7 +120,10 @@ class MtpProposer:
             return
         drafts = [[t] for t in out.logits.argmax(dim=-1).tolist()]
         pos = [int(positions[r]) for r in draft_rows]
-        tables = [s.request.cache.block_table for s in (seqs[i] for i in draft_seq)]  # type: ignore[union-attr]
+        # (async scheduling: a request may have ended or been preempted while this step ran,
+        # its blocks released: it gets no chained drafts, and no proposal below)
+        caches = [seqs[i].request.cache for i in draft_seq]
+        tables = [c.block_table if c is not None else [] for c in caches]
         prev = out.hidden.index_select(0, rows)
         active = list(range(len(draft_seq)))
         for j in range(1, self.k):
@@ -138,7 +141,8 @@ class MtpProposer:
                 drafts[a].append(t)
             prev = o.hidden
         for n, i in enumerate(draft_seq):
-            self.drafter.proposals[seqs[i].request.request_id] = (pos[n] + 2, drafts[n])
+            if caches[n] is not None:
+                self.drafter.proposals[seqs[i].request.request_id] = (pos[n] + 2, drafts[n])
 
     def _chain_batch(
         self, positions: list[int], tables: list[list[int]], device: torch.device

@@ -8,7 +8,10 @@ token after ``d_j`` (``d_0 = t``). Greedy acceptance: ``d_{j+1}`` is accepted wh
 argmax of row ``j``; the first row whose argmax differs (or row ``k``, when every draft was
 accepted) gives the token after them. A sampled request's segment is accepted by rejection
 sampling instead (``engine/spec/rejection.py``), with its own temperature, top-k, top-p, min-p
-and generator; log-probabilities are the raw ones of each emitted token's row. A constrained
+and generator; log-probabilities are the raw ones of each emitted token's row. A penalised
+segment's row ``j`` has its repetition / frequency / presence penalties counted over the
+request's output followed by ``d_1 .. d_j`` (``penalised_rows``): the output a decode at that
+position would count, so greedy acceptance equals a decode's argmax there. A constrained
 segment's rows are masked first, row ``j`` with its matcher's mask after the first ``j`` drafts
 (``attach_masks``): a draft the grammar cannot take is never accepted. So a segment emits ``a + 1`` tokens, ``a`` accepted
 drafts, and its request has computed ``start + a + 1`` tokens: the GDN state it must keep is
@@ -37,7 +40,7 @@ from deltaserve.engine.runner.request_state import RequestState
 from deltaserve.engine.runner.sampling import apply_token_mask, greedy
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.spec.rejection import accept_sampled
-from deltaserve.kernels.sampler import compute_logprobs
+from deltaserve.kernels.sampler import apply_penalties, compute_logprobs
 from deltaserve.models.batch import ModelCaches
 from deltaserve.models.verify import VerifyRecord
 from deltaserve.scheduler.scheduler import ScheduledSeq
@@ -56,6 +59,9 @@ class VerifyHost:
     num_tokens: int
     params: list[SamplingParams] | None = None
     states: list[RequestState] | None = None
+    # per segment, for penalised ones: its output ids and prompt ids at prepare (else [])
+    output_ids: list[list[int]] | None = None
+    prompt_ids: list[list[int]] | None = None
     # constrained segments: one bitmask row per verify token, and which rows are constrained
     token_mask: torch.Tensor | None = None
     mask_rows: list[int] | None = None
@@ -66,6 +72,11 @@ class VerifyHost:
         if not all(st.plain_greedy for st in row_states):
             self.states = row_states
             self.params = [s.request.sampling_params for s in seqs]
+            if any(p.has_penalties for p in self.params):
+                # (copied now: the request's tokens change once the step is committed)
+                reqs = [(s.request, s.request.sampling_params) for s in seqs]
+                self.output_ids = [r.output_token_ids if p.has_penalties else [] for r, p in reqs]
+                self.prompt_ids = [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in reqs]
 
 
 def verify_fields(
@@ -154,18 +165,38 @@ def accept_rows(
     emitted: list[list[int]] = []
     logprobs: list[list[TokenLogprob] | None] = []
     start = 0
-    for drafts, params, state in zip(host.drafts, host.params, host.states, strict=True):
+    for i, (drafts, params, state) in enumerate(zip(host.drafts, host.params, host.states, strict=True)):
         seg = rows[start : start + len(drafts) + 1]
         start += len(drafts) + 1
         if state.plain_greedy:
             toks = accept_greedy(greedy(seg).tolist(), VerifyHost([drafts], [], [], 0))[0]
         else:
-            toks = accept_sampled(seg, drafts, params, state.generator or default_generator)
+            target = seg
+            if params.has_penalties and host.output_ids is not None and host.prompt_ids is not None:
+                target = penalised_rows(seg, drafts, params, host.output_ids[i], host.prompt_ids[i])
+            toks = accept_sampled(target, drafts, params, state.generator or default_generator)
         emitted.append(toks)
         logprobs.append(
             None if params.logprobs is None else _logprobs(seg[: len(toks)], toks, params.logprobs)
         )
     return emitted, logprobs
+
+
+def penalised_rows(
+    rows: torch.Tensor, drafts: Sequence[int], params: SamplingParams, output: list[int], prompt: list[int]
+) -> torch.Tensor:
+    """A segment's rows (``[len(drafts) + 1, V]``) with ``params``' penalties, row ``j`` counted
+    over ``output`` (the request's output tokens, its last token included) and the first ``j``
+    drafts: the penalties a decode after those drafts would apply (a float32 copy)."""
+    n = rows.shape[0]
+    return apply_penalties(
+        rows,
+        [output + list(drafts[:j]) for j in range(n)],
+        [params.presence_penalty] * n,
+        [params.frequency_penalty] * n,
+        [params.repetition_penalty] * n,
+        [prompt] * n if params.repetition_penalty != 1.0 else None,
+    )
 
 
 def _logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprob]:

@@ -2,7 +2,8 @@
 
 A drafter proposes up to ``k`` tokens to follow a decoding request's tokens. It is asked once
 per step for every running request that may draft (``engine/core/spec_step.py`` decides which:
-greedy requests without a grammar), on the engine's thread, before the step is scheduled, so
+decoding requests with room for a window, and none while an async step is in flight), on the
+engine's thread, before the step is scheduled, so
 a proposal must be cheap (host work that every step pays). It may propose fewer tokens, or
 none (the request then decodes one token as without speculation). Proposals are only ever
 checked, never trusted: a wrong draft costs a rejected position, never a wrong output.

@@ -21,8 +21,6 @@ from deltaserve.scheduler.request import Request
         ({"speculative": {"num_tokens": 17}}, "speculative.num_tokens = 17: Expected `int` <= 16"),
         ({"speculative": {"prompt_lookup_min": 5}},
          "speculative.prompt_lookup_min = 5: must be <= speculative.prompt_lookup_max (4)"),
-        ({"speculative": {"method": "ngram"}, "engine": {"async_scheduling": True}},
-         "speculative.method = 'ngram': needs engine.async_scheduling = false"),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_key_and_value(data: dict[str, object], message: str) -> None:

@@ -45,3 +45,30 @@ async def test_a_separate_core_process_speculates_and_reports_it(core_factory: A
         await engine.check_integrity()
         stats = await engine.fetch_stats()
     assert stats["spec_decode.acceptance_rate"] == 1.0
+
+
+async def test_the_last_output_carries_the_requests_draft_counts(core_factory: Any) -> None:
+    """A request's last output has its own drafted and accepted tokens (every other output
+    none), whether the core ended it or the front end did (a stop string)."""
+    p = prompt(60, 2)
+    core = core_factory(**{"speculative.method": "replay", "speculative.replay_corrupt_every": 2})
+    async with AsyncEngine(core=core) as engine:
+        first = await collect(engine, p, greedy(24))  # nothing recorded yet: no drafts
+        text = "".join(o.text for o in first)
+        before = core.stats()
+        second = await collect(engine, p, greedy(24))
+        mid = core.stats()
+        stop = text[12:15]
+        third = await collect(engine, p, greedy(24, stop=[stop]))
+        after = core.stats()
+    assert (first[-1].num_draft_tokens, first[-1].num_accepted_tokens) == (0, 0)
+    for outs, (a, b) in ((second, (before, mid)), (third, (mid, after))):
+        assert all((o.num_draft_tokens, o.num_accepted_tokens) == (0, 0) for o in outs[:-1])
+        drafted = b["spec_decode.num_draft_tokens"] - a["spec_decode.num_draft_tokens"]
+        accepted = b["spec_decode.num_accepted_tokens"] - a["spec_decode.num_accepted_tokens"]
+        assert drafted > accepted > 0  # every other draft wrong
+        if outs is second:
+            assert (outs[-1].num_draft_tokens, outs[-1].num_accepted_tokens) == (drafted, accepted)
+        else:  # the stop string ended it in the front end: the counts of the deltas it saw
+            assert third[-1].finish_reason == "stop"
+            assert 0 < outs[-1].num_draft_tokens <= drafted and outs[-1].num_accepted_tokens <= accepted

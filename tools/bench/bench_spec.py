@@ -13,7 +13,9 @@ Cases run in interleaved rounds (``tools/bench/harness.py``). Per case:
 * ``gap_ms``: between two deltas of a stream (one engine step).
 * ``tok_s``: output tokens per second over all streams.
 
-    python tools/bench/bench_spec.py [--model PATH] [--streams 4] [--k 3] [--rounds 3]
+``--async-scheduling`` adds each case again with ``engine.async_scheduling = true``.
+
+    python tools/bench/bench_spec.py [--model PATH] [--streams 4] [--k 3] [--rounds 3] [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--memory", default="512MiB", help="cache.memory_bytes (of each of the four engines)")
     p.add_argument("--threads", type=int, default=0, help="engine.cpu_threads")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="also run each case with engine.async_scheduling = true (a verify step is not overlapped)",
+    )
     return p
 
 
@@ -99,6 +106,10 @@ def main() -> None:
             EngineConfig.load(None, {**base, **spec, "speculative.replay_corrupt_every": 2}), loaded=loaded
         ),
     }
+    if args.async_scheduling:
+        for name in list(cores):
+            cfg = cores[name].config.replace(**{"engine.async_scheduling": True})
+            cores[f"{name}, async"] = EngineCore(cfg, loaded=loaded)
     for core in cores.values():
         if core.speculation is not None:
             drafter = core.speculation.drafter
