@@ -155,6 +155,12 @@ class CheckpointEviction(ABC):
         strategy that does not learn reuse cannot tell: yes)."""
         return True
 
+    def dominates(self, deeper: Node, node: Node) -> bool:
+        """Whether ``deeper``'s checkpoint, on ``node``'s unforked path below it, takes the hits
+        that would reach ``node``'s: expected to serve more often than not (the default: the
+        strategy's ``likely_to_serve``)."""
+        return self.likely_to_serve(deeper)
+
     # -- upkeep --------------------------------------------------------------------------
     def compact(self, num_nodes: int) -> None:
         """Drop stale bookkeeping when it dominates (``num_nodes``: the tree's size)."""

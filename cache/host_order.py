@@ -6,8 +6,10 @@ did, while its coarse verdict — will this checkpoint serve at all? — is what
 conversations off the host. So the host ranks a checkpoint in three bands (``band``):
 
 * ``DOMINATED`` (-1): a deeper checkpoint, in either tier, lies on its unforked path below, and
-  the learner expects that one's class to serve a hit more often than not: every hit that
-  reaches this one goes on to the deeper one, so this one serves only if that one is lost;
+  the strategy says it takes this one's hits (``CheckpointEviction.dominates``: the learner
+  expects that one's class to serve more often than not, or at least as often as this one's):
+  every hit that reaches this one goes on to the deeper one, so this one serves only if that
+  one is lost. So a conversation keeps about one checkpoint on the host, its deepest;
 * ``DEAD`` (0): the strategy prices it at nothing (the learner expects no hit at its age);
 * ``ALIVE`` (1): the rest.
 
@@ -39,6 +41,6 @@ def deeper_checkpoint(node: Node) -> Node | None:
 def band(node: Node, eviction: CheckpointEviction) -> float:
     """``node``'s host checkpoint's band: ``DOMINATED``, ``DEAD`` or ``ALIVE``."""
     deeper = deeper_checkpoint(node)
-    if deeper is not None and eviction.likely_to_serve(deeper):
+    if deeper is not None and eviction.dominates(deeper, node):
         return DOMINATED
     return ALIVE if eviction.worth(node) > 0 else DEAD

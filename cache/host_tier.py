@@ -29,6 +29,8 @@ what the device does not (an exclusive cache: host bytes add to device bytes).
   residents); else dropped.
 * The host evicts its own: checkpoint-less leaves first (no hit can end there), then the
   least valuable of the LRU leaf (valued as its checkpoint) and the weakest checkpoint.
+  A host checkpoint evicted takes with it the host KV only it made servable (host leaves
+  upwards to the nearest checkpoint or fork), so the host's bytes hold whole servable paths.
   A full host tier means *drop*, never an error.
 
 Every demoted item is ``moving`` until its save has landed: a match does not use it, so a
@@ -343,6 +345,7 @@ class HostTier:
             if victim is not None and victim_worth <= page_worth:
                 self._evict_checkpoints([victim])
                 self.drop_checkpoint(victim)
+                self._trim(victim)  # its path's KV cannot serve without it
             else:
                 self._evict_checkpoints(nodes, below=True)
                 self._drop_nodes(nodes)
@@ -397,12 +400,25 @@ class HostTier:
             ):
                 self._evict_checkpoints([victim])
                 self.drop_checkpoint(victim)
+                self._trim(victim)  # its path's KV cannot serve without it
                 return True
         if leaf is None:
             return False
         self._evict_checkpoints([leaf])
         self.remove(leaf)
         return True
+
+    def _trim(self, node: Node) -> None:
+        """``node``'s host checkpoint was evicted: the host KV only it made servable goes with
+        it, leaf upwards while a node is a host leaf with no checkpoint (up to the nearest
+        checkpoint, fork, device node or pinned node). Such KV can never end a hybrid hit;
+        left in place it would hold its pages until KV next needs room, while checkpoints
+        that need a whole page evict live ones instead."""
+        tree = self.tree
+        while node.parent is not None and node.host_slot is None and tree.is_host_leaf(node):
+            parent = node.parent
+            self.remove(node)
+            node = parent
 
     def evict_leaf(self) -> bool:
         node = self.tree.peek_host_leaf()

@@ -115,11 +115,23 @@ class ValueEviction(CheckpointEviction):
         return self.value(node)
 
     def likely_to_serve(self, node: Node) -> bool:
-        """The learner credits checkpoints of ``node``'s class with a hit more often than not
+        """The learner credits checkpoints of ``node``'s class with a hit more often than not."""
+        return self._reuse(node) >= 0.5
+
+    def dominates(self, deeper: Node, node: Node) -> bool:
+        """``deeper`` serves more often than not, or at least as often as ``node``'s class: a
+        conversation whose replies come back verbatim learns its outputs serve and its older
+        tails do not (the deeper checkpoint is credited first), though a reply may never
+        come; one whose replies come back rewritten learns the reverse."""
+        p = self._reuse(deeper)
+        return p >= 0.5 or p >= self._reuse(node)
+
+    def _reuse(self, node: Node) -> float:
+        """The learned reuse probability of ``node``'s class, 1 when it is not valued here
         (memoised per admission: the estimate moves only as admissions are observed)."""
         state: ValueState | None = node.policy_state
-        if state is None:  # (not valued here: the default answer)
-            return True
+        if state is None:
+            return 1.0
         learner = self.learner
         if self._serve_at != learner.now:
             self._serve_memo.clear()
@@ -128,7 +140,7 @@ class ValueEviction(CheckpointEviction):
         p = self._serve_memo.get(label)
         if p is None:
             p = self._serve_memo[label] = learner.reuse_probability(label)
-        return p >= 0.5
+        return p
 
     def _shared_by_running(self, node: Node) -> bool:
         """At least two running requests fork within one unit below ``node``: its checkpoint

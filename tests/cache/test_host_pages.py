@@ -261,6 +261,42 @@ def test_a_checkpoint_dominated_by_one_likely_to_serve_ranks_below_dead_ones() -
     assert sorted(table[n.key] for n in host.attached.values()) == [0.0, 0.5, 1.0]
 
 
+def test_a_host_checkpoint_evicted_takes_the_kv_only_it_made_servable() -> None:
+    """A host checkpoint the host gives up for a newcomer leaves its path's host KV below the
+    nearest other checkpoint or fork unable to end a hybrid hit: that KV goes at once, with
+    it, so its pages are free for what can serve (not left to wait until KV needs room)."""
+    tree = RadixTree()
+    table: dict[int, float] = {}
+    host = HostTier(
+        tree, _Worth(tree, table), num_blocks=0, num_slots=0, kv_block_bytes=100, checkpoint_bytes=100,
+        num_pages=5,
+    )  # fmt: skip
+    shared = tree.insert(tree.root, 1, block_id=0)  # a fork: two conversations below it
+    chain = [shared]
+    for key in (2, 3, 4):
+        chain.append(tree.insert(chain[-1], key, block_id=key))
+    other = tree.insert(shared, 9, block_id=9)
+    for node in (chain[3], chain[2], chain[1]):  # the conversation's KV goes down, leaf first
+        assert host.demote_kv(node) is not None
+    table.update({shared.key: 1.0, chain[3].key: 1.0, other.key: 1.0, 77: 1.0})
+    assert host.demote_checkpoint(chain[3], device_slot=1)  # its checkpoint, at its end
+    tree.attach_checkpoint(shared, 0)  # the fork keeps a device checkpoint
+    assert host.demote_checkpoint(other, device_slot=2)
+    for t in host.saves:
+        host.save_landed(t)
+    host.saves.clear()
+    tree.touch(other)
+    assert host.pages is not None and not host.pages.free_pages  # full: 3 KV pages, 2 checkpoints
+    assert host.floor() == math.inf
+    newcomer = tree.insert(other, 77, block_id=77)
+    assert host.demote_checkpoint(newcomer, device_slot=3)
+    assert chain[3].host_slot is None  # the least recently used checkpoint went ...
+    assert all(n.parent is None for n in chain[1:])  # ... and the KV only it made servable
+    assert shared.parent is tree.root and other.host_slot is not None
+    assert host.counters["host.kv_evicted_blocks"] == 3
+    assert host.pages.counts() == {FREE: 3, KV: 0, CHECKPOINT: 2}
+
+
 def test_fixed_pair_keeps_its_residents_on_a_tie() -> None:
     tree = RadixTree()
     table: dict[int, float] = {}

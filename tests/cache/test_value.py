@@ -16,6 +16,7 @@ from deltaserve.cache import (
     StepItem,
 )
 from deltaserve.cache.eviction import CostModel, EvictionParams
+from deltaserve.cache.host_order import DOMINATED, band
 from deltaserve.cache.radix_tree import RadixTree
 from deltaserve.cache.reuse import ReuseLearner, _bounds, _bucket
 from deltaserve.cache.value_eviction import ValueEviction, ValueState
@@ -216,6 +217,41 @@ def test_likely_to_serve_follows_the_learned_reuse_of_the_class() -> None:
         learner.register(key, CaptureKind.OUTPUT)
         learner.observe([5, key], limit_blocks=2, stride=2)
     assert value.likely_to_serve(output)
+
+
+def test_a_deeper_checkpoint_dominates_one_whose_class_serves_less_often() -> None:
+    """Replies that come back verbatim after long, heavy-tailed waits: outputs are credited
+    now and then (1 in 3 here, so not "more often than not"), the tails above them never (the
+    deeper output takes the hit). The output still dominates its conversation's older tail,
+    which the host then ranks first to go; where replies come back rewritten (tails credited,
+    outputs never) it does not."""
+    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
+    tree = RadixTree()
+    value = ValueEviction(tree, EvictionParams(block_size=16), learner)
+    tail = tree.insert(tree.root, 1, block_id=0)
+    output = tree.insert(tail, 2, block_id=1)
+    tail.policy_state = ValueState(CaptureKind.TAIL, None, 0, None)
+    output.policy_state = ValueState(CaptureKind.OUTPUT, None, 0, None)
+    tree.attach_checkpoint(output, 0)
+    for key in (21, 22, 23):
+        learner.register(key, CaptureKind.OUTPUT)
+    for key in (31, 32):
+        learner.register(key, CaptureKind.TAIL)
+    learner.observe([5, 21], limit_blocks=2, stride=2)  # one output comes back
+    for _ in range(200):  # the rest never do
+        learner.tick()
+    assert learner.reuse_probability("output") == pytest.approx(1 / 3)
+    assert learner.reuse_probability("tail") == 0.0
+    assert not value.likely_to_serve(output)  # not "more often than not" ...
+    assert value.dominates(output, tail)  # ... but more often than the tail
+    assert band(tail, value) == DOMINATED
+    for key in range(40, 46):  # tails start coming back, outputs do not (rewritten replies)
+        learner.register(key, CaptureKind.TAIL)
+        learner.observe([5, key], limit_blocks=2, stride=2)
+    learner.tick()
+    assert learner.reuse_probability("tail") > 1 / 3
+    assert not value.dominates(output, tail)
+    assert band(tail, value) != DOMINATED
 
 
 def test_learner_kept_shadow_teaches_hit_classes() -> None:

@@ -162,9 +162,13 @@ class SimConfig:
 
     @property
     def combined_kv_blocks(self) -> int:
-        """Every byte of both memory tiers, KV and checkpoints, as KV blocks (the host tier's bound)."""
-        total = self.kv_bytes + self.checkpoint_pool_bytes + self.host_bytes
-        return total // (self.block_size * self.kv_bytes_per_token)
+        """Every byte of both memory tiers, KV and checkpoints, as KV blocks (the host tier's bound).
+        One device budget (``memory_bytes``) counts once: its ``kv_blocks`` and
+        ``checkpoint_slots`` each describe the whole budget (for the device-only bounds)."""
+        device = (
+            self.memory_bytes if self.memory_bytes is not None else self.kv_bytes + self.checkpoint_pool_bytes
+        )
+        return (device + self.host_bytes) // (self.block_size * self.kv_bytes_per_token)
 
     @property
     def all_tiers_kv_blocks(self) -> int:
