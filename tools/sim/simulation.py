@@ -166,8 +166,13 @@ class SimConfig:
 
     @property
     def combined_kv_blocks(self) -> int:
-        """Every byte of both memory tiers, KV and checkpoints, as KV blocks (the host tier's bound)."""
-        total = self.kv_bytes + self.checkpoint_pool_bytes + self.host_bytes
+        """Every byte of both memory tiers, KV and checkpoints, as KV blocks (the host tier's bound).
+        With one device budget its bytes count once (``kv_blocks`` and ``checkpoint_slots`` are
+        then each the whole of it)."""
+        device = (
+            self.memory_bytes if self.memory_bytes is not None else self.kv_bytes + self.checkpoint_pool_bytes
+        )
+        total = device + self.host_bytes
         return total // (self.block_size * self.kv_bytes_per_token)
 
     @property
