@@ -9,7 +9,9 @@ Per step (``schedule``):
 2. running requests still in prefill get their next chunk;
 3. waiting requests are admitted in the policy's order while the token budget, the
    sequence cap (``max_num_seqs``), the partial-prefill cap, live state slots and KV
-   blocks allow. Admission finds the joint prefix hit (``CacheManager.admit``).
+   blocks allow, and while the whole prompt fits beside what the running prompts still
+   need (``scheduler/kv_reserve.py``). Admission finds the joint prefix hit
+   (``CacheManager.admit``).
 
 A step that carries decodes takes only the prefill that fits in its target time
 (``scheduler/step_budget.py``, learned from the step times the engine reports through
@@ -49,6 +51,7 @@ from deltaserve.cache.planning import settle_verify
 from deltaserve.cache.types import AdmitStatus, PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.logs import get_logger
+from deltaserve.scheduler.kv_reserve import kv_shortfall
 from deltaserve.scheduler.policy import PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.policy_guard import PolicyGuard
 from deltaserve.scheduler.request import Request, RequestStatus, is_placeholder
@@ -127,6 +130,7 @@ class Scheduler:
         step_budget: StepBudget | None = None,
         shared_prefix_wait_tokens: int = 0,
         burst_window_s: float = 0.0,
+        reserve_prompts: bool = True,
     ) -> None:
         self.cache = cache
         self.policy = policy
@@ -140,6 +144,8 @@ class Scheduler:
         self.shared_prefix_wait_tokens = shared_prefix_wait_tokens
         # the most the first step after idle waits for more arrivals (burst_window)
         self.burst_window_s = burst_window_s
+        # admit a prompt only while every running prompt keeps room to end (kv_reserve.py)
+        self.reserve_prompts = reserve_prompts
         # None: a step with decodes takes the full token budget of prefill
         self.step_budget = step_budget
         self.unit = cache.unit
@@ -372,6 +378,10 @@ class Scheduler:
                 break
             if req in step.preempted:
                 continue  # not again in the step that preempted it
+            if self.reserve_prompts and kv_shortfall(
+                self.cache, self.running, req, functools.partial(self._match, req)
+            ):
+                break  # its prompt would outgrow the KV the running ones still need (kv_reserve.py)
             partial = self._admit(req, step, num_partial)
             if partial is None:
                 break

@@ -239,7 +239,11 @@ def scheduler(host: bool, pages: bool, staging: int | None = None) -> Scheduler:
     if pages:  # one budget: 12 pages of 4 blocks
         cfg.update(shared_pages=12, page_blocks=4, kv_block_bytes=1)
     cm = CacheManager(CacheManagerConfig(**cfg))
-    return Scheduler(cm, make_policy("fcfs", {}), max_num_seqs=6, max_num_batched_tokens=160)
+    # first chunks admitted side by side (no whole-prompt reservation, scheduler/kv_reserve.py):
+    # prompts then outgrow the pool and preempt each other, and the recompute is a cause too
+    return Scheduler(
+        cm, make_policy("fcfs", {}), max_num_seqs=6, max_num_batched_tokens=160, reserve_prompts=False
+    )
 
 
 @pytest.mark.parametrize("host", [False, True])

@@ -31,17 +31,6 @@ def test_host_memory_is_pages_of_one_checkpoint(capsys: pytest.CaptureFixture[st
     assert row["default/kv_lru_host"] == pytest.approx(default["hit_rate"] / bounds["kv_lru_host"])
 
 
-def test_one_device_budget_counts_once_in_the_all_tiers_bound() -> None:
-    """With ``--memory-mb`` the device's ``kv_blocks`` and ``checkpoint_slots`` each stand for
-    the whole budget (the device-only bounds see it all as either kind); the bound over both
-    tiers counts its bytes once, as it counts the host's."""
-    args = [*COMMON[:8], "--memory-mb", "8", *COMMON[12:], "--host-memory-mb", "40"]
-    cfg = sim_config_from_args(build_parser().parse_args(args))
-    block = cfg.block_size * cfg.kv_bytes_per_token
-    assert cfg.kv_blocks == 8 * MiB // block and cfg.checkpoint_slots == 4  # the whole budget, each
-    assert cfg.combined_kv_blocks == (8 * MiB + 40 * MiB) // block
-
-
 def test_no_host_tier_no_host_bound() -> None:
     doc = main(COMMON)
     assert doc["workloads"]["chat"]["bounds"]["kv_lru_host"] is None

@@ -13,9 +13,11 @@ import pytest
 from deltaserve.engine.config import EngineConfig
 from deltaserve.tools.sim.cli import (
     SimConfig,
+    build_parser,
     compare_policies,
     main,
     parse_budget,
+    sim_config_from_args,
     simulate,
 )
 from deltaserve.tools.workloads import ArrivalParams, Codec, WorkloadParams, make_workload, workload_names
@@ -225,6 +227,18 @@ def test_mooncake_trace_through_the_simulator(tmp_path: Path) -> None:
     res = {r["policy"]: r for r in doc["workloads"]["trace"]["results"]}
     assert res["oracle"]["requests"] == 6 and res["oracle"]["hit_rate"] > 0.5
     assert doc["workloads"]["trace"]["bounds"]["kv_lru"] > 0.5
+
+
+def test_the_bound_over_both_tiers_counts_one_device_budget_once() -> None:
+    mib = 1024**2
+    cfg = sim_config_from_args(
+        build_parser().parse_args(["--memory-mb", "2560", "--host-memory-mb", "10240"])
+    )
+    block = cfg.block_size * cfg.kv_bytes_per_token
+    # the device's 2560 MiB as KV or as checkpoints, not both, and the host's 10240 MiB
+    assert cfg.combined_kv_blocks * block == (2560 + 10200) * mib  # (the host in whole 50 MiB pages)
+    fixed = sim_config_from_args(build_parser().parse_args(["--kv-mb", "2048", "--checkpoint-mb", "500"]))
+    assert fixed.combined_kv_blocks * block == (2048 + 500) * mib
 
 
 @pytest.mark.slow

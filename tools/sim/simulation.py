@@ -23,8 +23,12 @@ from typing import Any
 
 from deltaserve.cache.admission import ADMISSION_POLICIES
 from deltaserve.cache.arena import PageUse, blocks_per_page
+from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.loss import MISS_CAUSES, MISS_PREFIX
 from deltaserve.cache.manager import checkpoint_unit
+from deltaserve.cache.radix_tree import Node
+from deltaserve.cache.types import CaptureKind
+from deltaserve.cache.v1_eviction import V1Eviction, V1State
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
 from deltaserve.scheduler import Request
@@ -224,7 +228,8 @@ class SimResult:
     served: list[tuple[list[int], list[int]]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        # (``served`` emptied first: ``asdict`` would deep-copy every prompt of it)
+        out = asdict(replace(self, served=[]))
         del out["served"]
         return out
 
@@ -240,6 +245,24 @@ def oracle_sizes(workload: Workload, cfg: SimConfig) -> tuple[int, int]:
     blocks = total // cfg.block_size + 2 * n + 16
     slots = total // unit + 2 * n + cfg.max_num_seqs + 16
     return blocks, slots
+
+
+def _unlimited_eviction(eviction: CheckpointEviction) -> None:
+    """The oracle's checkpoint eviction, which its pools never call on (``oracle_sizes``):
+    ``v1``'s bookkeeping at every attach (demoting the checkpoints up the unforked chain above,
+    quadratic in a prompt's blocks when every unit is captured) only orders victims, so it is
+    skipped; a victim asked for anyway raises, so the shortcut can never change a result."""
+    if not isinstance(eviction, V1Eviction):
+        return
+
+    def on_attach(node: Node, kind: CaptureKind, history: int | None = None) -> None:
+        node.policy_state = V1State(0, kind is CaptureKind.BRANCH)
+
+    def victim(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the oracle's checkpoint pool ran out (oracle_sizes is too small)")
+
+    eviction.on_attach = on_attach  # type: ignore[method-assign]
+    eviction.victim = victim  # type: ignore[method-assign]
 
 
 class Simulation:
@@ -273,6 +296,8 @@ class Simulation:
             engine, cfg.capacity(kv_blocks, slots, shared=shared), checkpoint_policy=admission
         )
         self.cache = self.sched.cache
+        if oracle:
+            _unlimited_eviction(self.cache.eviction)
         if cfg.prefill_cost is not None:
             self.cache.set_prefill_cost(*cfg.prefill_cost)
         self.clock = 0.0
