@@ -9,11 +9,12 @@ import functools
 import json
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
-from deltaserve.engine import InvalidRequestError
-from deltaserve.engine.constraint import Constraint, ConstraintKind
+from deltaserve.engine import InvalidRequestError, SamplingParams
+from deltaserve.engine.constraint import Constraint, ConstraintKind, trusted_decode
 from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.grammar_gate import GatedMatcher, GateTables, partial_match
 from tests.engine.test_grammar import _tokenizer
@@ -169,3 +170,11 @@ def test_a_batch_of_plain_and_gated_matchers_fills_each_row_as_alone() -> None:
     for m, row in zip(matchers, [4, 0, 2], strict=True):
         assert torch.equal(batch[row], _mask(m))
     assert torch.equal(batch[1], g.allocate(1)[0]) and torch.equal(batch[3], g.allocate(1)[0])
+
+
+def test_the_marker_crosses_to_a_core_process_with_its_request() -> None:
+    params = SamplingParams(max_tokens=8, constraint=GATED)
+    wire = msgspec.msgpack.encode(params)
+    with trusted_decode():
+        back = msgspec.msgpack.decode(wire, type=SamplingParams)
+    assert back.constraint == GATED and back.constraint.starts_after == END
