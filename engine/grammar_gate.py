@@ -14,6 +14,8 @@ Free phase, what the next token may be (``fill_next_token_bitmask``):
 * any token, except the grammar's stop tokens (EOS): a forced call or strict schema promises
   an answer, so the request may not end while it reasons (vLLM lets it end there, with no
   answer at all); ``max_tokens`` still ends it (``length``), as it ends any constrained output;
+* except a token with no bytes (the ids that pad the model's vocabulary past the tokenizer's,
+  which no grammar allows either);
 * except a token that completes the marker and goes on past it (``>\\n`` after ``</think``):
   the grammar starts exactly at a token boundary, so every byte after the marker is the
   grammar's.
@@ -63,9 +65,10 @@ def partial_match(marker: bytes, matched: int, token: bytes) -> tuple[int, int]:
 
 class GateTables:
     """The free phase's masks of one vocabulary and marker: row ``m`` (``m`` bytes of the marker
-    matched) allows every token except the stop tokens and those that would complete the
-    marker with bytes after it. ``decoded``: each token id's bytes (ids past it: never allowed,
-    as the grammar's own masks treat the padded vocabulary)."""
+    matched) allows every token except the stop tokens, those with no bytes and those that
+    would complete the marker with bytes after it. ``decoded``: each token id's bytes (ids past
+    it, or with no bytes: the padded vocabulary, never allowed, as the grammar's own masks
+    treat it)."""
 
     def __init__(
         self, marker: str, decoded: Sequence[bytes], vocab_size: int, stop_ids: Sequence[int]
@@ -78,6 +81,7 @@ class GateTables:
         words = (vocab_size + 31) // 32
         allowed = torch.ones(words * 32, dtype=torch.bool)
         allowed[len(self.decoded) :] = False
+        allowed[[i for i, b in enumerate(self.decoded) if not b]] = False
         allowed[list(self.stop_ids)] = False
         n = len(self.marker)
         rows = allowed.repeat(n, 1)
@@ -91,10 +95,13 @@ class GateTables:
                         rows[m, tid] = False
         self.masks = _pack(rows)  # (n, words) int32, bit set = allowed
 
+    def decoded_at(self, token: int) -> bytes:
+        """The bytes of a token id (b"" for an id past the vocabulary)."""
+        return self.decoded[token] if 0 <= token < len(self.decoded) else b""
+
     def step(self, matched: int, token: int) -> tuple[int, int]:
-        """``partial_match`` for a token id (an id with no bytes matches nothing)."""
-        b = self.decoded[token] if 0 <= token < len(self.decoded) else b""
-        return partial_match(self.marker, matched, b)
+        """``partial_match`` for a token id."""
+        return partial_match(self.marker, matched, self.decoded_at(token))
 
 
 def _pack(rows: torch.Tensor) -> torch.Tensor:
@@ -127,7 +134,7 @@ class GatedMatcher:
                 return False
             self._inner_steps += 1
             return True
-        if token in self.tables.stop_ids:
+        if token in self.tables.stop_ids or not self.tables.decoded_at(token):
             return False
         state, past = self.tables.step(self.matched, token)
         if past:

@@ -68,8 +68,9 @@ def test_the_marker_matches_across_token_boundaries() -> None:
 
 
 def test_the_free_phase_allows_all_but_stop_tokens_and_overshooting_ones() -> None:
-    # a toy vocabulary: "a", "</", "think", ">", ">\n" (overshoots from 7 bytes matched), EOS
-    decoded = [b"a", b"</", b"think", b">", b">\n", b"<|eos|>", b"x</think>y", b"</think>"]
+    # a toy vocabulary: "a", "</", "think", ">", ">\n" (overshoots from 7 bytes matched), EOS,
+    # and a padding id (no bytes)
+    decoded = [b"a", b"</", b"think", b">", b">\n", b"<|eos|>", b"x</think>y", b"</think>", b""]
     t = GateTables(END, decoded, 64, [5])
 
     def ok(matched: int) -> list[int]:
@@ -78,6 +79,10 @@ def test_the_free_phase_allows_all_but_stop_tokens_and_overshooting_ones() -> No
     assert ok(0) == [0, 1, 2, 3, 4, 7]  # no stop token, no "x</think>y"; ids past the vocabulary: none
     assert ok(7) == [0, 1, 2, 3, 7]  # after "</think": ">\n" would go past the marker
     assert t.masks.shape == (len(END), 2)
+    m = GatedMatcher(None, t)
+    assert not m.accept_token(8) and not m.accept_token(5) and not m.accept_token(40)  # padding, EOS, past
+    assert m.accept_token(1) and m.accept_token(2) and not m.accept_token(4) and m.accept_token(3)
+    assert m.in_grammar and m.num_free_tokens == 3
     with pytest.raises(ValueError, match="1 to 64 bytes"):
         GateTables("", decoded, 64, [5])
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import jsonschema
+import msgspec
 import pytest
 import torch
 
@@ -35,8 +36,10 @@ from deltaserve.engine.grammar_gate import GatedMatcher
 from deltaserve.engine.spec.replay import ReplayDrafter
 from deltaserve.kernels import get_ops
 from deltaserve.models import LoadedModel, ensure_builtin_model, load_model
+from deltaserve.server import protocol as p
 from deltaserve.server.app import create_app
 from deltaserve.server.serving import BackgroundServer
+from deltaserve.server.structured import ForcedMode, chat_constraint
 from deltaserve.tools.make_shaped_model import save_tokenizer
 from tests.server.conftest import server_engine_config
 
@@ -383,3 +386,28 @@ async def test_thinking_off_a_json_schema_and_a_stream(model: tuple[Path, Loaded
     assert [c["function"] for c in stream["message"]["tool_calls"]] == [
         {k: v for k, v in c["function"].items()} for c in whole["message"]["tool_calls"]
     ]
+
+
+def test_every_chat_constraint_source_starts_after_the_marker_when_asked() -> None:
+    def req(**fields: Any) -> p.ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+        return msgspec.convert(body, p.ChatCompletionRequest)
+
+    named = {"type": "function", "function": {"name": "ping"}}
+    cases = [
+        {"tools": TOOLS, "tool_choice": "required"},
+        {"tools": TOOLS, "tool_choice": named},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS["ping"]}}},
+        {"structured_outputs": {"regex": "[a-z]+"}},
+        {"guided_choice": ["yes", "no"]},
+    ]
+    for fields in cases:
+        for after in ("</think>", None):
+            constraint, forced = chat_constraint(req(**fields), after)
+            assert constraint is not None and constraint.starts_after == after, fields
+            if "tool_choice" in fields:
+                assert forced is not None and forced.after_reasoning is (after is not None)
+                assert forced.mode is (
+                    ForcedMode.NAMED if fields["tool_choice"] == named else ForcedMode.REQUIRED
+                )
