@@ -102,7 +102,7 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     ``starts_after``: the constraint holds only from the first token after the output's text
     contains this marker (a reasoning model's ``"</think>"``); before it every token but the
-    stop tokens is allowed, and the marker must end at a token boundary
+    stop tokens (and the padding ids) is allowed, and the marker must end at a token boundary
     (``engine/grammar_gate.py``). None: from the first token.
     """
 
