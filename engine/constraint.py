@@ -36,6 +36,7 @@ from deltaserve.engine.errors import InvalidRequestError
 
 MAX_SPEC_CHARS = 1 << 20  # a schema / regex / grammar of at most 1 MiB of text
 MAX_CHOICES = 1024
+MAX_MARKER_BYTES = 64  # a ``starts_after`` marker is a tag (``engine/grammar_gate.py``)
 JSON_SEPARATORS = (", ", ": ")
 # xgrammar prefixes its messages with "[time] path/file.cc:line: "
 SAFE_INTEGER = 2**53 - 1  # RFC 7493 (I-JSON): integers beyond this do not round-trip
@@ -98,10 +99,16 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ``spec``: for ``JSON_SCHEMA`` the schema as JSON text, for ``REGEX`` / ``GRAMMAR`` the
     pattern / grammar text, for ``CHOICE`` a non-empty list of non-empty strings; ``JSON_OBJECT``
     takes none. Errors name ``SamplingParams.constraint.spec`` (or ``.kind``).
+
+    ``starts_after``: the constraint holds only from the first token after the output's text
+    contains this marker (a reasoning model's ``"</think>"``); before it every token but the
+    stop tokens (and the padding ids) is allowed, and the marker must end at a token boundary
+    (``engine/grammar_gate.py``). None: from the first token.
     """
 
     kind: ConstraintKind
     spec: str | list[str] | None = None
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         if _TRUSTED.get():
@@ -110,11 +117,19 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise InvalidRequestError(
                 f"SamplingParams.constraint.kind={self.kind!r}: must be a ConstraintKind"
             )
+        if self.starts_after is not None and not (
+            isinstance(self.starts_after, str) and 0 < len(self.starts_after.encode()) <= MAX_MARKER_BYTES
+        ):
+            raise InvalidRequestError(
+                f"SamplingParams.constraint.starts_after={self.starts_after!r}: "
+                f"must be a string of 1 to {MAX_MARKER_BYTES} bytes"
+            )
         build_grammar(self)
 
     @property
     def key(self) -> tuple[str, str]:
-        """A hashable identity of the constraint (the compile cache's key)."""
+        """A hashable identity of the constraint (the compile cache's key: ``starts_after``
+        is not in it, since the compiled grammar is the same; the matcher differs)."""
         spec = self.spec if isinstance(self.spec, str) or self.spec is None else json.dumps(self.spec)
         return self.kind.value, spec or ""
 

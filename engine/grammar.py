@@ -23,6 +23,11 @@ Each constrained request owns a ``GrammarMatcher`` (``RequestState.matcher``) th
 with every token the request accepts. ``fill_masks`` writes the next-token bitmask of a batch
 of matchers (one int32 row of ``ceil(vocab / 32)`` words per logits row; bit set = allowed).
 The engine uses xgrammar (tools/bench/bench_grammar.py measured it against llguidance).
+
+A constraint with ``starts_after`` (a reasoning model's answer, after ``</think>``) gets a
+``GatedMatcher`` (``engine/grammar_gate.py``): the same interface, free text until the marker,
+then this grammar. Its free-phase masks are built once per marker (``gate_tables``), and
+``fill_masks`` takes plain and gated matchers in one batch.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from deltaserve.engine.constraint import (
     choice_ebnf,
 )
 from deltaserve.engine.errors import GrammarTimeoutError, InvalidRequestError
+from deltaserve.engine.grammar_gate import GatedMatcher, GateTables
 from deltaserve.logs import get_logger
 
 log = get_logger("deltaserve.engine")
@@ -104,6 +110,7 @@ class Grammars:
         self._jobs: queue.SimpleQueue[tuple[Constraint, Future[Any]] | None] = queue.SimpleQueue()
         self._num_threads = threads
         self._threads: list[threading.Thread] = []  # started on the first compile
+        self._gates: dict[str, GateTables] = {}  # free-phase masks per end marker (``gate_tables``)
         self.compiles = 0  # cache misses (tests, stats)
         self.compile_errors = 0
         _LIVE.add(self)
@@ -192,6 +199,7 @@ class Grammars:
         with self._lock:
             self._cache.clear()
             self._inflight.clear()
+            self._gates.clear()
             self._ready = False
             for name in ("_batch", "_compiler", "info"):
                 self.__dict__.pop(name, None)
@@ -245,17 +253,47 @@ class Grammars:
         compiled = self.compile(c)
         return self._xgr.GrammarMatcher(compiled)
 
-    def matcher_of(self, compiled: Any) -> Any:
-        """A new matcher of a compiled grammar (``cached`` / ``compile_async``'s result)."""
-        return self._xgr.GrammarMatcher(compiled)
+    def matcher_of(self, compiled: Any, starts_after: str | None = None) -> Any:
+        """A new matcher of a compiled grammar (``cached`` / ``compile_async``'s result);
+        ``starts_after``: the grammar holds only after the output's text contains it (a
+        ``GatedMatcher``; ``Constraint.starts_after``)."""
+        matcher = self._xgr.GrammarMatcher(compiled)
+        if starts_after is None:
+            return matcher
+        return GatedMatcher(matcher, self.gate_tables(starts_after))
+
+    def gate_tables(self, marker: str) -> GateTables:
+        """The free-phase masks of ``marker`` over this vocabulary (built on first use: one
+        pass over the tokens that hold the marker's last byte)."""
+        self._ensure()
+        with self._lock:
+            tables = self._gates.get(marker)
+        if tables is None:
+            tables = GateTables(marker, self.info.decoded_vocab, self.vocab_size, self.info.stop_token_ids)
+            with self._lock:
+                tables = self._gates.setdefault(marker, tables)
+        return tables
 
     def allocate(self, rows: int) -> torch.Tensor:
         """A bitmask of ``rows`` rows, every token allowed (int32, CPU)."""
         return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def fill_masks(self, matchers: Sequence[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Row ``rows[i]`` of ``bitmask`` := the next-token mask of ``matchers[i]``."""
-        self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, indices=rows)
+        """Row ``rows[i]`` of ``bitmask`` := the next-token mask of ``matchers[i]`` (plain or
+        gated: the grammar-phase ones go to the native batch call together)."""
+        native: list[Any] = []
+        native_rows: list[int] = []
+        for m, row in zip(matchers, rows, strict=True):
+            if not isinstance(m, GatedMatcher):
+                native.append(m)
+                native_rows.append(row)
+            elif m.in_grammar:
+                native.append(m.inner)
+                native_rows.append(row)
+            else:
+                m.fill_next_token_bitmask(bitmask, row)
+        if native:
+            self._batch.batch_fill_next_token_bitmask(native, bitmask, indices=native_rows)
 
 
 @atexit.register

@@ -36,6 +36,7 @@ from deltaserve.server.inputs import completion_prompts, messages_to_dicts, samp
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.offload import Tokenizer
 from deltaserve.server.output_parser import ChatParsing, OutputParser
+from deltaserve.server.reasoning import THINK_END
 from deltaserve.server.sse import ChunkFormat, SSEResponse, UsageMode, run_or_disconnect, stream_frames
 from deltaserve.server.structured import (
     ForcedTools,
@@ -271,7 +272,9 @@ class OpenAIServer:
         # one parser per completion turns its text (whole, streamed, or cut short) into the
         # message, for a forced call too: a stream's deltas add up to the whole response
         if forced is not None:
-            parsing: Callable[[], OutputParser] | None = ChatParsing.forced(forced.name)
+            parsing: Callable[[], OutputParser] | None = ChatParsing.forced(
+                forced.name, forced.after_reasoning
+            )
         else:
             parsing = self.parsing.for_request(
                 tools, parse_tools, req.chat_template_kwargs, req.chat_template
@@ -303,8 +306,10 @@ class OpenAIServer:
             top = req.top_logprobs or 0
         elif req.top_logprobs is not None and req.top_logprobs > 0:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        # a model that thinks first gets its constraint after the reasoning (structured.py)
+        after = THINK_END if self.parsing.thinks_first(req.chat_template_kwargs, req.chat_template) else None
         # parsing a schema costs up to its limits' worth: off the event loop
-        constraint, forced = await asyncio.to_thread(chat_constraint, req)
+        constraint, forced = await asyncio.to_thread(chat_constraint, req, after)
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top, constraint=constraint)
         if req.prompt_logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=req.prompt_logprobs)

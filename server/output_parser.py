@@ -228,9 +228,23 @@ class ChatParsing:
 
         return make
 
+    def thinks_first(self, template_kwargs: dict[str, Any] | None, chat_template: str | None = None) -> bool:
+        """Whether the request's model reasons before it answers: the reasoning parser is on
+        and the request's generation prompt opens ``<think>`` (``enable_thinking`` not off).
+        Its output constraint then starts after ``</think>`` (``server/structured.py``)."""
+        self.resolve()
+        if self.reasoning_parser is not ReasoningParserName.QWEN3:
+            return False
+        assert self._probe is not None
+        return self._probe.opens_think(template_kwargs, chat_template)
+
     @staticmethod
-    def forced(name: str | None) -> Callable[[], OutputParser]:
+    def forced(name: str | None, after_reasoning: bool = False) -> Callable[[], OutputParser]:
         """The parser maker of a forced call's output (``ForcedCallParser``: ``name`` the named
-        function, None for ``"required"``). No reasoning parser: the constraint holds from the
-        first token, so the whole output is the call's JSON."""
+        function, None for ``"required"``). ``after_reasoning``: the output is the reasoning
+        (opened by the prompt), ``</think>``, then the call's JSON (its constraint starts after
+        the reasoning); otherwise the constraint holds from the first token and the whole
+        output is the call's JSON."""
+        if after_reasoning:
+            return lambda: OutputParser(Qwen3ReasoningParser(True), ForcedCallParser(name))
         return lambda: OutputParser(None, ForcedCallParser(name))

@@ -11,6 +11,12 @@ Sources of a constraint (at most one per request; a second is a 400 naming it):
   request's tools, as vLLM builds it, with at most ``MAX_FORCED_CALLS`` items) or a named
   function (that function's parameters object).
 
+With a reasoning model that thinks first (the reasoning parser is on and the request's
+generation prompt opens ``<think>``: ``ChatParsing.thinks_first``), every chat constraint
+starts after ``</think>`` (``Constraint.starts_after``, ``engine/grammar_gate.py``): the
+reasoning is free text, returned as ``reasoning_content``, and the grammar holds from the token
+after it. Without a reasoning parser, or with thinking off, it holds from the first token.
+
 A forced tool call comes back as ``tool_calls`` (read by ``call_scanner.ForcedCallParser``, one
 parser for a whole response and a stream): finish reason ``tool_calls``, or ``length`` with the
 partial call (its name once generated, its arguments the JSON text so far) when ``max_tokens``
@@ -51,6 +57,7 @@ class ForcedTools:
 
     mode: ForcedMode
     name: str | None = None  # NAMED: the function
+    after_reasoning: bool = False  # the call follows the model's reasoning (``starts_after``)
 
 
 class _JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -73,9 +80,11 @@ class _StructuredOutputs(msgspec.Struct, kw_only=True):
     json_object: bool | None = None
 
 
-def _make(kind: ConstraintKind, spec: str | list[str] | None, param: str) -> Constraint:
+def _make(
+    kind: ConstraintKind, spec: str | list[str] | None, param: str, starts_after: str | None = None
+) -> Constraint:
     try:
-        return Constraint(kind=kind, spec=spec)
+        return Constraint(kind=kind, spec=spec, starts_after=starts_after)
     except InvalidRequestError as e:
         detail = str(e).removeprefix("SamplingParams.constraint.spec: ")
         raise bad_request(f"{param}: {detail}", param) from None
@@ -96,57 +105,59 @@ def _convert(value: Any, type_: type, param: str) -> Any:
         raise bad_request(f"{param}: {e}", param) from None
 
 
-def _from_response_format(rf: dict[str, Any]) -> Constraint | None:
+def _from_response_format(rf: dict[str, Any], after: str | None) -> Constraint | None:
     fmt = _convert(rf, _ResponseFormat, "response_format")
     if fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return _make(ConstraintKind.JSON_OBJECT, None, "response_format")
+        return _make(ConstraintKind.JSON_OBJECT, None, "response_format", after)
     if fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise bad_request(
                 "response_format.json_schema.schema is required", "response_format.json_schema.schema"
             )
         param = "response_format.json_schema.schema"
-        return _make(ConstraintKind.JSON_SCHEMA, _schema_text(fmt.json_schema.schema, param), param)
+        return _make(ConstraintKind.JSON_SCHEMA, _schema_text(fmt.json_schema.schema, param), param, after)
     raise bad_request(
         f"response_format.type {fmt.type!r} is not one of 'text', 'json_object', 'json_schema'",
         "response_format.type",
     )
 
 
-def _from_structured(so: _StructuredOutputs, prefix: str) -> list[Constraint]:
+def _from_structured(so: _StructuredOutputs, prefix: str, after: str | None) -> list[Constraint]:
     """The constraints ``so`` sets (``prefix``: how its fields are named in errors)."""
     out = []
     if so.json is not None:
         param = f"{prefix}json"
-        out.append(_make(ConstraintKind.JSON_SCHEMA, _schema_text(so.json, param), param))
+        out.append(_make(ConstraintKind.JSON_SCHEMA, _schema_text(so.json, param), param, after))
     if so.json_object:
-        out.append(_make(ConstraintKind.JSON_OBJECT, None, f"{prefix}json_object"))
+        out.append(_make(ConstraintKind.JSON_OBJECT, None, f"{prefix}json_object", after))
     if so.regex is not None:
-        out.append(_make(ConstraintKind.REGEX, so.regex, f"{prefix}regex"))
+        out.append(_make(ConstraintKind.REGEX, so.regex, f"{prefix}regex", after))
     if so.choice is not None:
-        out.append(_make(ConstraintKind.CHOICE, so.choice, f"{prefix}choice"))
+        out.append(_make(ConstraintKind.CHOICE, so.choice, f"{prefix}choice", after))
     if so.grammar is not None:
-        out.append(_make(ConstraintKind.GRAMMAR, so.grammar, f"{prefix}grammar"))
+        out.append(_make(ConstraintKind.GRAMMAR, so.grammar, f"{prefix}grammar", after))
     return out
 
 
-def request_constraint(req: p._SamplingFields) -> Constraint | None:
+def request_constraint(req: p._SamplingFields, starts_after: str | None = None) -> Constraint | None:
     """The constraint a chat or completions request sets through ``response_format``,
-    ``structured_outputs`` or the ``guided_*`` fields (400 when several are set)."""
+    ``structured_outputs`` or the ``guided_*`` fields (400 when several are set);
+    ``starts_after``: the reasoning's end marker when the model thinks first."""
+    after = starts_after
     found: list[tuple[str, Constraint]] = []
     if req.response_format:
-        c = _from_response_format(req.response_format)
+        c = _from_response_format(req.response_format, after)
         if c is not None:
             found.append(("response_format", c))
     if req.structured_outputs:
         so = _convert(req.structured_outputs, _StructuredOutputs, "structured_outputs")
-        found += [("structured_outputs", c) for c in _from_structured(so, "structured_outputs.")]
+        found += [("structured_outputs", c) for c in _from_structured(so, "structured_outputs.", after)]
     guided = _StructuredOutputs(
         json=req.guided_json, regex=req.guided_regex, choice=req.guided_choice, grammar=req.guided_grammar
     )
-    found += [("guided_*", c) for c in _from_structured(guided, "guided_")]
+    found += [("guided_*", c) for c in _from_structured(guided, "guided_", after)]
     if len(found) > 1:
         names = ", ".join(sorted({f for f, _ in found}))
         raise bad_request(f"give at most one output constraint (set: {names})", found[1][0])
@@ -157,8 +168,12 @@ def _tool_parameters(tool: p.Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def tool_choice_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint, ForcedTools] | None:
-    """The constraint of a ``tool_choice`` that forces a call (None for auto / none / unset)."""
+def tool_choice_constraint(
+    req: p.ChatCompletionRequest, starts_after: str | None = None
+) -> tuple[Constraint, ForcedTools] | None:
+    """The constraint of a ``tool_choice`` that forces a call (None for auto / none / unset);
+    ``starts_after``: the reasoning's end marker when the model thinks first."""
+    after = starts_after
     choice = req.tool_choice
     if choice is None or choice in ("auto", "none"):
         return None
@@ -174,8 +189,8 @@ def tool_choice_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint, Fo
                 f"tool_choice names function {name!r}, which is not in tools {known}", "tool_choice"
             )
         spec = json.dumps(_tool_parameters(tool))
-        return _make(ConstraintKind.JSON_SCHEMA, spec, "tools.function.parameters"), ForcedTools(
-            ForcedMode.NAMED, name
+        return _make(ConstraintKind.JSON_SCHEMA, spec, "tools.function.parameters", after), ForcedTools(
+            ForcedMode.NAMED, name, after is not None
         )
     items = [
         {
@@ -190,17 +205,19 @@ def tool_choice_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint, Fo
     ]
     most = MAX_FORCED_CALLS if req.parallel_tool_calls else 1
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": items}}
-    return _make(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools.function.parameters"), ForcedTools(
-        ForcedMode.REQUIRED
-    )
+    constraint = _make(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools.function.parameters", after)
+    return constraint, ForcedTools(ForcedMode.REQUIRED, None, after is not None)
 
 
-def chat_constraint(req: p.ChatCompletionRequest) -> tuple[Constraint | None, ForcedTools | None]:
+def chat_constraint(
+    req: p.ChatCompletionRequest, starts_after: str | None = None
+) -> tuple[Constraint | None, ForcedTools | None]:
     """A chat request's constraint and, for a forced ``tool_choice``, how its output is shaped
-    (400 when both a forced call and another constraint are asked for). Parses each schema:
+    (400 when both a forced call and another constraint are asked for); ``starts_after``: the
+    reasoning's end marker when the model thinks first (module docstring). Parses each schema:
     call it off the event loop."""
-    constraint = request_constraint(req)
-    tool_forced = tool_choice_constraint(req)
+    constraint = request_constraint(req, starts_after)
+    tool_forced = tool_choice_constraint(req, starts_after)
     if tool_forced is None:
         return constraint, None
     if constraint is not None:

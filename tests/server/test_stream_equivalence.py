@@ -15,7 +15,9 @@ another batch differ in their last bits, so log-probabilities are compared withi
 prefix caching is off, so both runs compute the whole prompt). The random weights never write
 ``<think>`` or ``<tool_call>``, so for the parsers' modes the sampling of a request whose seed
 has a script is replaced: its k-th token is the script's k-th (then EOS). Forced tool calls
-and ``response_format`` use the real, constrained sampling. A mode's seeds run at once (the
+and ``response_format`` use the real, constrained sampling; the forced calls with thinking off,
+since with it on their constraint starts after ``</think>``, which the random weights never
+write (``tests/spec/test_spec_toolcalls.py`` streams a forced call after reasoning). A mode's seeds run at once (the
 engine batches them), each whole and streamed at once; the default run gives each seed one of
 ``CUTS``, the slow grid every cut to more seeds.
 """
@@ -196,6 +198,9 @@ def reply(rng: random.Random, *, think: str, calls: str | None) -> str:
 
 # ---------------------------------------------------------------------- modes
 #: mode -> (server, endpoint, request fields, scripted reply maker or None for real sampling)
+#: thinking off: a forced call's constraint then holds from the first token
+NO_THINK: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": False}}
+
 MODES: dict[str, tuple[str, str, dict[str, Any], Any]] = {
     "chat-plain": ("raw", "chat", {}, None),
     "chat-plain-logprobs-n2": ("raw", "chat", {"logprobs": True, "top_logprobs": 2, "n": 2}, None),
@@ -207,12 +212,14 @@ MODES: dict[str, tuple[str, str, dict[str, Any], Any]] = {
         "xml", "chat", {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
         lambda r: reply(r, think="no", calls="xml"),
     ),
-    "chat-tools-required": ("xml", "chat", {"tools": TOOLS, "tool_choice": "required"}, None),
+    "chat-tools-required": ("xml", "chat", {"tools": TOOLS, "tool_choice": "required", **NO_THINK}, None),
     "chat-tools-required-one": (
-        "hermes", "chat", {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, None,
+        "hermes", "chat",
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, **NO_THINK}, None,
     ),
     "chat-tools-named": (
-        "hermes", "chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        "hermes", "chat",
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, **NO_THINK},
         None,
     ),
     "chat-reasoning": ("xml", "chat", {}, lambda r: reply(r, think="opened", calls=None)),
