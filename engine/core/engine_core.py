@@ -209,7 +209,7 @@ class EngineCore:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         stop_ids = frozenset(params.stop_token_ids)
-        after = None if params.constraint is None else params.constraint.starts_after
+        after = None if params.constraint is None else params.constraint.starts_after  # gated matcher
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         return RequestState(
@@ -217,7 +217,6 @@ class EngineCore:
             generator=generator,
             plain_greedy=plain_greedy(params),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * req.num_prompt_tokens,
-            # (a constraint that starts after the reasoning gets a gated matcher)
             matcher=None if compiled is None else self.grammars.matcher_of(compiled, after),
         )
 
