@@ -298,6 +298,15 @@ class SchedulerConfig(_Section):
             le=1000.0,
         ),
     ] = 20.0
+    reserve_prompt_kv: Annotated[
+        bool,
+        _doc(
+            "Admit a prompt only while all of it fits in the device KV beside what the running prompts "
+            "still need to end (vLLM admits whole prompts; SGLang reserves): prompts admitted side by "
+            "side then never outgrow the device and preempt each other half built. Off: admission "
+            "takes the first chunk's blocks only."
+        ),
+    ] = True
     max_waiting: Annotated[
         int, _doc("Most waiting requests; beyond, generate raises EngineOverloadedError.", ge=1)
     ] = 4096

@@ -569,6 +569,7 @@ def build_scheduler(
         shared_prefix_wait_tokens=sc.shared_prefix_wait_tokens if config.cache.enable_prefix_caching else 0,
         step_budget=_step_budget(config, cache.unit),
         burst_window_s=sc.burst_window_ms / 1000.0,
+        reserve_prompts=sc.reserve_prompt_kv,
     )
 
 

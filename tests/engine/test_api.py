@@ -354,3 +354,9 @@ def test_the_burst_window_is_a_share_of_the_step_and_only_for_an_idle_engine(cor
     off = core_factory(**{"scheduler.burst_window_ms": 0})
     off.add_request(off.make_request(prompt(300), greedy(2)))
     assert off.burst_window() == 0.0
+
+
+def test_whole_prompt_admission_follows_its_config_key(core_factory: Any) -> None:
+    # the engine's scheduler reserves a whole prompt's KV before admitting it unless told not to
+    assert core_factory().scheduler.reserve_prompts is True
+    assert core_factory(**{"scheduler.reserve_prompt_kv": False}).scheduler.reserve_prompts is False
