@@ -22,6 +22,11 @@ checkpoint (a leaf: none).
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterable
+
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node
 
@@ -44,3 +49,82 @@ def band(node: Node, eviction: CheckpointEviction) -> float:
     if deeper is not None and eviction.dominates(deeper, node):
         return DOMINATED
     return ALIVE if eviction.worth(node) > 0 else DEAD
+
+
+class LruCheckpoints:
+    """The host checkpoints in least-recently-used order, to find the weakest without ranking
+    them all: it is the least recently used of the lowest band held (ties in ``last_access``
+    cannot occur: every touch takes a fresh tick), so a scan in LRU order stops at the first
+    dominated one and otherwise returns the first dead one, else the first one.
+
+    A lazy heap of ``(last_access, seq, node)``: ``add`` when a checkpoint reaches the host,
+    ``discard`` when it leaves. A touch is not reported: ``last_access`` only grows, so an
+    entry's key is never later than its node's, and a scan that meets an outdated entry pushes
+    it again with the node's current key (it is met again where it now belongs). An entry is
+    current while ``_seq[node]`` is its ``seq``; the others are skipped and dropped."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Node]] = []
+        self._seq: dict[Node, int] = {}
+        self._count = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._seq)
+
+    def add(self, node: Node) -> None:
+        seq = self._seq[node] = next(self._count)
+        heapq.heappush(self._heap, (node.last_access, seq, node))
+        if len(self._heap) > 2 * len(self._seq) + 64:  # bound the dropped entries kept
+            self._heap = [(n.last_access, s, n) for n, s in self._seq.items()]
+            heapq.heapify(self._heap)
+
+    def discard(self, node: Node) -> None:
+        self._seq.pop(node, None)
+
+    def reset(self, nodes: Iterable[Node]) -> None:
+        self._seq.clear()
+        self._heap.clear()
+        for n in nodes:
+            self.add(n)
+
+    def weakest(
+        self, band_of: Callable[[Node], float], evictable: Callable[[Node], bool]
+    ) -> tuple[Node | None, float]:
+        """The evictable checkpoint with the least ``(band_of(n), n.last_access)`` and its band
+        (``(None, inf)`` when none is evictable): scanned in LRU order up to the first dominated
+        one. The scanned entries go back into the heap."""
+        heap, seqs = self._heap, self._seq
+        kept: list[tuple[int, int, Node]] = []
+        found: Node | None = None
+        dead: Node | None = None
+        alive: Node | None = None
+        while heap:
+            entry = heapq.heappop(heap)
+            access, seq, node = entry
+            if seqs.get(node) != seq:
+                continue  # the node left the host (or was pushed again)
+            if access != node.last_access:  # touched since: it belongs later
+                seq = seqs[node] = next(self._count)
+                heapq.heappush(heap, (node.last_access, seq, node))
+                continue
+            kept.append(entry)
+            if not evictable(node):
+                continue
+            b = band_of(node)
+            if b == DOMINATED:
+                found = node
+                break
+            if b == DEAD:
+                if dead is None:
+                    dead = node
+            elif alive is None:
+                alive = node
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if found is not None:
+            return found, DOMINATED
+        if dead is not None:
+            return dead, DEAD
+        if alive is not None:
+            return alive, ALIVE
+        return None, math.inf

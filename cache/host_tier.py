@@ -5,8 +5,8 @@ The host's memory is either two fixed pools, each optional (size 0 = off): KV bl
 in their own id spaces; or one byte budget of *pages* (``num_pages``), each the size of one
 checkpoint and each exactly one of FREE, KV (``page_blocks`` = ceil(checkpoint bytes / KV
 block bytes) host blocks, ids ``page * page_blocks ...``) or CHECKPOINT (host slot id = the
-page), so KV and checkpoints trade bytes by value (``HostPages``). A KV page turns back into
-a free page only when wholly free: when a checkpoint needs a page, the victim is the weakest
+page), so KV and checkpoints trade bytes by value (``HostPages``, ``cache/host_pages.py``).
+A KV page turns back into a free page only when wholly free: when a checkpoint needs a page, the victim is the weakest
 host checkpoint or the KV page whose blocks are worth least — its nodes go (with the host
 nodes below them), no block is migrated. The radix tree records each item's tier
 (``cache/radix_tree.py``). This part owns the host
@@ -47,118 +47,10 @@ from deltaserve.cache.arena import blocks_per_page
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.disk_link import DiskLink
 from deltaserve.cache.eviction import CheckpointEviction
-from deltaserve.cache.host_order import ALIVE, band
+from deltaserve.cache.host_order import ALIVE, LruCheckpoints, band
+from deltaserve.cache.host_pages import CHECKPOINT, FREE, KV, HostPages  # (also imported from here)
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import SeqCache, Tier, Transfer, TransferKind
-
-FREE, KV, CHECKPOINT = 0, 1, 2  # what a host page holds
-
-
-class HostPages:
-    """One host byte budget in pages of one checkpoint's size (see the module docstring).
-
-    Invariants (``check``): every page is exactly one of FREE (in ``free_pages``), KV
-    (``used[page]`` blocks held, the rest in ``free_blocks[page]``; in ``open_pages`` while
-    some block is free) or CHECKPOINT (its id is a host slot); a KV page with no block held
-    is FREE again at once. Pure bookkeeping over ints.
-    """
-
-    def __init__(self, num_pages: int, page_blocks: int) -> None:
-        if num_pages <= 0 or page_blocks <= 0:
-            raise ValueError(f"host pages: {num_pages} pages of {page_blocks} blocks")
-        self.num_pages = num_pages
-        self.page_blocks = page_blocks
-        self.kind = [FREE] * num_pages
-        self.free_pages: dict[int, None] = dict.fromkeys(range(num_pages))  # an ordered set
-        self.used = [0] * num_pages
-        self.free_blocks: list[list[int]] = [[] for _ in range(num_pages)]
-        self.open_pages: dict[int, None] = {}  # KV pages with a free block
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_pages * self.page_blocks
-
-    def page_of(self, block: int) -> int:
-        return block // self.page_blocks
-
-    def can_allocate_block(self) -> bool:
-        return bool(self.open_pages or self.free_pages)
-
-    def allocate_block(self) -> int:
-        """A host block: from a KV page with room, else a free page turned KV."""
-        if self.open_pages:
-            page = next(iter(self.open_pages))
-        else:
-            page = self._take_page(KV)
-            n = self.page_blocks
-            self.free_blocks[page] = list(range(page * n + n - 1, page * n - 1, -1))
-            self.open_pages[page] = None
-        block = self.free_blocks[page].pop()
-        self.used[page] += 1
-        if not self.free_blocks[page]:
-            del self.open_pages[page]
-        return block
-
-    def free_block(self, block: int) -> None:
-        page = self.page_of(block)
-        if self.kind[page] != KV or block in self.free_blocks[page]:
-            raise RuntimeError(f"free of host block {block}: not held")
-        self.used[page] -= 1
-        if self.used[page] == 0:  # wholly free: a page again, for either kind
-            self.free_blocks[page] = []
-            self.open_pages.pop(page, None)
-            self.kind[page] = FREE
-            self.free_pages[page] = None
-            return
-        self.free_blocks[page].append(block)
-        self.open_pages[page] = None
-
-    def allocate_slot(self) -> int:
-        return self._take_page(CHECKPOINT)
-
-    def free_slot(self, slot: int) -> None:
-        if self.kind[slot] != CHECKPOINT:
-            raise RuntimeError(f"free of host checkpoint page {slot}: not a checkpoint page")
-        self.kind[slot] = FREE
-        self.free_pages[slot] = None
-
-    def _take_page(self, kind: int) -> int:
-        page = next(iter(self.free_pages))
-        del self.free_pages[page]
-        self.kind[page] = kind
-        return page
-
-    def counts(self) -> dict[int, int]:
-        out = dict.fromkeys((FREE, KV, CHECKPOINT), 0)
-        for k in self.kind:
-            out[k] += 1
-        return out
-
-    def check(self, held_blocks: dict[int, Node], slots: dict[int, Node]) -> None:
-        """Every page exactly one of free / KV / checkpoint; every block of a KV page free or
-        held by one node (``held_blocks``); checkpoint pages = the host slots (``slots``)."""
-        n = self.page_blocks
-        held_by_page: dict[int, list[int]] = {}
-        for b in held_blocks:
-            assert 0 <= b < self.num_blocks, f"host block {b} out of range"
-            held_by_page.setdefault(self.page_of(b), []).append(b)
-        for page in range(self.num_pages):
-            kind, held, free = self.kind[page], held_by_page.get(page, []), self.free_blocks[page]
-            assert (page in self.free_pages) == (kind == FREE), f"host page {page}: free list drift"
-            assert (page in slots) == (kind == CHECKPOINT), f"host page {page}: checkpoint page drift"
-            if kind != KV:
-                assert not held and not free, f"host page {page}: blocks on a non-KV page"
-                continue
-            assert held, f"host page {page}: a KV page with no block held is not freed"
-            assert self.used[page] == len(held), f"host page {page}: used count drift"
-            assert len(set(free)) == len(free) and not set(free) & set(held), (
-                f"host page {page}: block free and held"
-            )
-            assert sorted(free + held) == list(range(page * n, page * n + n)), (
-                f"host page {page}: blocks leaked"
-            )
-            assert (page in self.open_pages) == bool(free), f"host page {page}: open list drift"
-        assert all(self.kind[p] == KV for p in self.open_pages), "open page not a KV page"
 
 
 class HostTier:
@@ -191,6 +83,7 @@ class HostTier:
         self.num_slots = num_slots
         self._free_slots: deque[int] = deque(range(num_slots) if self.pages is None else ())
         self.attached: dict[int, Node] = {}  # host slot -> node holding it
+        self.lru = LruCheckpoints()  # the attached nodes (one budget: ``_weakest_checkpoint``)
         self.owner: dict[int, Node] = {}  # host block -> node holding it
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         # the disk tier (``cache/disk_link.py``) hears of a host checkpoint evicted (its bytes
@@ -258,8 +151,13 @@ class HostTier:
         return band(node, self.eviction)
 
     def _weakest_checkpoint(self) -> tuple[Node | None, float]:
-        """The host checkpoint worth least, and its worth."""
+        """The host checkpoint worth least, and its worth (one budget under a per-byte value
+        strategy: the lowest band, least recently used first, scanned in LRU order)."""
         worth = self.worth
+        if self.pages is not None and self.eviction.per_byte:
+            if len(self.lru) != len(self.attached):  # (``attached`` was set from outside)
+                self.lru.reset(self.attached.values())
+            return self.lru.weakest(worth, self._evictable_checkpoint)
         best: Node | None = None
         key = (math.inf, 0)
         for n in self.attached.values():
@@ -270,13 +168,14 @@ class HostTier:
                     best, key = n, k
         return best, key[0]
 
-    def _page_victim(self) -> tuple[list[Node], float]:
+    def _page_victim(self, enough: float = math.inf) -> tuple[list[Node], float]:
         """The KV page to free for a checkpoint, and what it is worth: the page of the host
         KV leaf next in line (checkpoint-less first, then LRU: pages fill in demotion order,
         so its blocks are about as old), worth the most valuable host checkpoint its nodes
         and the host nodes below them hold (a hit there needs every block of its path).
         ``([], inf)`` when no page can go: a block of it is being copied, or a checkpoint
-        below it is pinned."""
+        below it is pinned. The walk stops once the worth reaches ``enough`` (then a page that
+        cannot go may read as worth it: for callers to whom both mean "not weaker")."""
         pages = self.pages
         leaf = self.tree.peek_host_leaf()
         if pages is None or leaf is None:
@@ -290,8 +189,8 @@ class HostTier:
             node = stack.pop()
             if node.moving or node.block_id >= 0 or node.ckpt_pins or node.ckpt_moving:
                 return [], math.inf
-            if node.host_slot is not None:
-                worth = max(worth, self.worth(node))
+            if node.host_slot is not None and (worth := max(worth, self.worth(node))) >= enough:
+                return nodes, worth
             stack.extend(node.children.values())
         return nodes, worth
 
@@ -304,11 +203,14 @@ class HostTier:
             return 0.0
         _, worth = self._weakest_checkpoint()
         if self.pages is not None:
-            worth = min(worth, self._page_victim()[1])
             if self.eviction.per_byte:
                 # the bands are not on the strategy's scale: a capture may push a checkpoint
-                # down where the host holds something dead or dominated, not past live items
+                # down where the host holds something dead or dominated, not past live items.
+                # A page is worth >= 0 (DEAD), so only past a live weakest checkpoint can it
+                # be lower, and then only whether it is < ALIVE matters
+                worth = worth if worth < ALIVE else min(worth, self._page_victim(ALIVE)[1])
                 return worth if worth < ALIVE else math.inf
+            worth = min(worth, self._page_victim()[1])
         return worth
 
     # ------------------------------------------------------------------ demotion (saves)
@@ -326,6 +228,7 @@ class HostTier:
             return False
         node.host_slot = slot
         self.attached[slot] = node
+        self.lru.add(node)
         self.tree.set_ckpt_moving(node, True)
         self.saves.append(Transfer(TransferKind.CKPT_SAVE, node, device_slot, slot))
         self.counters["host.checkpoints_demoted"] += 1
@@ -336,7 +239,7 @@ class HostTier:
         weakest item if that is not worth more (a checkpoint, or a KV page's nodes); -1."""
         while not self._has_slot():
             victim, victim_worth = self._weakest_checkpoint()
-            nodes, page_worth = self._page_victim() if self.pages is not None else ([], math.inf)
+            nodes, page_worth = self._victim_page(victim, victim_worth)
             weakest = min(victim_worth, page_worth)
             # one budget: a tie goes to the newcomer (items the value model cannot tell apart
             # turn over like LRU); the fixed pair keeps its residents on a tie
@@ -350,6 +253,14 @@ class HostTier:
                 self._evict_checkpoints(nodes, below=True)
                 self._drop_nodes(nodes)
         return self._take()
+
+    def _victim_page(self, victim: Node | None, victim_worth: float) -> tuple[list[Node], float]:
+        """``_page_victim`` as far as ``_take_slot`` needs it beside ``victim``: under the bands a
+        page (worth >= DEAD) never goes before a dominated or dead checkpoint, and past a live
+        one only a page worth less than ALIVE does (a tie keeps the checkpoint the victim)."""
+        if self.pages is None or (self.eviction.per_byte and victim is not None and victim_worth < ALIVE):
+            return [], math.inf
+        return self._page_victim(ALIVE if self.eviction.per_byte and victim is not None else math.inf)
 
     def _drop_nodes(self, nodes: list[Node]) -> None:
         """Drop host nodes with every host node below them, deepest first."""
@@ -369,6 +280,7 @@ class HostTier:
         if self.tree.on_checkpoint_gone is not None:
             self.tree.on_checkpoint_gone(node.key)
         del self.attached[slot]
+        self.lru.discard(node)
         self._give_back_slot(slot)
         self.tree.version += 1
         self.tree.refresh(node)
