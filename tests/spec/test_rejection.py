@@ -19,17 +19,18 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_emitted_tokens_follow_the_target_distribution() -> None:
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, 0.3], [1.0, 1.0, 0.0, 2.0, 0.0]])
-    params = SamplingParams(temperature=0.8, max_tokens=4)
-    p = target_probs(logits, params)
-    assert torch.allclose(p.sum(-1), torch.ones(3))
-    gen = torch.Generator().manual_seed(1234)
-    n = 20_000
-    first = torch.zeros(5)
-    second = torch.zeros(5)  # the token after an accepted first draft
-    third = torch.zeros(5)  # the bonus after two accepted drafts
-    drafts = (1, 3)  # neither is the most likely token of its row
+def sampled_positions_follow(
+    logits: torch.Tensor,
+    drafts: tuple[int, ...],
+    params: SamplingParams,
+    p: torch.Tensor,
+    gen: torch.Generator,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Accept two drafts over 5 tokens ``n`` times; each position's emitted tokens (the first,
+    the one after an accepted first draft, the bonus after both) must follow its row of ``p``
+    (chi-square, 4 degrees of freedom, p = 0.001). The counts of each position."""
+    first, second, third = torch.zeros(5), torch.zeros(5), torch.zeros(5)
     for _ in range(n):
         toks = accept_sampled(logits, drafts, params, gen)
         assert 1 <= len(toks) <= 3 and list(toks[: len(toks) - 1]) == list(drafts[: len(toks) - 1])
@@ -41,6 +42,18 @@ def test_emitted_tokens_follow_the_target_distribution() -> None:
     assert _chi2(first, p[0]) < CHI2_4DF_999
     assert _chi2(second, p[1]) < CHI2_4DF_999
     assert _chi2(third, p[2]) < CHI2_4DF_999
+    return first, second, third
+
+
+def test_emitted_tokens_follow_the_target_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, 0.3], [1.0, 1.0, 0.0, 2.0, 0.0]])
+    params = SamplingParams(temperature=0.8, max_tokens=4)
+    p = target_probs(logits, params)
+    assert torch.allclose(p.sum(-1), torch.ones(3))
+    gen = torch.Generator().manual_seed(1234)
+    n = 20_000
+    drafts = (1, 3)  # neither is the most likely token of its row
+    first, _, _ = sampled_positions_follow(logits, drafts, params, p, gen, n)
     # acceptance of the first draft is p_0(d_1)
     assert abs(float(first[1]) / n - float(p[0, 1])) < 0.02
 

@@ -13,9 +13,9 @@ import torch
 
 from deltaserve.engine import SamplingParams
 from deltaserve.engine.runner.verify import penalised_rows
-from deltaserve.engine.spec.rejection import accept_sampled, target_probs
+from deltaserve.engine.spec.rejection import target_probs
 from tests.engine.conftest import greedy
-from tests.spec.test_rejection import CHI2_4DF_999, _chi2
+from tests.spec.test_rejection import sampled_positions_follow
 from tests.spec.test_spec_greedy import MAX_TOKENS, _prompts, _replay, _serve, _spec
 
 PENALTIES = [
@@ -110,17 +110,7 @@ def test_sampled_rows_follow_the_penalised_distribution_at_each_position() -> No
     p = target_probs(rows, params)
     gen = torch.Generator().manual_seed(4321)
     n = 20_000
-    first, second, third = torch.zeros(5), torch.zeros(5), torch.zeros(5)
-    for _ in range(n):
-        toks = accept_sampled(rows, drafts, params, gen)
-        first[toks[0]] += 1
-        if len(toks) >= 2:
-            second[toks[1]] += 1
-        if len(toks) == 3:
-            third[toks[2]] += 1
-    assert _chi2(first, p[0]) < CHI2_4DF_999
-    assert _chi2(second, p[1]) < CHI2_4DF_999
-    assert _chi2(third, p[2]) < CHI2_4DF_999
+    sampled_positions_follow(rows, drafts, params, p, gen, n)
 
 
 def test_seeded_sampling_with_penalties_drafts_and_reproduces(core_factory: Any) -> None:
