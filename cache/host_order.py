@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node
@@ -80,12 +80,6 @@ class LruCheckpoints:
 
     def discard(self, node: Node) -> None:
         self._seq.pop(node, None)
-
-    def reset(self, nodes: Iterable[Node]) -> None:
-        self._seq.clear()
-        self._heap.clear()
-        for n in nodes:
-            self.add(n)
 
     def weakest(
         self, band_of: Callable[[Node], float], evictable: Callable[[Node], bool]

@@ -48,7 +48,7 @@ from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.disk_link import DiskLink
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.host_order import ALIVE, LruCheckpoints, band
-from deltaserve.cache.host_pages import CHECKPOINT, FREE, KV, HostPages  # (also imported from here)
+from deltaserve.cache.host_pages import CHECKPOINT, FREE, KV, HostPages
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import SeqCache, Tier, Transfer, TransferKind
 
@@ -83,7 +83,7 @@ class HostTier:
         self.num_slots = num_slots
         self._free_slots: deque[int] = deque(range(num_slots) if self.pages is None else ())
         self.attached: dict[int, Node] = {}  # host slot -> node holding it
-        self.lru = LruCheckpoints()  # the attached nodes (one budget: ``_weakest_checkpoint``)
+        self.lru = LruCheckpoints()  # ``attached``'s nodes, kept with it (``_weakest_checkpoint``)
         self.owner: dict[int, Node] = {}  # host block -> node holding it
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         # the disk tier (``cache/disk_link.py``) hears of a host checkpoint evicted (its bytes
@@ -155,8 +155,6 @@ class HostTier:
         strategy: the lowest band, least recently used first, scanned in LRU order)."""
         worth = self.worth
         if self.pages is not None and self.eviction.per_byte:
-            if len(self.lru) != len(self.attached):  # (``attached`` was set from outside)
-                self.lru.reset(self.attached.values())
             return self.lru.weakest(worth, self._evictable_checkpoint)
         best: Node | None = None
         key = (math.inf, 0)

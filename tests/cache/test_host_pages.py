@@ -20,7 +20,8 @@ from hypothesis.stateful import initialize
 
 from deltaserve.cache import CacheManager, CacheManagerConfig, SeqCache, StepItem
 from deltaserve.cache.eviction import CheckpointEviction, EvictionParams
-from deltaserve.cache.host_tier import CHECKPOINT, FREE, KV, HostPages, HostTier
+from deltaserve.cache.host_pages import CHECKPOINT, FREE, KV, HostPages
+from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.radix_tree import Node, RadixTree
 
 from .test_host_tier import BS, Memory, TwoTierMachine

@@ -17,7 +17,7 @@ from deltaserve.cache import (
 )
 from deltaserve.cache.eviction import CostModel, EvictionParams
 from deltaserve.cache.host_order import DOMINATED, band
-from deltaserve.cache.radix_tree import RadixTree
+from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.reuse import ReuseLearner, _bounds, _bucket
 from deltaserve.cache.value_eviction import ValueEviction, ValueState
 
@@ -196,17 +196,26 @@ def test_learner_credits_the_deepest_proposal_and_resolves_misses() -> None:
     assert learner.proposed.misses[learner._index["tail"]] == 1
 
 
+def _upper_and_output(
+    upper_kind: CaptureKind,
+) -> tuple[ReuseLearner, RadixTree, ValueEviction, Node, Node]:
+    """A learner with no prior, and a chain root -> upper (``upper_kind``) -> output, each node
+    valued by a ``ValueEviction`` over that learner."""
+    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
+    tree = RadixTree()
+    value = ValueEviction(tree, EvictionParams(block_size=16), learner)
+    upper = tree.insert(tree.root, 1, block_id=0)
+    output = tree.insert(upper, 2, block_id=1)
+    upper.policy_state = ValueState(upper_kind, None, 0, None)
+    output.policy_state = ValueState(CaptureKind.OUTPUT, None, 0, None)
+    return learner, tree, value, upper, output
+
+
 def test_likely_to_serve_follows_the_learned_reuse_of_the_class() -> None:
     """The host's dominance test asks whether a checkpoint's class serves more often than not:
     a class whose proposals are credited answers yes, one whose proposals all expire no; the
     answer moves as the learner does (memoised per admission only)."""
-    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
-    tree = RadixTree()
-    value = ValueEviction(tree, EvictionParams(block_size=16), learner)
-    interval = tree.insert(tree.root, 1, block_id=0)
-    output = tree.insert(interval, 2, block_id=1)
-    interval.policy_state = ValueState(CaptureKind.INTERVAL, None, 0, None)
-    output.policy_state = ValueState(CaptureKind.OUTPUT, None, 0, None)
+    learner, tree, value, interval, output = _upper_and_output(CaptureKind.INTERVAL)
     learner.register(11, CaptureKind.INTERVAL)
     learner.register(22, CaptureKind.OUTPUT)
     learner.observe([5, 11], limit_blocks=2, stride=2)  # 11 comes back: an interval hit
@@ -225,13 +234,7 @@ def test_a_deeper_checkpoint_dominates_one_whose_class_serves_less_often() -> No
     deeper output takes the hit). The output still dominates its conversation's older tail,
     which the host then ranks first to go; where replies come back rewritten (tails credited,
     outputs never) it does not."""
-    learner = ReuseLearner(prior_hits=0.0, prior_misses=0.0)
-    tree = RadixTree()
-    value = ValueEviction(tree, EvictionParams(block_size=16), learner)
-    tail = tree.insert(tree.root, 1, block_id=0)
-    output = tree.insert(tail, 2, block_id=1)
-    tail.policy_state = ValueState(CaptureKind.TAIL, None, 0, None)
-    output.policy_state = ValueState(CaptureKind.OUTPUT, None, 0, None)
+    learner, tree, value, tail, output = _upper_and_output(CaptureKind.TAIL)
     tree.attach_checkpoint(output, 0)
     for key in (21, 22, 23):
         learner.register(key, CaptureKind.OUTPUT)

@@ -13,7 +13,7 @@ import pytest
 from deltaserve.engine import AsyncEngine, EngineCore
 from deltaserve.models import LoadedModel
 from tests.engine.conftest import greedy, make_config
-from tests.spec.test_spec_greedy import MAX_TOKENS, _prompts, _replay, _serve, _spec
+from tests.spec.test_spec_greedy import MAX_TOKENS, _prompts, _replay, _serve, _spec, serve_two_turns
 from tests.spec.test_spec_mtp import MTP, _assert_consistent, mtp_loaded  # noqa: F401
 
 ASYNC = {"engine.async_scheduling": True}
@@ -158,17 +158,8 @@ def test_async_multi_turn_prefix_hits_unchanged(core_factory: Any) -> None:
     follow = [[5 + 7 * i + j for j in range(9)] for i in range(len(prompts))]
 
     def two_turns(core: EngineCore, replay: dict[str, list[int]] | None) -> tuple[dict[str, list[int]], int]:
-        if replay is not None:
-            _replay(core, prompts, replay)
-        first = _serve(core, prompts, greedy(MAX_TOKENS))
-        second = [p + first[f"r{i}"] + follow[i] for i, p in enumerate(prompts)]
-        if replay is not None:
-            _replay(core, second, {f"r{i}": replay[f"t2r{i}"] for i in range(len(prompts))})
-        before = core.stats()["prefix_cache.hit_tokens"]
-        out = _serve(core, second, greedy(MAX_TOKENS))
-        return {**first, **{f"t2{k}": v for k, v in out.items()}}, core.stats()[
-            "prefix_cache.hit_tokens"
-        ] - before
+        both, _, hits = serve_two_turns(core, prompts, follow, replay)
+        return both, hits
 
     off, off_hits = two_turns(core_factory(), None)
     core = core_factory(**ASYNC, **{"speculative.method": "replay"})

@@ -39,6 +39,26 @@ def _replay(core: EngineCore, prompts: list[list[int]], expected: dict[str, list
         drafter.record(p, expected[f"r{i}"])
 
 
+def serve_two_turns(
+    core: EngineCore, prompts: list[list[int]], follow: list[list[int]], replay: dict[str, list[int]] | None
+) -> tuple[dict[str, list[int]], dict[str, list[Any]], int]:
+    """Turn 1 (``r{i}``), then turn 2 (``t2r{i}``: turn 1's prompt, its output and ``follow[i]``),
+    greedy; with ``replay`` (an earlier run's tokens by these ids) the replay drafter proposes
+    them. Every request's tokens, turn 2's outputs, and the prefix-hit tokens turn 2 added."""
+    if replay is not None:
+        _replay(core, prompts, replay)
+    first = _serve(core, prompts, greedy(MAX_TOKENS))
+    second = [p + first[f"r{i}"] + follow[i] for i, p in enumerate(prompts)]
+    if replay is not None:
+        _replay(core, second, {f"r{i}": replay[f"t2r{i}"] for i in range(len(prompts))})
+    before = core.stats()["prefix_cache.hit_tokens"]
+    for i, p in enumerate(second):
+        core.add_request(core.make_request(p, greedy(MAX_TOKENS), request_id=f"t2r{i}"))
+    outs = run_to_completion(core)
+    both = {**first, **{rid: [t for o in os for t in o.token_ids] for rid, os in outs.items()}}
+    return both, outs, core.stats()["prefix_cache.hit_tokens"] - before
+
+
 def _spec(core: EngineCore) -> dict[str, float]:
     return {k: v for k, v in core.stats().items() if k.startswith("spec_decode.")}
 
@@ -159,21 +179,9 @@ def test_multi_turn_prefix_hits_unchanged(core_factory: Any) -> None:
     rng = random.Random(7)
     follow = [[rng.randrange(5, 1000) for _ in range(9)] for _ in prompts]
 
-    def two_turns(
-        core: EngineCore, replay: dict[str, list[int]] | None
-    ) -> tuple[dict[str, list[int]], float]:
-        if replay is not None:
-            _replay(core, prompts, replay)
-        first = _serve(core, prompts, greedy(MAX_TOKENS))
-        second = [p + first[f"r{i}"] + follow[i] for i, p in enumerate(prompts)]
-        if replay is not None:
-            _replay(core, second, {f"r{i}": replay[f"t2r{i}"] for i in range(len(prompts))})
-        for i, p in enumerate(second):
-            core.add_request(core.make_request(p, greedy(MAX_TOKENS), request_id=f"t2r{i}"))
-        outs = run_to_completion(core)
-        both = {**first, **{rid: [t for o in os for t in o.token_ids] for rid, os in outs.items()}}
-        hits = sum(outs[f"t2r{i}"][-1].num_cached_tokens for i in range(len(prompts)))
-        return both, hits
+    def two_turns(core: EngineCore, replay: dict[str, list[int]] | None) -> tuple[dict[str, list[int]], int]:
+        both, outs, _ = serve_two_turns(core, prompts, follow, replay)
+        return both, sum(outs[f"t2r{i}"][-1].num_cached_tokens for i in range(len(prompts)))
 
     off, off_hits = two_turns(core_factory(), None)
     spec_core = core_factory(**{"speculative.method": "replay"})
