@@ -63,8 +63,7 @@ class CheckpointStore:
         self.trackers: dict[int, SeqCache] = {}  # tracking slot -> its decoding request
         self.counters: dict[str, int] = dict.fromkeys(
             ("checkpoints.stored", "checkpoints.skipped_budget", "checkpoints.skipped_pool",
-             "checkpoints.skipped_value", "checkpoints.evicted", "checkpoints.output_to_host"),
-            0)  # fmt: skip
+             "checkpoints.skipped_value", "checkpoints.evicted"), 0)  # fmt: skip
 
     @property
     def residents(self) -> Iterable[Node]:
@@ -213,13 +212,7 @@ class CheckpointStore:
                 self.attach(node, slot, CaptureKind.OUTPUT, seq.history)
                 slot = -1
         if slot < 0:
-            # no device slot: the host may take the output straight from the live slot, which
-            # holds the boundary's state once this step ends on it (``settle_output``)
-            to_host = item.end == want.boundary and self.host.takes_outputs
-            slot = self._reserve(seq, SlotState.TRACKING, want, count_skip=not to_host)
-            if slot < 0 and to_host:
-                seq.host_output_boundary = want.boundary
-                return True
+            slot = self._reserve(seq, SlotState.TRACKING, want)
             if slot < 0:
                 return False
             self.track(seq, slot)
@@ -271,49 +264,21 @@ class CheckpointStore:
                 remaining -= 1
         plan.captures.sort(key=lambda c: (c.item_index, c.boundary))
 
-    def _reserve(self, seq: SeqCache, state: SlotState, want: Want, *, count_skip: bool = True) -> int:
+    def _reserve(self, seq: SeqCache, state: SlotState, want: Want) -> int:
         slot, why = self.reserve(state, want)
         if why == "own":  # the restore copy runs first in this step; nothing else reads it
             seq.restore_node = seq.restored_from = None
         elif slot < 0 and want.kind is CaptureKind.OUTPUT:  # the last resort (v1 only)
             slot = self.take_over(seq.restored_from, state)
             seq.restored_from = None
-        if slot < 0 and count_skip:
-            self._skipped(seq, want.boundary, why or "pool")
+        if slot < 0:
+            self.counters[f"checkpoints.skipped_{why or 'pool'}"] += 1
+            depth = want.boundary // self.kv.block_size
+            if self.on_skip is not None and 0 < depth <= len(seq.hashes):
+                self.on_skip(seq.hashes[depth - 1], depth)
+            if self.note_skip is not None and 0 < depth <= len(seq.hashes):
+                self.note_skip(seq.hashes[depth - 1])
         return slot
-
-    def _skipped(self, seq: SeqCache, boundary: int, why: str) -> None:
-        """A capture at ``boundary`` of ``seq`` found no slot (``why``: pool or value)."""
-        self.counters[f"checkpoints.skipped_{why}"] += 1
-        depth = boundary // self.kv.block_size
-        if self.on_skip is not None and 0 < depth <= len(seq.hashes):
-            self.on_skip(seq.hashes[depth - 1], depth)
-        if self.note_skip is not None and 0 < depth <= len(seq.hashes):
-            self.note_skip(seq.hashes[depth - 1])
-
-    def settle_output(self, seq: SeqCache, end: int) -> None:
-        """The step that computed ``seq`` up to ``end`` committed (its blocks published): its
-        tracking slot now holds the boundary written, and an output staged for the host
-        (``stage``) is saved from the live slot when the step ended on its boundary (a verify
-        window accepted in part did not), replacing the request's earlier one."""
-        if seq.pending_tracking_boundary:
-            seq.tracking_boundary = seq.pending_tracking_boundary
-            seq.pending_tracking_boundary = 0
-        boundary, seq.host_output_boundary = seq.host_output_boundary, 0
-        if not boundary:
-            return
-        node = self.kv.node_at(seq, boundary) if end == boundary else None
-        if node is not None and (node.checkpoint_slot is not None or node.host_slot is not None):
-            return  # a checkpoint is there already
-        if node is not None and seq.state_slot >= 0:
-            state = node.policy_state  # (the host ranks the newcomer by its policy state)
-            self.eviction.on_attach(node, CaptureKind.OUTPUT, seq.history)
-            if self.host.save_output(node, seq.state_slot, seq.host_output):
-                seq.host_output = node
-                self.counters["checkpoints.output_to_host"] += 1
-                return
-            node.policy_state = state
-        self._skipped(seq, boundary, "pool")
 
     def end_tracking(self, seq: SeqCache, publish: bool) -> None:
         """The request ends: publish its tracked output (``publish``), else free the slot."""

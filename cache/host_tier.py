@@ -232,35 +232,6 @@ class HostTier:
         self.counters["host.checkpoints_demoted"] += 1
         return True
 
-    @property
-    def takes_outputs(self) -> bool:
-        """Outputs no device slot took may be saved here straight from a live slot: one host
-        budget under a per-byte value strategy (where the host's bands judge a newcomer)."""
-        return self.pages is not None and self.eviction.per_byte and self.num_slots > 0
-
-    def save_output(self, node: Node, live_slot: int, prev: Node | None) -> bool:
-        """A decoding request's state at ``node`` (its output boundary, just computed: the live
-        slot ``live_slot`` holds it until the request's next forward, which the save precedes)
-        goes straight to a host slot, taken as a demoted checkpoint would be (a free page, else
-        the place of a weaker item; the caller has set ``node``'s policy state, by which the
-        host ranks it). ``prev``, the request's
-        earlier output saved this way, is replaced: on an unforked path the deeper one takes
-        every hit it would serve. True if kept."""
-        if not self.takes_outputs or node.host_slot is not None or node.checkpoint_slot is not None:
-            return False
-        if prev is not None and prev is not node and prev.host_slot is not None and not prev.ckpt_pins:
-            self.drop_checkpoint(prev)
-        slot = self._take_slot(self.worth(node))
-        if slot < 0:
-            self.counters["host.checkpoints_refused"] += 1
-            return False
-        node.host_slot = slot
-        self.attached[slot] = node
-        self.lru.add(node)
-        self.tree.set_ckpt_moving(node, True)
-        self.saves.append(Transfer(TransferKind.CKPT_SAVE, node, live_slot, slot))
-        return True
-
     def _take_slot(self, worth: float) -> int:
         """A host slot for a checkpoint worth ``worth``: a free one, else the place of the
         weakest item if that is not worth more (a checkpoint, or a KV page's nodes); -1."""

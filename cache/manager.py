@@ -88,7 +88,7 @@ COUNTER_KEYS = (
     "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
     "kv.moved_blocks", "cache.pages_to_kv", "cache.pages_to_checkpoints", "checkpoints.evicted_for_kv",
     "cache.kv_refused",
-    "host.checkpoints_refused", "checkpoints.output_to_host",
+    "host.checkpoints_refused",
     "prefix_cache.hit_tokens_disk", "disk.loads_completed", "disk.kv_loaded_blocks",
     "disk.checkpoints_loaded", "disk.bytes_loaded", "disk.failed_loads", "disk.load_wait_ms",
     *MISS_KEYS,
@@ -459,7 +459,9 @@ class CacheManager:
             seq = item.seq
             if enabled:
                 kv.publish(seq, item.token_ids, item.end)
-            self.ckpts.settle_output(seq, item.end)
+            if seq.pending_tracking_boundary:
+                seq.tracking_boundary = seq.pending_tracking_boundary
+                seq.pending_tracking_boundary = 0
         done = 0
         try:
             for cap in plan.captures:
@@ -498,7 +500,7 @@ class CacheManager:
         for slot in plan.reserved:
             self.slots.free_checkpoint(slot)
         for item in plan.items:
-            item.seq.pending_tracking_boundary = item.seq.host_output_boundary = 0
+            item.seq.pending_tracking_boundary = 0
         if undo and self.budget is not None:  # nothing was copied: back where the bytes are
             self.budget.undo_moves(plan.moves)
 

@@ -92,9 +92,7 @@ class TransferKind(enum.Enum):
     """A copy between tiers: device and host (``cache/host_tier.py``), disk (``cache/disk_tier.py``)."""
 
     KV_SAVE = "kv_save"  # device KV block -> host block (demotion)
-    # device checkpoint slot -> host checkpoint slot (demotion); or a live slot -> host slot
-    # (an output no device slot took: ``HostTier.save_output``; slots share one id space)
-    CKPT_SAVE = "ckpt_save"
+    CKPT_SAVE = "ckpt_save"  # device checkpoint slot -> host checkpoint slot (demotion)
     KV_LOAD = "kv_load"  # host block -> device block (promotion of a hit)
     STATE_LOAD = "state_load"  # host checkpoint slot -> the request's live slot (a restore)
     # a disk hit, read and verified before admission (``Transfer.payload``): its KV into the
@@ -166,11 +164,6 @@ class SeqCache:
     hashes: list[int] = field(default_factory=list)
     num_inflight: int = 0  # leading ``hashes`` registered as in flight while active
     pending_tracking_boundary: int = 0  # boundary being written by the in-flight step
-    # an output no device slot took, saved from the live slot to the host at the commit of
-    # the in-flight step (``CheckpointStore.settle_output``): its boundary, and the host
-    # checkpoint the last such save made (the next one replaces it)
-    host_output_boundary: int = 0
-    host_output: Node | None = None
     # host tier: copies that must land before the request computes (its hit's host KV
     # blocks, and its restore when the checkpoint is on the host), oldest first
     loads: list[Transfer] = field(default_factory=list)
