@@ -24,7 +24,7 @@ recompute. Measured (pressure and tenants-shift at 1.5 and 2.5 GiB, seeds 0-2, d
 held prompts back at 2.5 GiB, where the floor sits at its maximum, and lost up to 5 points
 there; charging at once drained the floor (tenants at 1.5 GiB 34.7 -> 19.8 %). These
 constants are one measured point of a chaotic system, not an optimum: 32 or 128 steps, or
-0.6 of the floor, each cost another run 1.5-5 points.
+0.6 of the floor, each cost other runs 1.4-4.8 points.
 
 A decode's growth past its next token is not reserved (an output's length is not known; a
 preemption there is the rare, cheap case). With nothing running a request is always admitted
