@@ -196,3 +196,36 @@ def test_a_fixed_split_reserves_no_floor_and_charges_nothing() -> None:
     for _ in range(FLOOR_WAIT_STEPS + 1):
         charge_floor(s.cache, req, Shortfall(blocks=3, floor_blocks=3))
     assert req.kv_short_blocks == 0
+
+
+def test_the_scheduler_lowers_the_floor_for_a_prompt_it_long_held_back() -> None:
+    """End to end: a long decode keeps a short prompt out by the floor's reserved pages alone;
+    the floor stays while it waits and drops once it has waited ``FLOOR_WAIT_STEPS`` steps; both
+    finish without a preemption (on the old code it was admitted at once, the floor unmoved)."""
+    cm, s = one_budget(floor=4)  # 40 of 48 blocks promised
+    budget = cm.budget
+    assert budget is not None
+    long, short = prompt(0, 560, max_tokens=120), prompt(1, 64, max_tokens=2)
+    s.add(long)
+    held, floors = 0, []
+    for _ in range(400):
+        if not s.has_work():
+            break
+        if long.is_decoding and short.request_id not in s.requests:
+            s.add(short)  # 36 blocks to end the long one, 5 for this one: 1 past the 40
+        out = s.schedule()
+        assert out is not None
+        s.update(out, [7 if x.samples else None for x in out.seqs])
+        for x in out.seqs:
+            r = x.request
+            if x.samples and r.num_output_tokens >= r.sampling_params.max_tokens:
+                s.finish(r, "length")
+        if short.status is RequestStatus.WAITING and short.request_id in s.requests:
+            held += 1
+            floors.append(budget.floor)
+    assert short.finish_reason == "length" and long.finish_reason == "length"
+    assert s.num_preemptions == 0
+    assert held >= FLOOR_WAIT_STEPS
+    assert floors[: FLOOR_WAIT_STEPS - 1] == [4] * (FLOOR_WAIT_STEPS - 1)
+    # one page down on the step the wait reached FLOOR_WAIT_STEPS (5 blocks short: 80 tokens)
+    assert floors[FLOOR_WAIT_STEPS - 1 :] == [3] * (held - FLOOR_WAIT_STEPS + 1)
