@@ -10,31 +10,68 @@ running requests' remaining tokens before it admits (its schedule conservativene
 
 ``kv_shortfall`` is that reservation: the blocks the running requests still need to end
 their prompts (and take their next token), plus the blocks the new request will hold at the
-end of its prompt, must fit in the device KV the running requests do not hold. The KV
-capacity is the pool's, with one budget every page: the floor of pages it keeps for
-checkpoints yields to KV through the preemptions it causes (the budget lowers it by their
-recompute), and an admission that counted it would hold prompts back without the budget ever
-learning that KV is short (measured: the floor stayed up and KV evictions rose, pressure
-swe-agent seed 1 at 1.5 GiB 56.0 -> 52.5 % hit against 59.9 % counting every page). A
-decode's growth past its next token
-is not reserved (an output's length is not known; a preemption there is the rare, cheap
-case). With nothing running a request is always admitted (the cache's ``can_ever_fit``
-bounds it). Torch-free; O(running requests) per call, plus the hit's nodes when the bound
-without them is short.
+end of its prompt, must fit in the device KV the running requests do not hold.
+
+With one budget, KV below the checkpoints' floor only evicts within its own pages, so a
+prompt that outgrows the pages outside the floor preempts a running request (whose recompute
+lowers the floor). ``kv_capacity`` keeps ``FLOOR_RESERVED`` of the floor's pages out of the
+capacity, and a prompt that only those pages keep out for ``FLOOR_WAIT_STEPS`` steps of its wait
+charges the floor its shortfall in KV tokens (``charge_floor``; ``SharedBudget.kv_short``):
+a held-back prompt tells the floor that KV is short, as a preemption does, without the
+recompute. Measured (pressure and tenants-shift at 1.5 and 2.5 GiB, seeds 0-2, docs/cache.md
+"With whole-prompt admission"): counting every page preempted in storms (swe-agent seed 0 at
+1.5 GiB: 111 preemptions, tenants-shift seed 1: 87); keeping all of the floor's pages out
+held prompts back at 2.5 GiB, where the floor sits at its maximum, and lost up to 5 points
+there; charging at once drained the floor (tenants at 1.5 GiB 34.7 -> 19.8 %). These
+constants are one measured point of a chaotic system, not an optimum: 32 or 128 steps, or
+0.6 of the floor, each cost other runs 1.4-4.8 points.
+
+A decode's growth past its next token is not reserved (an output's length is not known; a
+preemption there is the rare, cheap case). With nothing running a request is always admitted
+(the cache's ``can_ever_fit`` bounds it). Torch-free; O(running requests) per call, plus the
+hit's nodes when the bound without them is short.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.types import PrefixMatch
 from deltaserve.scheduler.request import Request
 
+#: the share of the checkpoint floor's pages admission keeps out of the KV capacity
+FLOOR_RESERVED = 0.5
+#: steps of one wait a prompt is kept out by the floor's pages alone before it charges the floor
+FLOOR_WAIT_STEPS = 64
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """Blocks by which an admission would leave the running prompts short of room to end
+    (0: it fits), and how many of them only the floor's reserved pages withhold (``blocks``
+    when those pages would fit it, else 0: lowering the floor would not admit it)."""
+
+    blocks: int = 0
+    floor_blocks: int = 0
+
+
+FITS = Shortfall()
+
+
+def floor_reserved(cache: CacheManager) -> int:
+    """Device blocks of the checkpoint floor kept out of ``kv_capacity`` (0 without one budget)."""
+    budget = cache.budget
+    if budget is None:
+        return 0
+    return int(budget.floor * budget.blocks.page_blocks * FLOOR_RESERVED)
+
 
 def kv_capacity(cache: CacheManager) -> int:
-    """Device KV blocks running requests may hold at most: every page of the one budget."""
-    return cache.blocks.max_blocks
+    """Device KV blocks running requests may hold at most, for admission: the pool's, less
+    ``floor_reserved``."""
+    return cache.blocks.max_blocks - floor_reserved(cache)
 
 
 def kv_headroom(cache: CacheManager, running: Sequence[Request]) -> int:
@@ -55,19 +92,39 @@ def kv_headroom(cache: CacheManager, running: Sequence[Request]) -> int:
 
 def kv_shortfall(
     cache: CacheManager, running: Sequence[Request], req: Request, match: Callable[[], PrefixMatch]
-) -> int:
-    """Blocks by which admitting ``req`` would leave the running prompts short of room to
-    end (0: it fits, and the scheduler admits it; ``match``: its prefix match, asked for only when the bound without its
-    hit is short)."""
+) -> Shortfall:
+    """How far admitting ``req`` would leave the running prompts short of room to end
+    (``FITS``: the scheduler admits it; ``match``: its prefix match, asked for only when the
+    bound without its hit is short)."""
     if not running:
-        return 0
+        return FITS
     bs = cache.block_size
     headroom = kv_headroom(cache, running)
     total = -(-(req.num_tokens + 1) // bs)
     if total <= headroom:
-        return 0
+        return FITS
     # blocks of its hit that running requests pin already cost nothing more; the rest of the
     # hit (unpinned device nodes it will pin, host nodes it will load) it takes like new ones
     m = match()
     shared = sum(1 for n in m.path[: m.hit_blocks] if n.block_id >= 0 and n.ref_count > 0)
-    return max(0, total - shared - headroom)
+    short = total - shared - headroom
+    if short <= 0:
+        return FITS
+    return Shortfall(short, short if short <= floor_reserved(cache) else 0)
+
+
+def charge_floor(cache: CacheManager, req: Request, short: Shortfall) -> None:
+    """``req`` is held back by ``short`` this step. Once only the floor's reserved pages have
+    kept it out for ``FLOOR_WAIT_STEPS`` steps of this wait, the floor is charged that shortfall
+    in KV tokens, less what this wait has charged already (``Request.kv_short_blocks``: one
+    shortage per wait, not one per step)."""
+    budget = cache.budget
+    if budget is None:
+        return
+    if not short.floor_blocks:
+        return
+    req.kv_short_steps += 1
+    extra = short.floor_blocks - req.kv_short_blocks
+    if req.kv_short_steps >= FLOOR_WAIT_STEPS and extra > 0:
+        req.kv_short_blocks = short.floor_blocks
+        budget.kv_short(extra * cache.block_size)

@@ -57,6 +57,10 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
     num_preemptions: int = 0
     preempted_tokens: int = 0  # computed when last preempted (what its recompute may cost)
+    # while admission holds it back (kv_reserve.py; both 0 once admitted): steps of this wait
+    # only the checkpoint floor's pages kept it out, and the blocks of KV charged to the floor
+    kv_short_steps: int = 0
+    kv_short_blocks: int = 0
     finish_reason: str | None = None
     # time.monotonic() of its first admission (None while it waits) and of its first output
     # token (None until then): the queue and prefill times its first output reports

@@ -51,7 +51,7 @@ from deltaserve.cache.planning import settle_verify
 from deltaserve.cache.types import AdmitStatus, PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.logs import get_logger
-from deltaserve.scheduler.kv_reserve import kv_shortfall
+from deltaserve.scheduler.kv_reserve import charge_floor, kv_shortfall
 from deltaserve.scheduler.policy import PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.policy_guard import PolicyGuard
 from deltaserve.scheduler.request import Request, RequestStatus, is_placeholder
@@ -378,10 +378,11 @@ class Scheduler:
                 break
             if req in step.preempted:
                 continue  # not again in the step that preempted it
-            if self.reserve_prompts and kv_shortfall(
-                self.cache, self.running, req, functools.partial(self._match, req)
-            ):
-                break  # its prompt would outgrow the KV the running ones still need (kv_reserve.py)
+            if self.reserve_prompts:
+                short = kv_shortfall(self.cache, self.running, req, functools.partial(self._match, req))
+                if short.blocks:
+                    charge_floor(self.cache, req, short)
+                    break  # its prompt would outgrow the KV the running ones still need (kv_reserve.py)
             partial = self._admit(req, step, num_partial)
             if partial is None:
                 break
@@ -462,6 +463,7 @@ class Scheduler:
         moves to the running list."""
         req.cache = seq
         req.num_computed_tokens = seq.num_cached_tokens
+        req.kv_short_steps = req.kv_short_blocks = 0
         if req.num_cached_tokens < 0:  # first admission (not a preemption's recompute)
             req.num_cached_tokens = seq.num_cached_tokens
             req.scheduled_time = time.monotonic()
