@@ -46,7 +46,7 @@ def test_bounds_without_the_oracle_equal_the_oracles(trace: Path, capsys: pytest
     ratio = default["hit_rate"] / host
     assert line == (
         f"vs KV-LRU over the memory tiers' bytes ({100 * host:.1f}%): "
-        f"default {100 * default['hit_rate']:.1f}% = {ratio:.2f}x"
+        f"default {100 * default['hit_rate']:.1f}% = {ratio:.3f}x"
     )
 
 

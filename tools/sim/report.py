@@ -235,10 +235,10 @@ def _cell(x: float | None, signed: bool = False) -> str:
 
 def format_bound_ratios(results: Sequence[SimResult], bounds: Bounds) -> str:
     """One line: each run's hit rate as a multiple of the widest KV-LRU bound computed (over
-    every tier there is; ``Bounds.kv_lru_split``)."""
+    every tier there is; ``Bounds.kv_lru_split``), to three decimals (0.846 is not 0.85)."""
     widest = bounds.kv_lru_split.hit_rate
     runs = ", ".join(
-        f"{r.policy} {100 * r.hit_rate:.1f}% = " + (f"{r.hit_rate / widest:.2f}x" if widest else "-")
+        f"{r.policy} {100 * r.hit_rate:.1f}% = " + (f"{r.hit_rate / widest:.3f}x" if widest else "-")
         for r in results
     )
     return f"vs KV-LRU over {bounds.kv_lru_split_over} ({100 * widest:.1f}%): {runs}"
