@@ -8,6 +8,7 @@ policies, and compare their prefix hit rates with an oracle.
     python tools/simulate_cache.py --workload agent --checkpoint-mb 400 --kv-mb 512
     python tools/simulate_cache.py --workload shared-prefix --sweep --plot sweep.png
     python tools/simulate_cache.py --sweep 1,2,4,8,400MB,2GB --json sim.json
+    python tools/simulate_cache.py --workload trace --trace T.jsonl --policies default --bounds
 
 What runs is the engine's own ``Scheduler`` (``scheduler.schedule()`` /
 ``scheduler.update(out, sampled)`` / ``scheduler.finish(req, "length")``) over its own
