@@ -13,7 +13,9 @@ measured against at the same KV memory:
 
 Both count hits as the simulator does: the longest cached prefix of full blocks, at most
 ``len(prompt) - 1`` tokens, summed over requests and divided by the prompt tokens. Requests
-come in the order the oracle run submitted them. ``kv_only_lru_split`` also says where the
+come in the order a run submitted them: the oracle's, or with ``--bounds`` and no oracle the
+first policy's (open-loop arrivals, a trace's among them, are submitted in arrival order
+whatever the policy). ``kv_only_lru_split`` also says where the
 LRU bound's prompt tokens went (``KvLruSplit``: hit, compulsory, capacity, granularity, summing
 exactly to the prompt tokens), the counterpart of the engine's miss causes (``cache/loss.py``).
 Torch-free.

@@ -8,6 +8,7 @@ policies, and compare their prefix hit rates with an oracle.
     python tools/simulate_cache.py --workload agent --checkpoint-mb 400 --kv-mb 512
     python tools/simulate_cache.py --workload shared-prefix --sweep --plot sweep.png
     python tools/simulate_cache.py --sweep 1,2,4,8,400MB,2GB --json sim.json
+    python tools/simulate_cache.py --workload trace --trace T.jsonl --policies default --bounds
 
 What runs is the engine's own ``Scheduler`` (``scheduler.schedule()`` /
 ``scheduler.update(out, sampled)`` / ``scheduler.finish(req, "length")``) over its own
@@ -49,6 +50,7 @@ from deltaserve.tools.sim.model_sizes import model_sizes
 from deltaserve.tools.sim.report import (
     Bounds,
     format_attribution,
+    format_bound_ratios,
     format_results,
     format_splits,
     format_summary,
@@ -191,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--seeds", help="comma list of workload seeds, each run in turn (default: --seed)")
     o.add_argument("--check", action="store_true", help="check_integrity() after every step")
+    o.add_argument(
+        "--bounds", action="store_true",
+        help="compute the offline bounds (KV-LRU over every tier included) without the oracle: from the "
+        "requests the first policy's run submitted, in its submission order (open-loop arrivals, a trace "
+        "among them: arrival order, the oracle's too); with oracle among --policies its run is used",
+    )  # fmt: skip
     o.add_argument("--json", metavar="FILE")
     o.add_argument("--plot", metavar="FILE.png", help="hit rate vs checkpoint memory (with --sweep)")
     o.add_argument("--log-level", default="warning")
@@ -395,9 +403,11 @@ def run_workload(
         "results": [r.to_dict() for r in results],
     }
     oracle = next((r for r in results if r.policy == "oracle"), None)
-    bounds = offline_bounds(oracle, cfg) if oracle is not None else None
+    source = oracle if oracle is not None else results[0] if args.bounds and results else None
+    bounds = offline_bounds(source, cfg) if source is not None else None
     if bounds is not None:
         entry["bounds"] = bounds.to_dict()
+        entry["bounds_from"] = source.policy
         print(
             f"bounds: KV alone LRU {100 * bounds.kv_lru:.1f}%, Belady {100 * bounds.kv_belady:.1f}%; "
             f"checkpoints alone Belady {100 * bounds.checkpoint_belady:.1f}%"
@@ -411,7 +421,9 @@ def run_workload(
                 if bounds.kv_lru_disk is not None
                 else ""
             )
+            + f" (from {source.policy}'s {len(source.served)} submitted requests, in submission order)"
         )
+        print(format_bound_ratios(results, bounds))
     attribution = format_attribution(results, bounds)
     if attribution:
         print(attribution)

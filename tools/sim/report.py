@@ -18,7 +18,9 @@ from deltaserve.tools.workloads import Workload, expand
 @dataclass
 class Bounds:
     """Offline ceilings at the run's memory (``tools/sim/bounds.py``), requests one by one
-    in the oracle run's submission order."""
+    in the submission order of the run they come from (the oracle's; with ``--bounds`` and no
+    oracle, the first policy's: for open-loop arrivals, a trace's among them, that order is
+    the arrival order, whatever the policy)."""
 
     kv_lru: float  # KV alone, LRU: what plain prefix caching of that KV memory hits
     kv_belady: float  # KV alone, clairvoyant
@@ -229,6 +231,17 @@ def _cell(x: float | None, signed: bool = False) -> str:
     if x == 0:
         return "0"
     return f"{x:{'+' if signed else ''}.{1 if abs(x) >= 1 else 2}f}"
+
+
+def format_bound_ratios(results: Sequence[SimResult], bounds: Bounds) -> str:
+    """One line: each run's hit rate as a multiple of the widest KV-LRU bound computed (over
+    every tier there is; ``Bounds.kv_lru_split``), to three decimals (0.846 is not 0.85)."""
+    widest = bounds.kv_lru_split.hit_rate
+    runs = ", ".join(
+        f"{r.policy} {100 * r.hit_rate:.1f}% = " + (f"{r.hit_rate / widest:.3f}x" if widest else "-")
+        for r in results
+    )
+    return f"vs KV-LRU over {bounds.kv_lru_split_over} ({100 * widest:.1f}%): {runs}"
 
 
 def format_attribution(results: Sequence[SimResult], bounds: Bounds | None) -> str:
