@@ -18,7 +18,8 @@ The pages of the arena go where they are worth most; nothing is split in advance
   (below it KV evicts within its own pages, and a new request waits). It follows the two
   costs of short memory in tokens of prefill (``adjust``): hits lost to checkpoints evicted
   for KV or never stored (*ghosts*) push it up; what preempted requests recompute, and the KV
-  the floor keeps from a prompt admission holds back for long (``kv_short``), pull it down.
+  the floor keeps from a prompt admission holds back for long (``scheduler/kv_reserve.py``),
+  pull it down.
 
 So a capture takes KV bytes only when they are worth nothing now (free or unreachable) and
 KV takes a checkpoint's bytes only by evicting the least valuable one: both directions speak
@@ -150,12 +151,6 @@ class SharedBudget:
             self.balance += step
             self.floor -= 1
         self.balance = max(min(self.balance, step), -step)
-
-    def kv_short(self, tokens: int) -> None:
-        """Admission has long held a prompt back for ``tokens`` of KV that only the floor's
-        pages withhold (``scheduler/kv_reserve.py``): a cost of the floor in the currency of
-        ``adjust``, so it pulls the floor down as a preemption's recompute does."""
-        self.adjust(-tokens)
 
     def _kv_page(self, force: bool = False) -> bool:
         """One more page of KV blocks from unused bytes: a free page or a free checkpoint slot's

@@ -16,7 +16,7 @@ With one budget, KV below the checkpoints' floor only evicts within its own page
 prompt that outgrows the pages outside the floor preempts a running request (whose recompute
 lowers the floor). ``kv_capacity`` keeps ``FLOOR_RESERVED`` of the floor's pages out of the
 capacity, and a prompt that only those pages keep out for ``FLOOR_WAIT_STEPS`` steps of its wait
-charges the floor its shortfall in KV tokens (``charge_floor``; ``SharedBudget.kv_short``):
+charges the floor its shortfall in KV tokens (``charge_floor``, through ``SharedBudget.adjust``):
 a held-back prompt tells the floor that KV is short, as a preemption does, without the
 recompute. Measured (pressure and tenants-shift at 1.5 and 2.5 GiB, seeds 0-2, docs/cache.md
 "With whole-prompt admission"): counting every page preempted in storms (swe-agent seed 0 at
@@ -119,12 +119,10 @@ def charge_floor(cache: CacheManager, req: Request, short: Shortfall) -> None:
     in KV tokens, less what this wait has charged already (``Request.kv_short_blocks``: one
     shortage per wait, not one per step)."""
     budget = cache.budget
-    if budget is None:
-        return
-    if not short.floor_blocks:
+    if budget is None or not short.floor_blocks:
         return
     req.kv_short_steps += 1
     extra = short.floor_blocks - req.kv_short_blocks
     if req.kv_short_steps >= FLOOR_WAIT_STEPS and extra > 0:
         req.kv_short_blocks = short.floor_blocks
-        budget.kv_short(extra * cache.block_size)
+        budget.adjust(-extra * cache.block_size)  # a cost of the floor, as a preemption's recompute
