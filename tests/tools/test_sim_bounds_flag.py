@@ -48,6 +48,15 @@ def test_bounds_without_the_oracle_equal_the_oracles(trace: Path, capsys: pytest
         f"vs KV-LRU over the memory tiers' bytes ({100 * host:.1f}%): "
         f"default {100 * default['hit_rate']:.1f}% = {ratio:.3f}x"
     )
+    # the hybrid LRU (KV and exact checkpoints) over the same bytes, on the next line
+    hybrid = entry["bounds"]["hybrid_lru"]
+    assert entry["bounds"]["hybrid_lru_over"] == "the memory tiers' bytes" and 0 < hybrid < 1
+    following = out.splitlines()[out.splitlines().index(line) + 1]
+    assert following == (
+        f"vs hybrid LRU (KV + exact checkpoints) over the memory tiers' bytes ({100 * hybrid:.1f}%): "
+        f"default {100 * default['hit_rate']:.1f}% = {default['hit_rate'] / hybrid:.3f}x"
+    )
+    assert alone["summary"][0]["default/hybrid_lru"] == pytest.approx(default["hit_rate"] / hybrid)
 
 
 def test_no_bounds_without_the_flag_or_the_oracle(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:

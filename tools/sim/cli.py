@@ -463,7 +463,8 @@ def _print_summary(summary: Sequence[dict[str, Any]], cfg: SimConfig) -> None:
     print(f"summary ({cfg.model}; {pools}):")
     print(format_summary(summary))
     print("KV LRU / KV Belady: KV alone, requests one by one; ckpt Belady: checkpoints alone (KV unlimited),")
-    print("clairvoyant; oracle: every unit boundary, unlimited memory, the same concurrency.\n")
+    print("clairvoyant; oracle: every unit boundary, unlimited memory, the same concurrency;")
+    print("hybrid LRU: KV and exact checkpoints (each its bytes) in the widest bytes, LRU, one by one.\n")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
