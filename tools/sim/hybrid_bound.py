@@ -18,9 +18,13 @@ distance from it to a run is what the run's own choices cost:
 * bytes: each KV block one block, each checkpoint ``checkpoint_blocks`` (its bytes over a KV
   block's), all in one budget; nothing is running beside the request.
 
-It is not an upper bound: a policy that predicts reuse better than recency can beat it. It
-is what recency over whole paths reaches with exact (lossless) checkpoints. Hits count as the
-simulator's do: at most ``len(prompt) - 1`` tokens, ending on a checkpoint. Torch-free.
+It is not an upper bound. A policy that predicts reuse better than recency can beat it, and
+so can one that checkpoints where no hit has ended yet: the first prompt to part inside an
+earlier one finds no checkpoint at the fork here, where interval checkpoints serve it (on the
+Mooncake trace the cache's ``default`` is 1.3 x this reference). Where reuse extends earlier
+requests' ends (multi-turn chat) it is what recency over whole paths reaches with exact
+(lossless) checkpoints. Hits count as the simulator's do: at most ``len(prompt) - 1`` tokens,
+ending on a checkpoint. Torch-free.
 """
 
 from __future__ import annotations
