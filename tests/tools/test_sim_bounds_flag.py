@@ -29,13 +29,14 @@ def trace(tmp_path: Path) -> Path:
 
 
 def test_bounds_without_the_oracle_equal_the_oracles(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    alone = main([*SMALL, "--trace", str(trace), "--policies", "default", "--bounds"])
+    alone = main([*SMALL, "--trace", str(trace), "--policies", "default", "--bounds", "--hybrid-lru"])
     out = capsys.readouterr().out
     with_oracle = main([*SMALL, "--trace", str(trace), "--policies", "default,oracle"])
     entry, ref = alone["workloads"]["trace"], with_oracle["workloads"]["trace"]
     assert entry["bounds_from"] == "default" and ref["bounds_from"] == "oracle"
     # an open-loop trace is submitted in arrival order whatever the policy: the same requests, the same bounds
-    assert entry["bounds"] == ref["bounds"]
+    assert entry["bounds"] == {**ref["bounds"], "hybrid_lru": entry["bounds"]["hybrid_lru"]}
+    assert ref["bounds"]["hybrid_lru"] is None  # only asked for
     host = entry["bounds"]["kv_lru_host"]
     assert 0 < entry["bounds"]["kv_lru"] < host < 1  # the host's bytes widen the LRU
     assert entry["bounds"]["kv_lru_split"]["hit"] / entry["bounds"]["kv_lru_split"]["prompt"] == host
@@ -63,3 +64,8 @@ def test_no_bounds_without_the_flag_or_the_oracle(trace: Path, capsys: pytest.Ca
     doc = main([*SMALL, "--trace", str(trace), "--policies", "default"])
     assert "bounds" not in doc["workloads"]["trace"]
     assert "vs KV-LRU" not in capsys.readouterr().out
+    doc = main([*SMALL, "--trace", str(trace), "--policies", "default", "--bounds"])
+    out = capsys.readouterr().out  # the hybrid LRU only with --hybrid-lru
+    assert "vs KV-LRU over" in out and "vs hybrid LRU" not in out and "def/hybrid" not in out
+    assert doc["workloads"]["trace"]["bounds"]["hybrid_lru"] is None
+    assert doc["summary"][0]["default/hybrid_lru"] is None

@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "requests the first policy's run submitted, in its submission order (open-loop arrivals, a trace "
         "among them: arrival order, the oracle's too); with oracle among --policies its run is used",
     )  # fmt: skip
+    o.add_argument(
+        "--hybrid-lru", action="store_true",
+        help="with the bounds, also the hybrid LRU over the same bytes (KV and exact checkpoints, each its "
+        "bytes, LRU, a checkpoint at every computed end and fork): a reference for chat whose next turn "
+        "extends the last one's end (tools/sim/hybrid_bound.py); elsewhere the cache's own choices beat it",
+    )  # fmt: skip
     o.add_argument("--json", metavar="FILE")
     o.add_argument("--plot", metavar="FILE.png", help="hit rate vs checkpoint memory (with --sweep)")
     o.add_argument("--log-level", default="warning")
@@ -404,7 +410,7 @@ def run_workload(
     }
     oracle = next((r for r in results if r.policy == "oracle"), None)
     source = oracle if oracle is not None else results[0] if args.bounds and results else None
-    bounds = offline_bounds(source, cfg) if source is not None else None
+    bounds = offline_bounds(source, cfg, hybrid=args.hybrid_lru) if source is not None else None
     if bounds is not None:
         entry["bounds"] = bounds.to_dict()
         entry["bounds_from"] = source.policy

@@ -34,9 +34,10 @@ class Bounds:
     #: the prompt tokens of the widest KV-LRU bound computed (over every tier there is) by outcome
     kv_lru_split: KvLruSplit = field(default_factory=KvLruSplit)
     kv_lru_split_over: str = "the device KV"  # the bytes that bound has, in words
-    #: LRU over KV *and* exact checkpoints (``tools/sim/hybrid_bound.py``) over the same tiers'
-    #: bytes (on the device: all of them, the checkpoint pool's too): what recency reaches when
-    #: every hit needs its checkpoint's bytes. A reference, not a ceiling
+    #: asked for (``--hybrid-lru``): LRU over KV *and* exact checkpoints
+    #: (``tools/sim/hybrid_bound.py``) over the same tiers' bytes (on the device: all of them,
+    #: the checkpoint pool's too): what recency reaches when every hit needs its checkpoint's
+    #: bytes, where a next turn extends the last one's end. A reference, not a ceiling
     hybrid_lru: float | None = None
     hybrid_lru_over: str = "the device's bytes"
 
@@ -56,7 +57,8 @@ class Bounds:
         return asdict(self)
 
 
-def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
+def offline_bounds(oracle: SimResult, cfg: SimConfig, *, hybrid: bool = False) -> Bounds:
+    """The bounds of ``Bounds``; ``hybrid``: the hybrid LRU reference too."""
     bs = cfg.block_size
     unit = cfg.unit
     device = kv_only_lru_split(oracle.served, cfg.kv_blocks, bs)
@@ -88,7 +90,9 @@ def offline_bounds(oracle: SimResult, cfg: SimConfig) -> Bounds:
         kv_lru_disk=disk.hit_rate if disk is not None else None,
         kv_lru_split=widest,
         kv_lru_split_over=over,
-        hybrid_lru=hybrid_lru(oracle.served, hybrid_blocks, bs, unit, cfg.checkpoint_bytes / block_bytes),
+        hybrid_lru=hybrid_lru(oracle.served, hybrid_blocks, bs, unit, cfg.checkpoint_bytes / block_bytes)
+        if hybrid
+        else None,
         hybrid_lru_over=over if host is not None or disk is not None else "the device's bytes",
     )
 
