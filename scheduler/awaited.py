@@ -15,9 +15,9 @@ away, in the learner's own units), so KV demand and captures take likelier-waste
 
 Measured (pressure and tenants-shift at 1.5 and 2.5 GiB, seeds 0-2, docs/cache.md "With
 whole-prompt admission"): the 30 runs gain 135 points in sum, swe-agent seed 0 at 1.5 GiB
-54.1 -> 66.2 %, tenants +5-8 points; multi-turn seed 2 at 1.5 GiB loses 2.2 (the requests
-admitted sooner crowd out the conversations between turns). Only the first 16 waiting
-requests counted: 19 points less in sum.
+54.1 -> 66.2 %, tenants and tenants-shift +4-14 points; multi-turn seed 2 at 1.5 GiB loses
+2.2 (the requests admitted sooner crowd out the conversations between turns). Only the
+first 16 waiting requests counted: 19 points less in sum.
 
 Torch-free; per step one prefix match per counted waiting request (cached while the index
 is unchanged).
