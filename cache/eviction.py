@@ -84,6 +84,12 @@ class CheckpointEviction(ABC):
         self.params = params
 
     # -- events --------------------------------------------------------------------------
+    def expect_hits(self, due: dict[Node, int]) -> None:
+        """The checkpoints waiting requests would restore from now -> admissions until each
+        one's request (1: the next; ``scheduler/awaited.py``), replacing the last such call.
+        A strategy that values checkpoints counts those hits as certain; this one ignores them."""
+        return None
+
     @abstractmethod
     def on_attach(self, node: Node, kind: CaptureKind, history: int | None = None) -> None:
         """``node`` just got a checkpoint captured as ``kind`` by a request whose path had

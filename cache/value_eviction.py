@@ -16,6 +16,8 @@ Every resident checkpoint — and through it the KV leaf it ends — is worth
   whose checkpoint is worth least.
 * A checkpoint where two or more running requests fork does not age while they run: it is
   the fallback of whichever of them is continued (a tree search's parent).
+* A checkpoint a waiting request would restore from (``expect_hits``) has a density of at
+  least ``1 / due``: its hit is certain, ``due`` admissions away (``scheduler/awaited.py``).
 * Cyclic reuse larger than the pool does not churn: a new capture has age 0, a resident
   near its usual reuse age has a higher density; one past every usual reuse age decays to
   zero and goes.
@@ -57,6 +59,7 @@ class ValueEviction(CheckpointEviction):
 
     def __init__(self, tree: RadixTree, params: EvictionParams, learner: ReuseLearner | None = None) -> None:
         super().__init__(tree, params)
+        self.awaited: dict[Node, int] = {}  # ``expect_hits``: node -> admissions until its hit
         self.block_size = params.block_size
         self.unit_blocks = params.unit_blocks
         self.bytes = max(params.checkpoint_bytes, 1)
@@ -102,6 +105,9 @@ class ValueEviction(CheckpointEviction):
         state: ValueState = node.policy_state
         age = 0 if self._shared_by_running(node) else self.learner.now - state.since
         density = self.learner.density(self._class(state), age)
+        due = self.awaited.get(node)
+        if due is not None:  # a waiting request restores from it once admitted: a certain hit
+            density = max(density, 1.0 / due)
         depth, base = node.depth * self.block_size, self._base(node)
         # with one budget a leaf checkpoint also holds the KV only it keeps reachable
         held = self.bytes + (0 if node.children else self._kv_bytes(depth - base))
@@ -113,6 +119,9 @@ class ValueEviction(CheckpointEviction):
 
     def worth(self, node: Node) -> float:
         return self.value(node)
+
+    def expect_hits(self, due: dict[Node, int]) -> None:
+        self.awaited = due
 
     def likely_to_serve(self, node: Node) -> bool:
         """The learner credits checkpoints of ``node``'s class with a hit more often than not."""

@@ -12,7 +12,12 @@ running requests' remaining tokens before it admits (its schedule conservativene
 their prompts (and take their next token), plus the blocks the new request will hold at the
 end of its prompt, must fit in the device KV the running requests do not hold.
 
-With one budget, KV below the checkpoints' floor only evicts within its own pages, so a
+With one budget, the pages of decoding requests' output slots (``CheckpointStore.trackers``)
+are no KV's while those requests run, so ``kv_capacity`` leaves them out (``tracking_held``).
+(swe-agent at 1.5 GiB, ten agents decoding side by side: up to 8 of its 30 pages are output
+slots; promised as KV, they made prompts preempt each other half built, again and again.)
+
+KV below the checkpoints' floor only evicts within its own pages, so a
 prompt that outgrows the pages outside the floor preempts a running request (whose recompute
 lowers the floor). ``kv_capacity`` keeps ``FLOOR_RESERVED`` of the floor's pages out of the
 capacity, and a prompt that only those pages keep out for ``FLOOR_WAIT_STEPS`` steps of its wait
@@ -68,10 +73,21 @@ def floor_reserved(cache: CacheManager) -> int:
     return int(budget.floor * budget.blocks.page_blocks * FLOOR_RESERVED)
 
 
+def tracking_held(cache: CacheManager) -> int:
+    """Device blocks of the pages decoding requests' output slots hold (0 without one budget).
+    KV cannot take them while those requests run: ``SharedBudget.free_block`` takes only a
+    published checkpoint's page."""
+    budget = cache.budget
+    if budget is None or budget.ckpts is None:
+        return 0
+    return len(budget.ckpts.trackers) * budget.blocks.page_blocks
+
+
 def kv_capacity(cache: CacheManager) -> int:
     """Device KV blocks running requests may hold at most, for admission: the pool's, less
-    ``floor_reserved``."""
-    return cache.blocks.max_blocks - floor_reserved(cache)
+    ``floor_reserved`` or ``tracking_held``, whichever is more (output slots count toward the
+    floor, so the two overlap)."""
+    return cache.blocks.max_blocks - max(floor_reserved(cache), tracking_held(cache))
 
 
 def kv_headroom(cache: CacheManager, running: Sequence[Request]) -> int:
@@ -110,7 +126,9 @@ def kv_shortfall(
     short = total - shared - headroom
     if short <= 0:
         return FITS
-    return Shortfall(short, short if short <= floor_reserved(cache) else 0)
+    # lowering the floor frees only the reserved pages output slots do not hold already
+    floor_only = floor_reserved(cache) - tracking_held(cache)
+    return Shortfall(short, short if short <= floor_only else 0)
 
 
 def charge_floor(cache: CacheManager, req: Request, short: Shortfall) -> None:

@@ -419,3 +419,31 @@ def test_a_branching_checkpoint_does_not_age_while_requests_run_below_it() -> No
     assert value.value(branch) == 0.0
     cm.free(running[1])
     cm.check_integrity()
+
+
+def test_a_checkpoint_a_waiting_request_will_restore_from_is_kept() -> None:
+    """The same eviction as above with a waiting request about to restore from a's served
+    checkpoint (``expect_hits``): that hit is certain, one admission away, so a's chain stays
+    and b's go instead; once no request waits for it, it is priced by its class again."""
+    cm = make(num_kv_blocks=64, num_checkpoint_slots=4)
+    value = cm.eviction
+    assert isinstance(value, ValueEviction)
+    a, b = list(range(200)), list(range(1000, 1300))
+    serve(cm, "a", a, [1])
+    serve(cm, "b", b, [2])
+    assert serve(cm, "a2", a + [5] * 40, [3]) == 192
+    assert serve(cm, "b2", b + [6] * 40, [3]) == 256
+    (served,) = [n for n in cm.ckpts.residents if n.depth * 16 == 192]
+    before = value.value(served)
+    value.expect_hits({served: 1})
+    boosted = value.value(served)
+    assert boosted > before and boosted >= value.saved(192, 0) / (value.bytes + value.kv_block_bytes * 12)
+    seq = cm.admit("big", list(range(9000, 9000 + 16 * 40)), b"x")
+    assert seq is not None and cm.allocate(seq, 16 * 40)
+    assert cm.stats()["kv.evicted_blocks"] == 12
+    # on the old value it was a's chain that went: [256, 320] (the test above)
+    assert sorted(n.depth * 16 for n in cm.ckpts.residents) == [192]
+    value.expect_hits({})
+    assert value.value(served) < boosted
+    cm.free(seq, publish_output=False)
+    cm.check_integrity()

@@ -15,6 +15,7 @@ from deltaserve.scheduler.kv_reserve import (
     kv_capacity,
     kv_headroom,
     kv_shortfall,
+    tracking_held,
 )
 from deltaserve.scheduler.request import RequestStatus
 
@@ -202,17 +203,19 @@ def test_the_scheduler_lowers_the_floor_for_a_prompt_it_long_held_back() -> None
     """End to end: a long decode keeps a short prompt out by the floor's reserved pages alone;
     the floor stays while it waits and drops once it has waited ``FLOOR_WAIT_STEPS`` steps; both
     finish without a preemption (on the old code it was admitted at once, the floor unmoved)."""
-    cm, s = one_budget(floor=4)  # 40 of 48 blocks promised
+    # 36 of 48 blocks promised: half the floor's 6 pages are reserved, the long one's output
+    # slot (one page) among them, so lowering the floor frees up to 8 blocks
+    cm, s = one_budget(floor=6)
     budget = cm.budget
     assert budget is not None
-    long, short = prompt(0, 560, max_tokens=120), prompt(1, 64, max_tokens=2)
+    long, short = prompt(0, 500, max_tokens=120), prompt(1, 64, max_tokens=2)
     s.add(long)
     held, floors = 0, []
     for _ in range(400):
         if not s.has_work():
             break
         if long.is_decoding and short.request_id not in s.requests:
-            s.add(short)  # 36 blocks to end the long one, 5 for this one: 1 past the 40
+            s.add(short)  # 32 blocks to end the long one, 5 for this one: 1 past the 36
         out = s.schedule()
         assert out is not None
         s.update(out, [7 if x.samples else None for x in out.seqs])
@@ -226,6 +229,40 @@ def test_the_scheduler_lowers_the_floor_for_a_prompt_it_long_held_back() -> None
     assert short.finish_reason == "length" and long.finish_reason == "length"
     assert s.num_preemptions == 0
     assert held >= FLOOR_WAIT_STEPS
-    assert floors[: FLOOR_WAIT_STEPS - 1] == [4] * (FLOOR_WAIT_STEPS - 1)
+    assert floors[: FLOOR_WAIT_STEPS - 1] == [6] * (FLOOR_WAIT_STEPS - 1)
     # one page down on the step the wait reached FLOOR_WAIT_STEPS (5 blocks short: 80 tokens)
-    assert floors[FLOOR_WAIT_STEPS - 1 :] == [3] * (held - FLOOR_WAIT_STEPS + 1)
+    assert floors[FLOOR_WAIT_STEPS - 1 :] == [5] * (held - FLOOR_WAIT_STEPS + 1)
+
+
+def test_one_budget_keeps_output_slot_pages_out_of_admission() -> None:
+    """A decoding request's output slot holds a page KV cannot take while it runs: admission
+    leaves it out of the KV it promises, and a prompt that fits only with it waits for the
+    request to finish instead of being admitted and preempting it (the old bound counted the
+    page as KV)."""
+    cm, s = one_budget(floor=0)
+    running = prompt(0, 100, max_tokens=50)
+    s.add(running)
+    while not cm.ckpts.trackers:  # decode until its output is tracked (a unit boundary)
+        out = s.schedule()
+        assert out is not None
+        s.update(out, [7 if x.samples else None for x in out.seqs])
+    assert tracking_held(cm) == 4 and kv_capacity(cm) == 48 - 4
+    # 8 blocks held by the decode; 601 tokens take 38 blocks: 2 past the 36 left
+    late = prompt(1, 600, max_tokens=2)
+    assert kv_shortfall(cm, s.running, late, lambda: s._match(late)) == Shortfall(blocks=2, floor_blocks=0)
+    s.add(late)
+    for _ in range(400):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        assert out is not None
+        if running.status is RequestStatus.RUNNING:
+            assert late.status is RequestStatus.WAITING
+        s.update(out, [7 if x.samples else None for x in out.seqs])
+        for x in out.seqs:
+            r = x.request
+            if x.samples and r.num_output_tokens >= r.sampling_params.max_tokens:
+                s.finish(r, "length")
+        s.check_integrity()
+    assert running.num_output_tokens == 50 and late.num_output_tokens == 2
+    assert s.num_preemptions == 0
