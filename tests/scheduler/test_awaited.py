@@ -9,6 +9,7 @@ from deltaserve.cache.value_eviction import ValueEviction
 from deltaserve.scheduler import Request, Scheduler, make_policy
 from deltaserve.scheduler.awaited import AWAITED_REQUESTS, awaited_hits
 from deltaserve.scheduler.request import RequestStatus
+from tests.scheduler.stepping import step
 
 
 class Params:
@@ -23,16 +24,6 @@ def make() -> Scheduler:
         )
     )
     return Scheduler(cm, make_policy("fcfs"), max_num_seqs=1, max_num_batched_tokens=1024)
-
-
-def step(s: Scheduler) -> None:
-    out = s.schedule()
-    assert out is not None
-    s.update(out, [7 if x.samples else None for x in out.seqs])
-    for x in out.seqs:
-        r = x.request
-        if x.samples and r.num_output_tokens >= r.sampling_params.max_tokens:
-            s.finish(r, "length")
 
 
 def test_the_scheduler_tells_the_eviction_what_waiting_requests_will_restore_from() -> None:

@@ -18,6 +18,7 @@ from deltaserve.scheduler.kv_reserve import (
     tracking_held,
 )
 from deltaserve.scheduler.request import RequestStatus
+from tests.scheduler.stepping import step
 
 
 class Params:
@@ -49,14 +50,7 @@ def drain(s: Scheduler, reqs: list[Request], max_steps: int = 20_000) -> int:
     for _ in range(max_steps):
         if not s.has_work():
             return computed
-        out = s.schedule()
-        assert out is not None, "stuck with waiting requests"
-        computed += out.num_tokens
-        s.update(out, [7 if x.samples else None for x in out.seqs])
-        for x in out.seqs:
-            r = x.request
-            if x.samples and r.num_output_tokens >= r.sampling_params.max_tokens:
-                s.finish(r, "length")
+        computed += step(s).num_tokens
         s.check_integrity()
     raise AssertionError("did not finish")
 
@@ -216,13 +210,7 @@ def test_the_scheduler_lowers_the_floor_for_a_prompt_it_long_held_back() -> None
             break
         if long.is_decoding and short.request_id not in s.requests:
             s.add(short)  # 32 blocks to end the long one, 5 for this one: 1 past the 36
-        out = s.schedule()
-        assert out is not None
-        s.update(out, [7 if x.samples else None for x in out.seqs])
-        for x in out.seqs:
-            r = x.request
-            if x.samples and r.num_output_tokens >= r.sampling_params.max_tokens:
-                s.finish(r, "length")
+        step(s)
         if short.status is RequestStatus.WAITING and short.request_id in s.requests:
             held += 1
             floors.append(budget.floor)
@@ -254,15 +242,9 @@ def test_one_budget_keeps_output_slot_pages_out_of_admission() -> None:
     for _ in range(400):
         if not s.has_work():
             break
-        out = s.schedule()
-        assert out is not None
+        step(s)
         if running.status is RequestStatus.RUNNING:
             assert late.status is RequestStatus.WAITING
-        s.update(out, [7 if x.samples else None for x in out.seqs])
-        for x in out.seqs:
-            r = x.request
-            if x.samples and r.num_output_tokens >= r.sampling_params.max_tokens:
-                s.finish(r, "length")
         s.check_integrity()
     assert running.num_output_tokens == 50 and late.num_output_tokens == 2
     assert s.num_preemptions == 0
