@@ -83,6 +83,10 @@ class CheckpointEviction(ABC):
         self.tree = tree
         self.params = params
 
+    #: whether ``expect_hits`` changes this strategy's choices (the scheduler skips the
+    #: waiting requests' matches for a strategy that ignores them)
+    values_awaited_hits: bool = False
+
     # -- events --------------------------------------------------------------------------
     def expect_hits(self, due: dict[Node, int]) -> None:
         """The checkpoints waiting requests would restore from now -> admissions until each

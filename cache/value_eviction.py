@@ -55,6 +55,7 @@ class ValueEviction(CheckpointEviction):
     """Hit density x compute saved / bytes (see the module docstring)."""
 
     name = "value"
+    values_awaited_hits = True
     per_byte = True
 
     def __init__(self, tree: RadixTree, params: EvictionParams, learner: ReuseLearner | None = None) -> None:

@@ -51,7 +51,7 @@ from deltaserve.cache.planning import settle_verify
 from deltaserve.cache.types import AdmitStatus, PrefixMatch, SeqCache, StepItem, StepPlan, Transfer
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.logs import get_logger
-from deltaserve.scheduler.awaited import awaited_hits
+from deltaserve.scheduler.awaited import tell_eviction
 from deltaserve.scheduler.kv_reserve import charge_floor, kv_shortfall
 from deltaserve.scheduler.policy import PolicyContext, SchedulingPolicy
 from deltaserve.scheduler.policy_guard import PolicyGuard
@@ -284,7 +284,7 @@ class Scheduler:
         if self._inflight is not None:
             raise RuntimeError("schedule() while a step is in flight")
         step = _StepBuild(self._ctx(), self.max_num_batched_tokens)
-        self.cache.eviction.expect_hits(awaited_hits(self.waiting, self._match))  # (awaited.py)
+        tell_eviction(self.cache, self.waiting, self._match)  # waiting requests' hits (awaited.py)
         rest = self._schedule_decodes(step)
         streams = len(step.decodes) + len(step.verifies)
         if streams and self.step_budget is not None:

@@ -117,6 +117,16 @@ def kv_only_lru_split(requests: Sequence[Served], kv_blocks: int, block_size: in
     return KvLruSplit(prompt_total, hit, compulsory, capacity, granularity)
 
 
+def request_blocks(prompt: Sequence[int], output: Sequence[int], block_size: int) -> tuple[list[int], int]:
+    """The hashes of the full blocks a served request computes (prompt and output, less the
+    last sampled token, which is never computed) and how many of them a hit may cover (at
+    most ``len(prompt) - 1`` tokens)."""
+    tokens = list(prompt) + list(output)
+    computed = len(tokens) - 1 if output else len(tokens)
+    hashes = block_hashes(tokens[:computed], block_size, b"")
+    return hashes, min((len(prompt) - 1) // block_size, len(hashes)) if prompt else 0
+
+
 def _kv_hashes(
     requests: Sequence[Served], block_size: int
 ) -> tuple[list[list[int]], list[list[int]], dict[int, list[int]]]:
@@ -126,10 +136,7 @@ def _kv_hashes(
     written: list[list[int]] = []
     occurrences: dict[int, list[int]] = {}
     for i, (prompt, output) in enumerate(requests):
-        tokens = list(prompt) + list(output)
-        computed = len(tokens) - 1 if output else len(tokens)
-        hashes = block_hashes(tokens[:computed], block_size, b"")
-        n_usable = min((len(prompt) - 1) // block_size, len(hashes)) if prompt else 0
+        hashes, n_usable = request_blocks(prompt, output, block_size)
         usable.append(hashes[:n_usable])
         written.append(hashes)
         for h in hashes[:n_usable]:

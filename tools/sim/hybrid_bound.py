@@ -34,10 +34,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from deltaserve.cache.hashing import block_hashes
-
-#: (prompt token ids, output token ids) of one request, in service order
-Served = tuple[Sequence[int], Sequence[int]]
+from deltaserve.tools.sim.bounds import Served, request_blocks
 
 
 class _Paths:
@@ -121,10 +118,7 @@ def hybrid_lru(
     paths = _Paths(capacity_blocks, checkpoint_blocks)
     hit = total = 0
     for i, (prompt, output) in enumerate(requests):
-        tokens = list(prompt) + list(output)
-        computed = len(tokens) - 1 if output else len(tokens)  # the last sampled token is never computed
-        hashes = block_hashes(tokens[:computed], block_size, b"")
-        usable = min((len(prompt) - 1) // block_size, len(hashes)) if prompt else 0
+        hashes, usable = request_blocks(prompt, output, block_size)
         total += len(prompt)
         cached = 0
         for h in hashes:

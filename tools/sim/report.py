@@ -72,15 +72,12 @@ def offline_bounds(oracle: SimResult, cfg: SimConfig, *, hybrid: bool = False) -
         else (device, "the device KV")
     )
     block_bytes = bs * cfg.kv_bytes_per_token
-    device_bytes = (
-        cfg.memory_bytes if cfg.memory_bytes is not None else cfg.kv_bytes + cfg.checkpoint_pool_bytes
-    )
     hybrid_blocks = (
         cfg.all_tiers_kv_blocks
         if disk is not None
         else cfg.combined_kv_blocks
         if host is not None
-        else device_bytes // block_bytes
+        else cfg.device_bytes // block_bytes
     )
     return Bounds(
         kv_lru=device.hit_rate,

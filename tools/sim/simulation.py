@@ -165,14 +165,18 @@ class SimConfig:
         return self.host_kv_blocks * block_bytes + self.host_checkpoint_slots * self.checkpoint_bytes
 
     @property
-    def combined_kv_blocks(self) -> int:
-        """Every byte of both memory tiers, KV and checkpoints, as KV blocks (the host tier's bound).
-        One device budget (``memory_bytes``) counts once: its ``kv_blocks`` and
-        ``checkpoint_slots`` each describe the whole budget (for the device-only bounds)."""
-        device = (
+    def device_bytes(self) -> int:
+        """The device's cache bytes, KV and checkpoints. One device budget (``memory_bytes``)
+        counts once: its ``kv_blocks`` and ``checkpoint_slots`` each describe the whole budget
+        (for the device-only bounds)."""
+        return (
             self.memory_bytes if self.memory_bytes is not None else self.kv_bytes + self.checkpoint_pool_bytes
         )
-        return (device + self.host_bytes) // (self.block_size * self.kv_bytes_per_token)
+
+    @property
+    def combined_kv_blocks(self) -> int:
+        """Every byte of both memory tiers, KV and checkpoints, as KV blocks (the host tier's bound)."""
+        return (self.device_bytes + self.host_bytes) // (self.block_size * self.kv_bytes_per_token)
 
     @property
     def all_tiers_kv_blocks(self) -> int:
