@@ -38,6 +38,7 @@ from deltaserve.engine.config_base import (
     LogLevel,
     MiB,
     PosInt,
+    StateDType,
     _bad,
     _doc,
     _Section,
@@ -65,7 +66,7 @@ from deltaserve.engine.errors import ConfigError
 __all__ = [
     "CacheConfig", "ConfigError", "CoreProcess", "DType", "EngineConfig", "EngineLoopConfig", "GiB",
     "KVEventsConfig", "KernelBackend", "KernelsConfig", "LogLevel", "LoggingConfig", "MiB", "ModelConfig",
-    "SchedulerConfig", "SpecMethod", "SpeculativeConfig", "StructuredOutputsConfig", "format_bytes",
+    "SchedulerConfig", "SpecMethod", "SpeculativeConfig", "StateDType", "StructuredOutputsConfig", "format_bytes",
     "parse_bytes", "parse_override",
     "read_config_file", "set_dotted",
 ]  # fmt: skip
@@ -97,6 +98,15 @@ class ModelConfig(_Section):
             "Weights and KV-cache dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on CPU)."
         ),
     ] = DType.AUTO
+    ssm_state_dtype: Annotated[
+        StateDType,
+        _doc(
+            "The recurrent GDN state's dtype, live and in every checkpoint: float32, bfloat16, or auto "
+            "(the model config's `mamba_ssm_dtype` when it names one of these, else float32). "
+            "bfloat16 halves a checkpoint's state bytes, so every cache tier holds more of them; "
+            "outputs then differ from a float32 state's, with or without cache hits alike."
+        ),
+    ] = StateDType.AUTO
     device: Annotated[
         str,
         _doc(

@@ -21,7 +21,7 @@ from deltaserve.engine.errors import ConfigError
 
 __all__ = [
     "CoreProcess", "DType", "Fraction", "GiB", "KernelBackend", "LogLevel", "MiB", "NonNegBytes",
-    "NonNegInt", "PosBytes", "PosInt",
+    "NonNegInt", "PosBytes", "PosInt", "StateDType",
 ]  # fmt: skip
 
 MiB = 1024**2
@@ -33,12 +33,20 @@ def _doc(text: str, **constraints: Any) -> msgspec.Meta:
 
 
 class DType(str, enum.Enum):
-    """Model weights and KV-cache dtype (the recurrent GDN state is always float32)."""
+    """Model weights and KV-cache dtype (the recurrent GDN state's is ``StateDType``)."""
 
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     AUTO = "auto"  # bfloat16 on CUDA, float32 on the CPU
+
+
+class StateDType(str, enum.Enum):
+    """The recurrent GDN state's dtype: live slots and checkpoints on every tier alike."""
+
+    AUTO = "auto"  # the model config's ``mamba_ssm_dtype`` when it names one of these, else float32
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
 
 
 class KernelBackend(str, enum.Enum):

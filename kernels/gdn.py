@@ -3,7 +3,8 @@
 Contract (docs/contracts.md, "Kernel ops"); the Triton path must match it exactly.
 
 Shapes: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv]`` float32 log-decay (<= 0),
-``beta [T, Hv]``; ``ssm_state [num_state_slots, Hv, Dk, Dv]`` float32. Value head ``h`` reads
+``beta [T, Hv]``; ``ssm_state [num_state_slots, Hv, Dk, Dv]`` float32 (or bfloat16: read into
+float32, rounded only where a state is stored). Value head ``h`` reads
 key/query head ``h // (Hv // Hk)``. With ``use_qk_l2norm`` q and k are L2-normalised as
 ``x * rsqrt(sum(x^2) + 1e-6)``; q is then scaled by ``Dk ** -0.5``. All math runs in float32;
 the output ``[T, Hv, Dv]`` comes back in ``v.dtype``.

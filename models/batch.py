@@ -16,7 +16,8 @@ Contract (docs/contracts.md, "Batch layout" and "Cache tensors"):
   head (``models/mtp.py``; 0 unless the runner asked for them), which use the same block ids,
   block tables and slot mapping as the target -- and per GDN
   layer ordinal ``j``, ``conv_state[j]`` ``[num_state_slots, conv_dim, K - 1]`` (model
-  dtype) and ``ssm_state[j]`` ``[num_state_slots, Hv, Dk, Dv]`` (float32).
+  dtype) and ``ssm_state[j]`` ``[num_state_slots, Hv, Dk, Dv]`` (``CacheSpec.ssm_dtype``:
+  float32 unless configured otherwise, ``model.ssm_state_dtype``).
 * ``CacheSpec`` is what a model tells the runner so it can size and allocate those.
 
 Two allocations give those shapes. ``CacheSpec.allocate`` makes one contiguous tensor per
@@ -40,8 +41,10 @@ from torch import Tensor
 from deltaserve.kernels.gdn import GDN_CHUNK_SIZE
 from deltaserve.models.verify import VerifyPlan
 
-# The recurrent state is accumulated over thousands of tokens: keep it in fp32 whatever the
-# model dtype (contracts.md fixes this).
+# The recurrent state is accumulated over thousands of tokens: it is float32 whatever the
+# model dtype unless the configuration asks otherwise (contracts.md). The kernels compute in
+# float32 and round only where they store, so a checkpoint restores exactly the state a live
+# slot of the same dtype held.
 SSM_STATE_DTYPE = torch.float32
 #: every per-layer range inside an arena page starts on this many bytes (vector loads; the
 #: fp32 state view needs at least 4)
@@ -177,6 +180,7 @@ class CacheSpec:
     # KV layers of the MTP head, appended after the target's (``k_cache[num_attn_layers + i]``):
     # same Hkv, D and dtype, so one block id covers the target's and the head's KV of its tokens.
     num_mtp_layers: int = 0
+    ssm_dtype: torch.dtype = SSM_STATE_DTYPE  # the recurrent state's, live and checkpointed
 
     @property
     def num_kv_layers(self) -> int:
@@ -189,9 +193,9 @@ class CacheSpec:
         return self.num_kv_layers * per_layer
 
     def state_slot_bytes(self) -> int:
-        """Bytes of one state slot across ALL GDN layers (conv state + fp32 recurrent state)."""
+        """Bytes of one state slot across ALL GDN layers (conv state + recurrent state)."""
         conv = self.conv_dim * (self.conv_kernel - 1) * _itemsize(self.dtype)
-        ssm = self.num_v_heads * self.key_head_dim * self.value_head_dim * _itemsize(SSM_STATE_DTYPE)
+        ssm = self.num_v_heads * self.key_head_dim * self.value_head_dim * _itemsize(self.ssm_dtype)
         return self.num_gdn_layers * (conv + ssm)
 
     def padded_state_bytes(self) -> int:
@@ -201,7 +205,7 @@ class CacheSpec:
     def _state_ranges(self) -> tuple[int, int, tuple[int, ...], tuple[int, ...], int]:
         """Conv and ssm bytes per GDN layer, their offsets in a page, and the padded total."""
         conv = self.conv_dim * (self.conv_kernel - 1) * _itemsize(self.dtype)
-        ssm = self.num_v_heads * self.key_head_dim * self.value_head_dim * _itemsize(SSM_STATE_DTYPE)
+        ssm = self.num_v_heads * self.key_head_dim * self.value_head_dim * _itemsize(self.ssm_dtype)
         conv_offsets: list[int] = []
         ssm_offsets: list[int] = []
         end = 0
@@ -271,7 +275,7 @@ class CacheSpec:
                 for off in lay.conv_offsets
             ],
             ssm_state=[
-                _typed_view(arena, total, lay.page_bytes, off, lay.ssm_bytes, SSM_STATE_DTYPE, ssm_shape)
+                _typed_view(arena, total, lay.page_bytes, off, lay.ssm_bytes, self.ssm_dtype, ssm_shape)
                 for off in lay.ssm_offsets
             ],
             arena=arena,
@@ -296,7 +300,7 @@ class CacheSpec:
                 torch.zeros(conv_shape, dtype=self.dtype, device=device) for _ in range(self.num_gdn_layers)
             ],
             ssm_state=[
-                torch.zeros(ssm_shape, dtype=SSM_STATE_DTYPE, device=device)
+                torch.zeros(ssm_shape, dtype=self.ssm_dtype, device=device)
                 for _ in range(self.num_gdn_layers)
             ],
         )

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from deltaserve.models.attention import PagedAttention
-from deltaserve.models.batch import BatchMetadata, CacheSpec, ModelCaches
+from deltaserve.models.batch import SSM_STATE_DTYPE, BatchMetadata, CacheSpec, ModelCaches
 from deltaserve.models.gdn import GatedDeltaNet, GdnSegments
 from deltaserve.models.linear import Linear
 from deltaserve.models.rope import RotaryEmbedding
@@ -141,9 +141,9 @@ class CausalLM(nn.Module):
     def gdn_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if not layer.is_attention]
 
-    def cache_spec(self, *, with_mtp: bool = False) -> CacheSpec:
+    def cache_spec(self, *, with_mtp: bool = False, ssm_dtype: torch.dtype = SSM_STATE_DTYPE) -> CacheSpec:
         """The caches this model needs; ``with_mtp`` adds the MTP head's KV layers after the
-        target's (ValueError when the model has no head)."""
+        target's (ValueError when the model has no head); ``ssm_dtype``: the recurrent state's."""
         if with_mtp and self.mtp is None:
             raise ValueError("this model has no MTP head (load it with load_mtp=True)")
         attn = self.attention_layers()
@@ -162,6 +162,7 @@ class CausalLM(nn.Module):
             value_head_dim=g0.head_v_dim if g0 else 0,
             dtype=self.dtype,
             num_mtp_layers=self.mtp.num_layers if with_mtp and self.mtp is not None else 0,
+            ssm_dtype=ssm_dtype,
         )
 
     @overload

@@ -139,6 +139,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--enable-prefix-caching",), V, K, "reuse cached prefixes", "cache.enable_prefix_caching",
          arity=Arity.BOOL),
     Flag(("--block-size",), V, K, "tokens per KV block", "cache.block_size", type=int, metavar="N"),
+    Flag(("--mamba-ssm-cache-dtype",), V, K, "the recurrent state's dtype, live and checkpointed: auto | float32 | "
+         "bfloat16", "model.ssm_state_dtype", metavar="DTYPE"),
     Flag(("--num-gpu-blocks-override",), V, K, "explicit number of KV blocks", "cache.num_kv_blocks",
          type=int, metavar="N"),
     Flag(("--seed",), V, K, "seed of requests without their own", "model.seed", type=int, metavar="N"),

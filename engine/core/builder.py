@@ -20,7 +20,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.remote_client import MooncakeClient, mooncake_import_error
 from deltaserve.cache.remote_store import RemoteStore
 from deltaserve.cache.remote_tier import RemoteTier
-from deltaserve.engine.config import DType, EngineConfig
+from deltaserve.engine.config import DType, EngineConfig, StateDType
 from deltaserve.engine.config_spec import SpecMethod
 from deltaserve.engine.core.kv_events_hook import CoreKVEvents
 from deltaserve.engine.core.sizing import Capacity, ModelShape, plan_capacity
@@ -37,6 +37,7 @@ log = get_logger("deltaserve.engine")
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+STATE_DTYPES = {StateDType.FLOAT32: torch.float32, StateDType.BFLOAT16: torch.bfloat16}
 
 
 def load_engine_model(
@@ -64,7 +65,40 @@ def load_engine_model(
         raise ConfigError(
             "speculative.method = 'mtp': the model was loaded without its MTP head (load_model(load_mtp=True))"
         )
-    return loaded, loaded.model.cache_spec(with_mtp=want_mtp)
+    ssm_dtype = resolve_state_dtype(config, loaded)
+    return loaded, loaded.model.cache_spec(with_mtp=want_mtp, ssm_dtype=ssm_dtype)
+
+
+def resolve_state_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """The torch dtype of ``model.ssm_state_dtype`` (``auto``: the model config's
+    ``mamba_ssm_dtype`` when it names float32 or bfloat16, else float32). Pins the config to
+    the concrete value, as ``resolve_device`` does the model dtype: a checkpoint store, and the
+    prefix-cache salt, must name the state that runs."""
+    chosen = config.model.ssm_state_dtype
+    reason = "configured"
+    if chosen is StateDType.AUTO:
+        named = str(getattr(loaded.hf_config, "mamba_ssm_dtype", None) or "").removeprefix("torch.")
+        known = named in {d.value for d in StateDType} - {StateDType.AUTO.value}
+        chosen = StateDType(named) if known else StateDType.FLOAT32
+        reason = (
+            "auto: the model config's mamba_ssm_dtype"
+            if known
+            else f"auto: mamba_ssm_dtype = {named} is not supported"
+            if named
+            else "auto: no mamba_ssm_dtype"
+        )
+    config.model.ssm_state_dtype = chosen
+    log.info("engine.ssm_state_dtype", dtype=chosen.value, reason=reason)
+    return STATE_DTYPES[chosen]
+
+
+def salt_parts(config: EngineConfig, loaded: LoadedModel) -> tuple[str, ...]:
+    """What every prefix-cache hash is salted with: the model, the dtypes that run and the
+    namespace. A bfloat16 state is named (float32, the default, is not: the hashes a float32
+    engine has always written stay valid), so states of two dtypes never answer each other."""
+    parts = (str(loaded.path), config.model.dtype.value, config.cache.namespace)
+    state = config.model.ssm_state_dtype
+    return parts if state is StateDType.FLOAT32 else (*parts, f"ssm_state={state.value}")
 
 
 def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:
@@ -277,7 +311,7 @@ def build_runner(
         num_pages=capacity.num_pages,
         num_host_pages=capacity.num_host_pages,
     )
-    runner = ModelRunner(loaded, ops, sizes, device, with_mtp=spec.num_mtp_layers > 0)
+    runner = ModelRunner(loaded, ops, sizes, device, spec=spec)
     runner.default_generator.manual_seed(config.model.seed)
     return runner
 

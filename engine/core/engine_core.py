@@ -44,6 +44,7 @@ from deltaserve.engine.core.builder import (
     resolve_device,
     resolve_dtype,
     resolve_ops,
+    salt_parts,
 )
 from deltaserve.engine.core.grammar_wait import GrammarWait
 from deltaserve.engine.core.overlap import Overlap
@@ -144,7 +145,7 @@ class EngineCore:
             self.tokenizer,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
-            salt_parts=(str(self.loaded.path), config.model.dtype.value, config.cache.namespace),
+            salt_parts=salt_parts(config, self.loaded),
             sampling_defaults=self.sampling_defaults[0],
         )
         self.max_token_chars = self.input_processor.max_token_chars

@@ -190,7 +190,7 @@ class ModelRunner:
         sizes: RunnerSizes,
         device: torch.device,
         *,
-        with_mtp: bool = False,
+        spec: CacheSpec | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -199,8 +199,9 @@ class ModelRunner:
         self.device = device
         if device.type == "cpu":
             keep_freed_memory()  # the forward's large intermediates reuse heap pages (no page faults)
-        # ``with_mtp``: the MTP head's KV layers too (``speculative.method = "mtp"``)
-        self.spec: CacheSpec = self.model.cache_spec(with_mtp=with_mtp)
+        # ``spec``: the engine's (the MTP head's KV layers with ``speculative.method = "mtp"``,
+        # the configured state dtype); else the model's own
+        self.spec: CacheSpec = spec or self.model.cache_spec()
         if sizes.num_pages:
             self.caches: ModelCaches = self.spec.allocate_arena(
                 sizes.num_live_slots, sizes.num_pages, sizes.block_size, device

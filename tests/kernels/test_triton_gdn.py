@@ -337,3 +337,25 @@ def test_captures_off_the_chunk_grid(tops: Ops, rng: torch.Generator) -> None:
     )
     torch.testing.assert_close(out_tri, out_ref, **FP32)
     assert_states_equal(ssm_ref, ssm_tri)
+
+
+def test_bf16_state_prefill_captures_and_decode(tops: Ops, rng: torch.Generator) -> None:
+    """A bfloat16 state tensor (``model.ssm_state_dtype``): both ops read it into float32, compute
+    in float32 and round only where they store (final states, captures) — as the reference does."""
+    lengths = [70, 9, 64]
+    inputs = make_inputs(lengths, 1, 2, rng)
+    ssm = torch.randn(8, 2, DK, DV, generator=rng).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([5, 0, 3], device=DEVICE)
+    has_initial = torch.tensor([True, False, True], device=DEVICE)
+    caps = [(0, 64), (2, 32), (2, 64)]
+    out_ref, out_tri, ssm_ref, ssm_tri = run_both(tops, inputs, ssm, slots, has_initial, caps, [1, 2, 4])
+    assert ssm_tri.dtype == torch.bfloat16
+    torch.testing.assert_close(out_tri, out_ref, **FP32)
+    # one bf16 ulp where the float32 values round differently between the two algorithms
+    torch.testing.assert_close(ssm_tri.float(), ssm_ref.float(), **BF16)
+    assert torch.equal(ssm_tri[[6, 7]], ssm[[6, 7]])  # untouched slots: bit for bit
+    q, k, v, g, beta, _ = make_inputs([3], 1, 2, rng)
+    out_ref = ref_recurrent(q, k, v, g, beta, ssm_ref, slots)
+    out_tri = tops.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_tri, slots)
+    torch.testing.assert_close(out_tri, out_ref, **BF16)
+    torch.testing.assert_close(ssm_tri.float(), ssm_ref.float(), **BF16)

@@ -59,7 +59,8 @@ def sample(flag: Any) -> tuple[str, Any]:
             "enable_kv_cache_events": True,
             "topic": "kv",
         }
-    return {"scheduler.policy": ("lpm", "lpm")}.get(flag.target, ("/tmp/x", "/tmp/x"))
+    enums = {"scheduler.policy": ("lpm", "lpm"), "model.ssm_state_dtype": ("bfloat16", "bfloat16")}
+    return enums.get(flag.target, ("/tmp/x", "/tmp/x"))
 
 
 #: one value per key (``--speculative-config``'s JSON object is a section: tested on its own)

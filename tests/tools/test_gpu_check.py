@@ -35,6 +35,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert result["tests"]["ok"] and " passed" in result["tests"]["summary"]
     parity = result["parity"]
     assert parity["ok"] and parity["fp32_tokens_equal"] and parity["prefix_cache_on_off_equal"]
+    assert 0.5 <= parity["bf16_state_token_match"] <= 1.0  # reported, not gating: near-ties may flip
     assert parity["json_schema"]["ok"] and json.loads(parity["json_schema"]["text"])["c"] in ("a", "b")
     speed = result["speed"]
     assert speed["roofline"]["copy_bytes_per_s"] > 0 and speed["roofline"]["matmul_flop_per_s"] > 0

@@ -199,6 +199,13 @@ def test_model_path_supplies_sizes_and_seeds_repeat(
     big = sizes_from_config(qwen35_4b)
     assert big.kv_bytes_per_token == 32 * 1024  # the simulator's default sizes are this model's
     assert 48 * 2**20 < big.checkpoint_bytes < 52 * 2**20
+    # a bfloat16 recurrent state (configured, or the config's own mamba_ssm_dtype under auto)
+    # halves the state: 48 MiB of the 4B's checkpoint
+    half = sizes_from_config(qwen35_4b, ssm_state_dtype="bfloat16")
+    assert big.checkpoint_bytes - half.checkpoint_bytes == 24 * 2**20
+    named = {"text_config": {**qwen35_4b["text_config"], "mamba_ssm_dtype": "bfloat16"}}
+    assert sizes_from_config(named) == half
+    assert sizes_from_config(named, ssm_state_dtype="float32") == big
     js = tmp_path / "s.json"
     main([
         "--workload", "chat", "--sessions", "2", "--turns", "2", "--seeds", "3,4", "--policies", "v1,default,oracle",
@@ -283,3 +290,14 @@ def test_host_tier_flags_raise_hits_and_cost_time(capsys: pytest.CaptureFixture[
     assert device[0]["hit_tokens_host"] == 0
     assert host[1]["hit_rate"] == device[1]["hit_rate"]  # the oracle has no host tier
     assert slow["workloads"]["chat"]["results"][0]["sim_time_s"] > host[0]["sim_time_s"]
+
+
+def test_a_bfloat16_state_halves_the_default_checkpoint(tmp_path: Path) -> None:
+    js = tmp_path / "s.json"
+    main([
+        "--workload", "chat", "--sessions", "2", "--turns", "2", "--policies", "default",
+        "--set", "model.ssm_state_dtype=bfloat16", "--kv-mb", "64", "--checkpoint-mb", "260", "--json", str(js),
+    ])  # fmt: skip
+    sim = json.loads(js.read_text())["sim_config"]
+    assert sim["checkpoint_bytes"] == 26 * 2**20 and sim["checkpoint_slots"] == 10
+    assert "bfloat16 recurrent state" in sim["model"]

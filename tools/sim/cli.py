@@ -21,7 +21,8 @@ times and concurrency.
 Policies (``cache/admission.py``): ``interval``, ``step-end``, ``sequence-end``,
 ``default``, ``every-unit``, ``none``, and ``oracle`` = ``every-unit`` with unlimited KV
 and checkpoint memory (and no staging limit). Budgets are given for a real model: one
-checkpoint ``--checkpoint-bytes`` (default 50 MiB, Qwen3.5-4B-like) and KV
+checkpoint ``--checkpoint-bytes`` (default 50 MiB, Qwen3.5-4B-like; 26 MiB with
+``--set model.ssm_state_dtype=bfloat16``) and KV
 ``--kv-bytes-per-token`` (default 32 KiB). Engine settings (block size, checkpoint
 interval, staging budget, scheduler policy and limits) come from ``--config``/``--set``.
 A host tier (``--host-memory-mb``) and a disk tier below it (``--disk-gb``, with its read
@@ -103,7 +104,9 @@ __all__ = [
 log = get_logger("deltaserve.simulate")
 
 DEFAULT_POLICIES = ("interval", "step-end", "sequence-end", "v1", "default", "oracle")
-DEFAULT_CHECKPOINT_BYTES = 50 * MiB  # Qwen3.5-4B-like
+DEFAULT_CHECKPOINT_BYTES = 50 * MiB  # Qwen3.5-4B-like: 48 MiB of it the float32 recurrent state
+#: the same with ``model.ssm_state_dtype = "bfloat16"``: that state halved
+DEFAULT_CHECKPOINT_BYTES_BF16_STATE = 26 * MiB
 DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024
 DEFAULT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_KV_MB = 2048
@@ -223,9 +226,13 @@ def _model_defaults(
 ) -> tuple[int, int, tuple[float, float] | None, str | None]:
     """Checkpoint bytes, KV bytes per token, the value model's prefill cost and a description:
     from ``model.path``'s config.json when ``--config``/``--set`` names one, else 4B-like."""
+    state = ecfg.model.ssm_state_dtype.value
     if not _model_path_given(args, ecfg):
+        if state == "bfloat16":
+            model = "Qwen3.5-4B-like (default sizes, bfloat16 recurrent state)"
+            return DEFAULT_CHECKPOINT_BYTES_BF16_STATE, DEFAULT_KV_BYTES_PER_TOKEN, None, model
         return DEFAULT_CHECKPOINT_BYTES, DEFAULT_KV_BYTES_PER_TOKEN, None, None
-    sizes = model_sizes(ecfg.model.path)
+    sizes = model_sizes(ecfg.model.path, state)
     cost = (sizes.prefill_flops_per_token, sizes.prefill_flops_per_token_pair)
     model = (
         f"{ecfg.model.path}: {sizes.attention_layers} attention + {sizes.gdn_layers} GDN layers, "

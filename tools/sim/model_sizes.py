@@ -10,7 +10,8 @@ For Qwen3.5 and Qwen3-Next (a ``text_config`` section is read when present):
 * one checkpoint (or live state) = GDN layers x (conv state ``conv_dim x (kernel - 1)`` in
   bf16, ``conv_dim = 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads
   * linear_value_head_dim``, + recurrent state ``linear_num_value_heads x linear_key_head_dim
-  x linear_value_head_dim`` in fp32);
+  x linear_value_head_dim`` in fp32, or bf16 where ``model.ssm_state_dtype`` — or, left at
+  auto, the config's ``mamba_ssm_dtype`` — says so);
 * prefill cost (``CacheManagerConfig.prefill_cost_per_token`` / ``_pair``, FLOPs): about
   2 x the weights a token passes through (projections, MLP or the active experts), and per
   (token, earlier token) pair 4 x heads x head_dim per attention layer (QK^T and PV).
@@ -30,6 +31,17 @@ from deltaserve.tools.workloads import builtin_model_dir
 KV_DTYPE_BYTES = 2  # bf16
 CONV_DTYPE_BYTES = 2  # bf16
 STATE_DTYPE_BYTES = 4  # fp32 recurrent state
+#: the recurrent state's bytes per value by ``model.ssm_state_dtype``
+STATE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def state_dtype_bytes(ssm_state_dtype: str, cfg: dict[str, Any]) -> int:
+    """Bytes per recurrent-state value: ``ssm_state_dtype``'s, or with ``auto`` the config's
+    ``mamba_ssm_dtype`` when it names a supported one, else float32's (as the engine resolves it)."""
+    if ssm_state_dtype == "auto":
+        named = str(cfg.get("text_config", cfg).get("mamba_ssm_dtype") or "").removeprefix("torch.")
+        return STATE_BYTES.get(named, STATE_DTYPE_BYTES)
+    return STATE_BYTES[ssm_state_dtype]
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,8 @@ def config_path(model_path: str) -> Path:
     return path
 
 
-def sizes_from_config(cfg: dict[str, Any], name: str = "") -> ModelSizes:
+def sizes_from_config(cfg: dict[str, Any], name: str = "", ssm_state_dtype: str = "auto") -> ModelSizes:
+    state_bytes = state_dtype_bytes(ssm_state_dtype, cfg)
     cfg = cfg.get("text_config", cfg)
     n_layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
@@ -79,7 +92,7 @@ def sizes_from_config(cfg: dict[str, Any], name: str = "") -> ModelSizes:
         dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
         kernel = int(cfg["linear_conv_kernel_dim"])
         conv_dim = 2 * hk * dk + hv * dv
-        ckpt = gdn * (conv_dim * (kernel - 1) * CONV_DTYPE_BYTES + hv * dk * dv * STATE_DTYPE_BYTES)
+        ckpt = gdn * (conv_dim * (kernel - 1) * CONV_DTYPE_BYTES + hv * dk * dv * state_bytes)
         gdn_proj = hidden * (conv_dim + 2 * hv + hv * dv) + hv * dv * hidden  # in (qkv, a, b, z), out
     attn_proj = hidden * (heads * head_dim * 2 + 2 * kv_heads * head_dim)  # q (+gate), k, v, o
     if "num_experts" in cfg and cfg.get("num_experts"):
@@ -100,6 +113,6 @@ def sizes_from_config(cfg: dict[str, Any], name: str = "") -> ModelSizes:
     )
 
 
-def model_sizes(model_path: str) -> ModelSizes:
+def model_sizes(model_path: str, ssm_state_dtype: str = "auto") -> ModelSizes:
     path = config_path(model_path)
-    return sizes_from_config(json.loads(path.read_text()), name=model_path)
+    return sizes_from_config(json.loads(path.read_text()), name=model_path, ssm_state_dtype=ssm_state_dtype)
