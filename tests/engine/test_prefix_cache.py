@@ -188,33 +188,34 @@ def test_cache_salt_keeps_tenants_apart(core_factory: Any) -> None:
     assert hit(None) == 0
 
 
+def sampled_logits(core: EngineCore, prompt: list[int], monkeypatch: Any) -> tuple[torch.Tensor, int]:
+    """The logits of every sampled row of one 5-token greedy request, and its cached prompt tokens."""
+    rows: list[Any] = []
+    forward = core.runner.model.forward
+
+    def spy(batch: Any, caches: Any) -> Any:
+        out = forward(batch, caches)
+        rows.append(out.clone())
+        return out
+
+    monkeypatch.setattr(core.runner.model, "forward", spy)
+    req = core.make_request(prompt, greedy(5))
+    core.add_request(req)
+    outs = run_to_completion(core)[req.request_id]
+    monkeypatch.setattr(core.runner.model, "forward", forward)
+    return torch.cat(rows), outs[-1].num_cached_tokens
+
+
 def test_warm_logits_equal_cold_logits(core_factory: Any, monkeypatch: Any) -> None:
     """fp32 logits of every sampled position, warm (restored checkpoint + cached KV) vs cold."""
     rng = random.Random(22)
     first = rand_tokens(rng, 260)
     second = first + rand_tokens(rng, 90)
-
-    def logits_of(core: EngineCore, prompt: list[int]) -> Any:
-        rows: list[Any] = []
-        forward = core.runner.model.forward
-
-        def spy(batch: Any, caches: Any) -> Any:
-            out = forward(batch, caches)
-            rows.append(out.clone())
-            return out
-
-        monkeypatch.setattr(core.runner.model, "forward", spy)
-        req = core.make_request(prompt, greedy(5))
-        core.add_request(req)
-        outs = run_to_completion(core)[req.request_id]
-        monkeypatch.setattr(core.runner.model, "forward", forward)
-        return torch.cat(rows), outs[-1].num_cached_tokens
-
     warm = core_factory()
     cold = core_factory(**{"cache.enable_prefix_caching": False})
-    logits_of(warm, first)
-    warm_logits, hit = logits_of(warm, second)
-    cold_logits, _ = logits_of(cold, second)
+    sampled_logits(warm, first, monkeypatch)
+    warm_logits, hit = sampled_logits(warm, second, monkeypatch)
+    cold_logits, _ = sampled_logits(cold, second, monkeypatch)
     assert hit == 256
     assert warm_logits.shape == cold_logits.shape == (5, warm.vocab_size)
     assert_logits_close(warm_logits, cold_logits, "warm (restored checkpoint + cached KV) vs cold")

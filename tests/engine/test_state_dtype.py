@@ -14,32 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from deltaserve.engine import EngineCore
 from deltaserve.engine.config import ConfigError, StateDType
 from deltaserve.engine.core.builder import resolve_state_dtype, salt_parts
-from tests.engine.conftest import greedy, make_config, run_to_completion
-from tests.engine.test_prefix_cache import serve
+from tests.engine.conftest import make_config
+from tests.engine.test_prefix_cache import sampled_logits, serve
 from tests.tolerances import BF16_STATE, assert_logits_close
 
 BF16 = {"model.ssm_state_dtype": "bfloat16"}
-
-
-def logits_of(core: EngineCore, prompt: list[int], monkeypatch: Any, max_tokens: int = 5) -> tuple[Any, int]:
-    """Every sampled row's logits of one greedy request, and its cached prompt tokens."""
-    rows: list[Any] = []
-    forward = core.runner.model.forward
-
-    def spy(batch: Any, caches: Any) -> Any:
-        out = forward(batch, caches)
-        rows.append(out.clone())
-        return out
-
-    monkeypatch.setattr(core.runner.model, "forward", spy)
-    req = core.make_request(prompt, greedy(max_tokens))
-    core.add_request(req)
-    outs = run_to_completion(core)[req.request_id]
-    monkeypatch.setattr(core.runner.model, "forward", forward)
-    return torch.cat(rows), outs[-1].num_cached_tokens
 
 
 def test_bfloat16_state_is_allocated_and_halves_the_state_bytes(core_factory: Any) -> None:
@@ -62,13 +43,15 @@ def test_a_hit_on_a_bfloat16_state_changes_nothing(core_factory: Any, monkeypatc
     second = first + [rng.randrange(3, 1000) for _ in range(90)]
     warm = core_factory(**BF16)
     cold = core_factory(**BF16, **{"cache.enable_prefix_caching": False})
-    logits_of(warm, first, monkeypatch)
-    warm_logits, hit = logits_of(warm, second, monkeypatch)
-    cold_logits, _ = logits_of(cold, second, monkeypatch)
+    sampled_logits(warm, first, monkeypatch)
+    warm_logits, hit = sampled_logits(warm, second, monkeypatch)
+    cold_logits, _ = sampled_logits(cold, second, monkeypatch)
     assert hit == 256
     assert_logits_close(warm_logits, cold_logits, "bfloat16 state: warm vs cold", BF16_STATE)
     # the rounding is there: a float32 state's logits are near, not equal
-    f32_logits, _ = logits_of(core_factory(**{"cache.enable_prefix_caching": False}), second, monkeypatch)
+    f32_logits, _ = sampled_logits(
+        core_factory(**{"cache.enable_prefix_caching": False}), second, monkeypatch
+    )
     assert_logits_close(cold_logits, f32_logits, "bfloat16 vs float32 state", BF16_STATE)
     assert not torch.equal(cold_logits, f32_logits)
 
