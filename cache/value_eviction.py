@@ -12,6 +12,8 @@ Every resident checkpoint — and through it the KV leaf it ends — is worth
 * A capture takes a free slot, or replaces the weakest evictable resident — a published
   checkpoint, or a decoding request's tracking slot valued as its output after the
   remaining decode — if it is worth more; else it is skipped (``checkpoints.skipped_value``).
+  Where that resident is a tail with KV below it and the older tail above it is one it
+  dominates, the older tail goes in its place (the same slot; the newer one is the hit).
   KV eviction drops checkpoint-less leaves first (LRU: no hit can end there), then the leaf
   whose checkpoint is worth least.
 * A checkpoint where two or more running requests fork does not age while they run: it is
@@ -232,6 +234,8 @@ class ValueEviction(CheckpointEviction):
             v = self.value(node)
             if v < best_value:
                 best, best_value = node, v
+        if best is not None:
+            best = self._older_tail(best, want)
         node_victim = best  # the weakest published checkpoint (it can move to the host)
         for seq in trackers:
             if seq.pending_tracking_boundary:
@@ -254,6 +258,29 @@ class ValueEviction(CheckpointEviction):
                 return node_victim, ""
             return None, "value"
         return best, ""
+
+    def _older_tail(self, node: Node, want: Want) -> Node:
+        """The tail checkpoint above tail ``node`` in its place, where ``node`` has KV below it
+        (its conversation decoding a reply or gone on past it) and dominates that older tail:
+        the older one is the next to go anyway, and dropping it first frees the same slot
+        while the conversation keeps its deepest fallback (dropping the newer one loses its
+        whole turn, and often the older tail later too: docs/cache.md)."""
+        state: ValueState = node.policy_state
+        base = state.base
+        if (
+            not node.children
+            or state.kind is not CaptureKind.TAIL
+            or base is None
+            or base.checkpoint_slot is None
+            or base.parent is None
+            or base in self.awaited
+            or (base.ckpt_pins and not (base is want.own and base.ckpt_pins == 1))
+        ):
+            return node
+        base_state: ValueState | None = base.policy_state
+        if base_state is None or base_state.kind is not CaptureKind.TAIL or not self.dominates(node, base):
+            return node
+        return base
 
     def kv_victim(self, residents: Iterable[Node]) -> Node | None:
         top = self.tree.peek_evictable_leaf()

@@ -15,7 +15,7 @@ from deltaserve.cache import (
     PrefixMatch,
     StepItem,
 )
-from deltaserve.cache.eviction import CostModel, EvictionParams
+from deltaserve.cache.eviction import CostModel, EvictionParams, Want
 from deltaserve.cache.host_order import DOMINATED, band
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.reuse import ReuseLearner, _bounds, _bucket
@@ -447,3 +447,32 @@ def test_a_checkpoint_a_waiting_request_will_restore_from_is_kept() -> None:
     assert value.value(served) < boosted
     cm.free(seq, publish_output=False)
     cm.check_integrity()
+
+
+def test_a_capture_displaces_the_older_tail_a_decoding_turns_tail_dominates() -> None:
+    """Two turns of one conversation: an older tail, and below it the newer turn's tail with
+    its reply's KV below that. Valued over the older tail, the newer tail is the weakest
+    resident; but the older one is the next to go anyway (the newer dominates it), so a more
+    valuable capture takes the older tail's slot and the conversation keeps its deepest
+    fallback. Without KV below it (between turns) the weakest itself still goes."""
+    learner = ReuseLearner()
+    tree = RadixTree()
+    value = ValueEviction(tree, EvictionParams(block_size=16), learner)
+    older = tree.root
+    for key in range(1, 41):
+        older = tree.insert(older, key, block_id=key)
+    newer = older
+    for key in range(41, 45):
+        newer = tree.insert(newer, key, block_id=key)
+    tree.attach_checkpoint(older, 0)
+    tree.attach_checkpoint(newer, 1)
+    older.policy_state = ValueState(CaptureKind.TAIL, None, 0, None)
+    newer.policy_state = ValueState(CaptureKind.TAIL, None, 0, older)
+    assert value.value(newer) < value.value(older)  # 4 blocks over the older tail, 40 over nothing
+    assert value.dominates(newer, older)
+    want = Want(CaptureKind.TAIL, boundary=16 * 200)
+    assert value.victim(want, [older, newer]) == (newer, "")  # between turns: the weakest goes
+    tree.insert(newer, 45, block_id=45)  # the newer turn decodes its reply below its tail
+    assert value.victim(want, [older, newer]) == (older, "")
+    value.expect_hits({older: 1})  # a waiting request restores from the older tail: it stays
+    assert value.victim(want, [older, newer]) == (newer, "")
