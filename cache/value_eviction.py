@@ -229,7 +229,7 @@ class ValueEviction(CheckpointEviction):
         best: Node | SeqCache | None = None
         best_value = math.inf
         for node in residents:
-            if node.ckpt_pins and not (node is want.own and node.ckpt_pins == 1):
+            if self._held_for_others(node, want):
                 continue
             v = self.value(node)
             if v < best_value:
@@ -259,6 +259,12 @@ class ValueEviction(CheckpointEviction):
             return None, "value"
         return best, ""
 
+    @staticmethod
+    def _held_for_others(node: Node, want: Want) -> bool:
+        """``node``'s checkpoint is pinned by someone other than the capture itself (a capture's
+        own source, pinned once by it, may give way to it)."""
+        return bool(node.ckpt_pins) and not (node is want.own and node.ckpt_pins == 1)
+
     def _older_tail(self, node: Node, want: Want) -> Node:
         """The tail checkpoint above tail ``node`` in its place, where ``node`` has KV below it
         (its conversation decoding a reply or gone on past it) and dominates that older tail:
@@ -274,7 +280,7 @@ class ValueEviction(CheckpointEviction):
             or base.checkpoint_slot is None
             or base.parent is None
             or base in self.awaited
-            or (base.ckpt_pins and not (base is want.own and base.ckpt_pins == 1))
+            or self._held_for_others(base, want)
         ):
             return node
         base_state: ValueState | None = base.policy_state

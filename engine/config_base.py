@@ -21,7 +21,7 @@ from deltaserve.engine.errors import ConfigError
 
 __all__ = [
     "CoreProcess", "DType", "Fraction", "GiB", "KernelBackend", "LogLevel", "MiB", "NonNegBytes",
-    "NonNegInt", "PosBytes", "PosInt", "StateDType",
+    "NonNegInt", "PosBytes", "PosInt", "StateDType", "chosen_state_dtype",
 ]  # fmt: skip
 
 MiB = 1024**2
@@ -47,6 +47,20 @@ class StateDType(str, enum.Enum):
     AUTO = "auto"  # the model config's ``mamba_ssm_dtype`` when it names one of these, else float32
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+
+
+def chosen_state_dtype(choice: StateDType, named: object) -> tuple[StateDType, str]:
+    """``model.ssm_state_dtype`` made concrete, and why: ``auto`` takes the model config's
+    ``mamba_ssm_dtype`` (``named``, None when it has none) where that names a supported dtype,
+    else float32. Torch-free: the engine and the simulator resolve it alike."""
+    if choice is not StateDType.AUTO:
+        return choice, "configured"
+    name = str(named or "").removeprefix("torch.")
+    if name in {d.value for d in StateDType} - {StateDType.AUTO.value}:
+        return StateDType(name), "auto: the model config's mamba_ssm_dtype"
+    return StateDType.FLOAT32, (
+        f"auto: mamba_ssm_dtype = {name} is not supported" if name else "auto: no mamba_ssm_dtype"
+    )
 
 
 class KernelBackend(str, enum.Enum):

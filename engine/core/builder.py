@@ -21,11 +21,13 @@ from deltaserve.cache.remote_client import MooncakeClient, mooncake_import_error
 from deltaserve.cache.remote_store import RemoteStore
 from deltaserve.cache.remote_tier import RemoteTier
 from deltaserve.engine.config import DType, EngineConfig, StateDType
+from deltaserve.engine.config_base import chosen_state_dtype
 from deltaserve.engine.config_spec import SpecMethod
 from deltaserve.engine.core.kv_events_hook import CoreKVEvents
 from deltaserve.engine.core.sizing import Capacity, ModelShape, plan_capacity
 from deltaserve.engine.errors import ConfigError
 from deltaserve.engine.front.client import ModelInfo
+from deltaserve.engine.front.input_processor import InputProcessor
 from deltaserve.engine.runner.disk_io import DiskIO, identity
 from deltaserve.engine.runner.model_runner import ModelRunner, RunnerSizes
 from deltaserve.kernels import Ops, get_ops
@@ -74,19 +76,9 @@ def resolve_state_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtyp
     ``mamba_ssm_dtype`` when it names float32 or bfloat16, else float32). Pins the config to
     the concrete value, as ``resolve_device`` does the model dtype: a checkpoint store, and the
     prefix-cache salt, must name the state that runs."""
-    chosen = config.model.ssm_state_dtype
-    reason = "configured"
-    if chosen is StateDType.AUTO:
-        named = str(getattr(loaded.hf_config, "mamba_ssm_dtype", None) or "").removeprefix("torch.")
-        known = named in {d.value for d in StateDType} - {StateDType.AUTO.value}
-        chosen = StateDType(named) if known else StateDType.FLOAT32
-        reason = (
-            "auto: the model config's mamba_ssm_dtype"
-            if known
-            else f"auto: mamba_ssm_dtype = {named} is not supported"
-            if named
-            else "auto: no mamba_ssm_dtype"
-        )
+    chosen, reason = chosen_state_dtype(
+        config.model.ssm_state_dtype, getattr(loaded.hf_config, "mamba_ssm_dtype", None)
+    )
     config.model.ssm_state_dtype = chosen
     log.info("engine.ssm_state_dtype", dtype=chosen.value, reason=reason)
     return STATE_DTYPES[chosen]
@@ -99,6 +91,25 @@ def salt_parts(config: EngineConfig, loaded: LoadedModel) -> tuple[str, ...]:
     parts = (str(loaded.path), config.model.dtype.value, config.cache.namespace)
     state = config.model.ssm_state_dtype
     return parts if state is StateDType.FLOAT32 else (*parts, f"ssm_state={state.value}")
+
+
+def build_input_processor(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    tokenizer: Any,
+    max_model_len: int,
+    defaults: Mapping[str, Any] | None,
+) -> InputProcessor:
+    """The core's input door: checks and tokenizes requests against this model and its limits,
+    salting their prefix-cache keys with ``salt_parts``; ``defaults``: the model's request
+    defaults (``model_files.sampling_defaults``)."""
+    return InputProcessor(
+        tokenizer,
+        max_model_len=max_model_len,
+        vocab_size=int(loaded.hf_config.vocab_size),
+        salt_parts=salt_parts(config, loaded),
+        sampling_defaults=defaults,
+    )
 
 
 def resolve_dtype(name: str | DType, device: torch.device) -> torch.dtype:

@@ -34,6 +34,7 @@ import torch
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core.builder import (
+    build_input_processor,
     build_runner,
     close_disk_tier,
     cpu_threads,
@@ -44,7 +45,6 @@ from deltaserve.engine.core.builder import (
     resolve_device,
     resolve_dtype,
     resolve_ops,
-    salt_parts,
 )
 from deltaserve.engine.core.grammar_wait import GrammarWait
 from deltaserve.engine.core.overlap import Overlap
@@ -53,7 +53,7 @@ from deltaserve.engine.core.spec_step import SpecDecoding
 from deltaserve.engine.core.step_phases import StepPhases
 from deltaserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from deltaserve.engine.front.client import RequestInput
-from deltaserve.engine.front.input_processor import InputProcessor, Prompt
+from deltaserve.engine.front.input_processor import Prompt
 from deltaserve.engine.grammar import Grammars
 from deltaserve.engine.messages import Ready, TokenDelta
 from deltaserve.engine.model_files import check_model, sampling_defaults, with_chat_template
@@ -141,12 +141,8 @@ class EngineCore:
         self.on_grammar_ready: Callable[[], None] | None = None
         #: the model's request defaults and their source (``model_files.sampling_defaults``)
         self.sampling_defaults = sampling_defaults(config.model)
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            salt_parts=salt_parts(config, self.loaded),
-            sampling_defaults=self.sampling_defaults[0],
+        self.input_processor = build_input_processor(
+            config, self.loaded, self.tokenizer, self.max_model_len, self.sampling_defaults[0]
         )
         self.max_token_chars = self.input_processor.max_token_chars
         self.model_info = model_info(config, self.loaded, self.capacity, self.cache.unit)

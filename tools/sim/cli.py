@@ -104,9 +104,10 @@ __all__ = [
 log = get_logger("deltaserve.simulate")
 
 DEFAULT_POLICIES = ("interval", "step-end", "sequence-end", "v1", "default", "oracle")
-DEFAULT_CHECKPOINT_BYTES = 50 * MiB  # Qwen3.5-4B-like: 48 MiB of it the float32 recurrent state
+DEFAULT_CHECKPOINT_BYTES = 50 * MiB  # Qwen3.5-4B-like
+DEFAULT_STATE_BYTES = 48 * MiB  # of it, the float32 recurrent state
 #: the same with ``model.ssm_state_dtype = "bfloat16"``: that state halved
-DEFAULT_CHECKPOINT_BYTES_BF16_STATE = 26 * MiB
+DEFAULT_CHECKPOINT_BYTES_BF16_STATE = DEFAULT_CHECKPOINT_BYTES - DEFAULT_STATE_BYTES // 2
 DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024
 DEFAULT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_KV_MB = 2048

@@ -26,22 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deltaserve.engine.config_base import StateDType, chosen_state_dtype
 from deltaserve.tools.workloads import builtin_model_dir
 
 KV_DTYPE_BYTES = 2  # bf16
 CONV_DTYPE_BYTES = 2  # bf16
-STATE_DTYPE_BYTES = 4  # fp32 recurrent state
 #: the recurrent state's bytes per value by ``model.ssm_state_dtype``
-STATE_BYTES = {"float32": 4, "bfloat16": 2}
+STATE_BYTES = {"float32": 4, "bfloat16": 2}  # fp32 unless the state is configured bfloat16
 
 
 def state_dtype_bytes(ssm_state_dtype: str, cfg: dict[str, Any]) -> int:
-    """Bytes per recurrent-state value: ``ssm_state_dtype``'s, or with ``auto`` the config's
-    ``mamba_ssm_dtype`` when it names a supported one, else float32's (as the engine resolves it)."""
-    if ssm_state_dtype == "auto":
-        named = str(cfg.get("text_config", cfg).get("mamba_ssm_dtype") or "").removeprefix("torch.")
-        return STATE_BYTES.get(named, STATE_DTYPE_BYTES)
-    return STATE_BYTES[ssm_state_dtype]
+    """Bytes per recurrent-state value under ``model.ssm_state_dtype`` (``auto``: as the engine
+    resolves it from the config's ``mamba_ssm_dtype``)."""
+    named = cfg.get("text_config", cfg).get("mamba_ssm_dtype")
+    return STATE_BYTES[chosen_state_dtype(StateDType(ssm_state_dtype), named)[0].value]
 
 
 @dataclass(frozen=True)
