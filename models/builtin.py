@@ -38,8 +38,17 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-BUILTIN_VERSION = "v2"
-DEFAULT_BUILTIN = "tiny-qwen3.5"
+from deltaserve.models.builtin_tokenizer import (
+    BUILTIN_NAMES,
+    BUILTIN_VERSION,
+    DEFAULT_BUILTIN,
+    ENDOFTEXT,
+    IM_END,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    builtin_models_dir,
+)
+
 WEIGHT_SEED = 1234
 # The MTP head's own generator: its tensors are drawn after, and independently of, the target's.
 MTP_SEED = 4321
@@ -47,159 +56,6 @@ MTP_WEIGHTS_FILE = "model-mtp.safetensors"
 # The final norm's output has unit RMS, so lm_head rows of std GAIN/sqrt(hidden) give logits of
 # std ~GAIN: wide enough that top-1/top-2 gaps dwarf fp32 noise (greedy parity is not a coin toss).
 LM_HEAD_GAIN = 5.0
-
-ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-TOKENIZER_VOCAB_SIZE = 1024
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-# Qwen2's pre-tokenizer split: contractions, letter runs, single digits, punctuation, spaces.
-_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-_PARAGRAPHS = (
-    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman and his clever daughter.",
-    "Every morning she walked to the harbour, counted the boats, and wrote the weather in a little notebook.",
-    "Hello! How are you today? I am fine, thank you. What would you like to talk about?",
-    "You are a helpful assistant. Answer the question briefly and clearly, and explain your reasoning.",
-    "The user asked: what is the capital of France? The assistant answered: the capital of France is Paris.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 3.14159 1,000,000 and 7 + 5 = 12.",
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
-    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
-    "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
-    "The engine schedules requests in batches, caches the prefix of every prompt, and streams tokens back.",
-    "Linear attention keeps a fixed-size state for each head, while full attention keeps every key and value.",
-    "She said, \"Don't worry, we'll be there soon.\" He replied, \"I can't wait; it's been a long day.\"",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday are the days of the week.",
-    "January, February, March, April, May, June, July, August, September, October, November, December.",
-    "Red, orange, yellow, green, blue, indigo and violet are the colours of the rainbow.",
-    "The library opens at nine o'clock and closes at six; children may borrow up to five books.",
-    "In the beginning there was nothing but a question, and then there was an answer, and then a story.",
-)
-_SUBJECTS = (
-    "the cat",
-    "a student",
-    "my friend",
-    "the teacher",
-    "our team",
-    "the computer",
-    "this model",
-    "she",
-)
-_VERBS = ("reads", "writes", "finds", "builds", "explains", "remembers", "learns", "shares")
-_OBJECTS = (
-    "a short story",
-    "the answer",
-    "new ideas",
-    "every word",
-    "the old map",
-    "simple code",
-    "the plan",
-)
-_ENDINGS = (".", "!", "?", " today.", " again.", " quickly.")
-_ADJECTIVES = (
-    "bright",
-    "quiet",
-    "famous",
-    "curious",
-    "gentle",
-    "ancient",
-    "tiny",
-    "enormous",
-    "modern",
-    "strange",
-)
-_NOUNS = (
-    "garden",
-    "mountain",
-    "river",
-    "castle",
-    "kitchen",
-    "market",
-    "station",
-    "forest",
-    "island",
-    "museum",
-)
-_COMMON_WORDS = (
-    "about above across after against along among around because before behind below beneath beside between "
-    "beyond during except inside outside through toward without within always never often sometimes usually "
-    "people world family government company problem program question system number country student history "
-    "morning evening night weather picture language science nature money music letter window mother father "
-    "brother sister children doctor animal bird flower summer winter spring autumn yesterday tomorrow together "
-    "important different possible necessary beautiful wonderful difficult interesting comfortable dangerous "
-    "working playing thinking running talking walking learning teaching building writing reading listening "
-    "started finished wanted needed asked helped called opened closed moved lived loved played watched turned"
-)
-_PLACES = ("near the city", "behind the school", "across the valley", "under the bridge", "beside the lake")
-
-
-def builtin_corpus() -> list[str]:
-    """Fixed training text for the tokenizer (no randomness: enumeration order is the order)."""
-    lines = list(_PARAGRAPHS)
-    for i, subject in enumerate(_SUBJECTS):
-        for j, verb in enumerate(_VERBS):
-            for k, obj in enumerate(_OBJECTS):
-                ending = _ENDINGS[(i + j + k) % len(_ENDINGS)]
-                lines.append(f"{subject.capitalize()} {verb} {obj}{ending}")
-    for i, adjective in enumerate(_ADJECTIVES):
-        for j, noun in enumerate(_NOUNS):
-            place = _PLACES[(i * 3 + j) % len(_PLACES)]
-            lines.append(
-                f"There is a {adjective} {noun} {place}, and people visit it in {_PARAGRAPHS[14].split(', ')[j]}."
-            )
-    words = _COMMON_WORDS.split()
-    for i in range(0, len(words), 6):
-        lines.append(" ".join(words[i : i + 6]).capitalize() + ".")
-    for role, content in (
-        ("system", "You are a helpful assistant."),
-        ("user", "Hi!"),
-        ("assistant", "Hello."),
-    ):
-        lines.append(f"{IM_START}{role}\n{content}{IM_END}\n")
-    return lines
-
-
-def build_tokenizer() -> object:
-    """Train the byte-level BPE tokenizer; returns a transformers fast tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(builtin_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=8192,
-        clean_up_tokenization_spaces=False,
-    )
 
 
 @torch.no_grad()
@@ -323,16 +179,11 @@ _BUILDERS: Mapping[str, Callable[[object], object]] = MappingProxyType(
 )
 
 
+assert set(_BUILDERS) == set(BUILTIN_NAMES), "builtin_tokenizer.BUILTIN_NAMES lists every builder"
+
+
 def builtin_names() -> list[str]:
     return sorted(_BUILDERS)
-
-
-def builtin_models_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("DELTASERVE_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "deltaserve"
-    return root / "models"
 
 
 def write_builtin_model(name: str, out_dir: Path) -> None:

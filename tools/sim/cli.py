@@ -408,7 +408,7 @@ def run_workload(
     plan = plan_arrivals(
         workload.roots(), arrival, args.seed, default_concurrency=workload.default_concurrency
     )
-    print(header_line(workload, cfg, _arrival_mode(plan)) + f"; seed {args.seed}")
+    print(header_line(workload, cfg, _arrival_mode(plan)) + f"; seed {args.seed}; tokens {codec.name}")
     results = compare_policies(workload, policies, cfg, arrival)
     print(format_results(results))
     entry: dict[str, Any] = {

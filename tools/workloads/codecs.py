@@ -2,18 +2,27 @@
 
 ``HFCodec`` wraps the engine's transformers tokenizer; ``TokenizersCodec`` reads a Hugging Face
 folder's ``tokenizer.json`` and chat template (the same tokens, no torch); ``SyntheticCodec`` is
-a deterministic stand-in for the simulator when no tokenizer exists. ``load_codec`` picks one.
+a deterministic stand-in, only when asked for. ``load_codec`` picks one: by default the built-in
+models' tokenizer, built without torch where no built-in model was built, so a workload has the
+same token ids on every machine.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from deltaserve.models.builtin_tokenizer import (
+    BUILTIN_NAMES,
+    BUILTIN_VERSION,
+    DEFAULT_BUILTIN,
+    builtin_models_dir,
+    ensure_builtin_tokenizer,
+)
 
 
 class Codec:
@@ -150,28 +159,25 @@ class SyntheticCodec(Codec):
         return "".join(self._strings.get(i, "?") for i in ids)
 
 
-def builtin_model_dir(name: str = "tiny-qwen3.5", version: str = "v1") -> Path:
+def builtin_model_dir(name: str = DEFAULT_BUILTIN) -> Path:
     """Where ``models.builtin`` keeps a built-in model (computed without importing torch)."""
-    root = os.environ.get("DELTASERVE_CACHE")
-    base = Path(root) / "models" if root else Path.home() / ".cache" / "deltaserve" / "models"
-    return base / f"{name}-{version}"
+    return builtin_models_dir() / f"{name}-{BUILTIN_VERSION}"
 
 
 def load_codec(source: str | None = None) -> Codec:
-    """A torch-free codec: a folder with tokenizer.json, ``builtin:NAME``, ``synthetic``,
-    or (None) the built-in tiny model's tokenizer when it exists, else synthetic."""
+    """A torch-free codec: a folder with tokenizer.json, ``synthetic``, or (None or
+    ``builtin:NAME``) the built-in models' tokenizer: the model folder's when it was built,
+    else the same tokenizer built alone (``ensure_builtin_tokenizer``)."""
     if source == "synthetic":
         return SyntheticCodec()
     if source is None or source.startswith("builtin:"):
-        name = source.split(":", 1)[1] if source else "tiny-qwen3.5"
+        name = source.split(":", 1)[1] if source else DEFAULT_BUILTIN
+        if name not in BUILTIN_NAMES:
+            raise ValueError(f"unknown builtin model {name!r}; available: {', '.join(BUILTIN_NAMES)}")
         folder = builtin_model_dir(name)
-        if (folder / "tokenizer.json").is_file():
-            return TokenizersCodec(folder)
-        if source is None:
-            return SyntheticCodec()
-        raise FileNotFoundError(
-            f"{source}: not built yet ({folder}); run the engine once, or use --tokenizer synthetic"
-        )
+        if not (folder / "tokenizer.json").is_file():
+            folder = ensure_builtin_tokenizer()  # every built-in model ships this one
+        return TokenizersCodec(folder)
     folder = Path(source)
     if not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{folder}: no tokenizer.json")
