@@ -16,8 +16,8 @@ conversations off the host. So the host ranks a checkpoint in three bands (``ban
 Within a band the host's existing tie-break applies (least recently used first; a newcomer
 wins a tie), so among live, undominated items the host is an LRU. A dominated checkpoint is
 not refused on its way down: it takes room only while nothing weaker than it is held, and goes
-first. Pure functions over the tree; the cost is a walk down the unforked chain below a
-checkpoint (a leaf: none).
+first. Pure functions over the tree; the deeper checkpoint is the tree's memo
+(``RadixTree.deeper_checkpoint``), so a band costs a walk only after a change on its chain.
 """
 
 from __future__ import annotations
@@ -28,24 +28,14 @@ import math
 from collections.abc import Callable
 
 from deltaserve.cache.eviction import CheckpointEviction
-from deltaserve.cache.radix_tree import Node
+from deltaserve.cache.radix_tree import Node, RadixTree
 
 DOMINATED, DEAD, ALIVE = -1.0, 0.0, 1.0
 
 
-def deeper_checkpoint(node: Node) -> Node | None:
-    """The nearest checkpoint (either tier) below ``node`` on a path with no fork, or None."""
-    below = node
-    while len(below.children) == 1:
-        below = next(iter(below.children.values()))
-        if below.checkpoint_slot is not None or below.host_slot is not None:
-            return below
-    return None
-
-
-def band(node: Node, eviction: CheckpointEviction) -> float:
+def band(node: Node, eviction: CheckpointEviction, tree: RadixTree) -> float:
     """``node``'s host checkpoint's band: ``DOMINATED``, ``DEAD`` or ``ALIVE``."""
-    deeper = deeper_checkpoint(node)
+    deeper = tree.deeper_checkpoint(node)
     if deeper is not None and eviction.dominates(deeper, node):
         return DOMINATED
     return ALIVE if eviction.worth(node) > 0 else DEAD

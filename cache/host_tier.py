@@ -148,7 +148,7 @@ class HostTier:
         worth that is not per byte (``v1``: a recency) is an order already."""
         if self.pages is None or not self.eviction.per_byte:
             return self.eviction.worth(node)
-        return band(node, self.eviction)
+        return band(node, self.eviction, self.tree)
 
     def _weakest_checkpoint(self) -> tuple[Node | None, float]:
         """The host checkpoint worth least, and its worth (one budget under a per-byte value
@@ -225,6 +225,7 @@ class HostTier:
             self.counters["host.checkpoints_refused"] += 1
             return False
         node.host_slot = slot
+        self.tree.checkpoint_changed(node)
         self.attached[slot] = node
         self.lru.add(node)
         self.tree.set_ckpt_moving(node, True)
@@ -274,6 +275,7 @@ class HostTier:
         if node.ckpt_moving:  # its save never ran: forget it
             self.saves = [t for t in self.saves if not (t.node is node and t.kind is TransferKind.CKPT_SAVE)]
         node.host_slot = None
+        self.tree.checkpoint_changed(node)
         node.ckpt_moving = False
         if self.tree.on_checkpoint_gone is not None:
             self.tree.on_checkpoint_gone(node.key)

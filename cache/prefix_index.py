@@ -232,6 +232,7 @@ class PrefixIndex:
         assert tree.num_checkpoints == sum(1 for n in nodes if n.checkpoint_slot is not None), (
             "ckpt count drift"
         )
+        tree.check_deeper(nodes)
         owner: dict[int, str] = {}
 
         def claim(block_id: int, who: str) -> None:

@@ -22,7 +22,15 @@ Checkpoint eviction order is the eviction strategy's (``cache/eviction.py``); it
 per-node bookkeeping in ``Node.policy_state``, of a type it defines.
 
 ``version`` moves on every change that can change a match (insert, removal, attach and
-detach of a checkpoint), so a match result can be cached until it does. Torch-free.
+detach of a checkpoint), so a match result can be cached until it does.
+
+``deeper_checkpoint(node)`` — the nearest checkpoint (either tier) below ``node`` on a path with
+no fork — is memoised on the node. The answer of a node ``U`` changes only when a checkpoint
+comes or goes on its unforked chain, or a fork appears or disappears on it; each such event
+clears the memo of the nodes whose walk reaches it, walking up from it while the path above
+has no fork and stopping at the first checkpoint (``_forget_deeper_up``). So a host whose
+victim scan asks every checkpoint's band pays a chain walk per change, not per question.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
+
+UNKNOWN = object()  # ``Node.deeper`` not computed since the last change below the node
 
 
 class Node:
@@ -50,6 +60,7 @@ class Node:
         "moving",
         "ckpt_moving",
         "device_children",
+        "deeper",
     )
 
     def __init__(self, key: int, parent: Node | None, block_id: int, depth: int) -> None:
@@ -70,6 +81,8 @@ class Node:
         self.moving = False  # its KV block is being copied between tiers (not matchable)
         self.ckpt_moving = False  # its host checkpoint is being written (not a hit yet)
         self.device_children = 0  # children whose KV is on the device
+        # memo of ``RadixTree.deeper_checkpoint`` (``UNKNOWN`` until asked, or after a change)
+        self.deeper: Node | None | object = UNKNOWN
 
     def __repr__(self) -> str:
         return (
@@ -135,6 +148,8 @@ class RadixTree:
         node = Node(key, parent, block_id, parent.depth + 1)
         node.last_access = self.tick()
         parent.children[key] = node
+        if len(parent.children) == 2:  # a fork now: walks through ``parent`` stop there
+            self._forget_deeper_up(parent)
         parent.device_children += 1
         if block_id >= 0:
             self.by_block[block_id] = node
@@ -151,6 +166,8 @@ class RadixTree:
         if self.on_remove is not None:
             self.on_remove(node)
         del parent.children[node.key]
+        if len(parent.children) == 1 or (not parent.children and self._holds_checkpoint(node)):
+            self._forget_deeper_up(parent)  # a fork gone, or a checkpoint with its node
         if node.block_id >= 0:
             parent.device_children -= 1
             del self.by_block[node.block_id]
@@ -234,6 +251,7 @@ class RadixTree:
         if node.checkpoint_slot is not None:
             raise RuntimeError(f"{node} already has a checkpoint")
         node.checkpoint_slot = slot
+        self.checkpoint_changed(node)
         self.num_checkpoints += 1
         self.version += 1
         self._maybe_push_leaf(node)  # its leaf priority changed
@@ -246,6 +264,7 @@ class RadixTree:
         if node.ckpt_pins:
             raise RuntimeError(f"detach of pinned checkpoint on {node}")
         node.checkpoint_slot = None
+        self.checkpoint_changed(node)
         if self.on_checkpoint_gone is not None:
             self.on_checkpoint_gone(node.key)
         self.num_checkpoints -= 1
@@ -253,6 +272,53 @@ class RadixTree:
         self._maybe_push_leaf(node)
         self._changed(node)
         return slot
+
+    # -- the checkpoint below -----------------------------------------------------------
+    @staticmethod
+    def _holds_checkpoint(node: Node) -> bool:
+        return node.checkpoint_slot is not None or node.host_slot is not None
+
+    def deeper_checkpoint(self, node: Node) -> Node | None:
+        """The nearest checkpoint (either tier, a host one being written included) below
+        ``node`` on a path with no fork, or None; memoised (see the module docstring)."""
+        known = node.deeper
+        if known is not UNKNOWN:
+            return known  # type: ignore[return-value]
+        found: Node | None = None
+        below = node
+        while len(below.children) == 1:
+            below = next(iter(below.children.values()))
+            if below.checkpoint_slot is not None or below.host_slot is not None:
+                found = below
+                break
+        node.deeper = found
+        return found
+
+    def checkpoint_changed(self, node: Node) -> None:
+        """A checkpoint came to or left ``node`` (either tier): the walks that reach it change."""
+        parent = node.parent
+        if parent is not None and len(parent.children) == 1:
+            self._forget_deeper_up(parent)
+
+    def _forget_deeper_up(self, node: Node) -> None:
+        """Clear the memo of ``node`` and of every node whose walk down reaches it: up while
+        the node above has this one as its only child, to the first checkpoint (a walk from
+        above stops there)."""
+        while True:
+            node.deeper = UNKNOWN
+            if self._holds_checkpoint(node):
+                return
+            parent = node.parent
+            if parent is None or len(parent.children) != 1:
+                return
+            node = parent
+
+    def check_deeper(self, nodes: list[Node]) -> None:
+        """Every memo of ``deeper_checkpoint`` still equals a fresh walk."""
+        for node in nodes:
+            if node.deeper is not UNKNOWN:
+                known, node.deeper = node.deeper, UNKNOWN
+                assert self.deeper_checkpoint(node) is known, f"stale deeper-checkpoint memo on {node}"
 
     def pin_checkpoint(self, node: Node) -> None:
         node.ckpt_pins += 1

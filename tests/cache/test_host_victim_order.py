@@ -24,7 +24,7 @@ def _reference_weakest(host: HostTier) -> tuple[Node | None, float]:
     key = (math.inf, 0)
     for n in host.attached.values():
         if not n.ckpt_pins and not n.ckpt_moving:
-            k = (band(n, host.eviction), n.last_access)
+            k = (band(n, host.eviction, host.tree), n.last_access)
             if k < key:
                 best, key = n, k
     return best, key[0]

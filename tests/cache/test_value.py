@@ -247,14 +247,14 @@ def test_a_deeper_checkpoint_dominates_one_whose_class_serves_less_often() -> No
     assert learner.reuse_probability("tail") == 0.0
     assert not value.likely_to_serve(output)  # not "more often than not" ...
     assert value.dominates(output, tail)  # ... but more often than the tail
-    assert band(tail, value) == DOMINATED
+    assert band(tail, value, tree) == DOMINATED
     for key in range(40, 46):  # tails start coming back, outputs do not (rewritten replies)
         learner.register(key, CaptureKind.TAIL)
         learner.observe([5, key], limit_blocks=2, stride=2)
     learner.tick()
     assert learner.reuse_probability("tail") > 1 / 3
     assert not value.dominates(output, tail)
-    assert band(tail, value) != DOMINATED
+    assert band(tail, value, tree) != DOMINATED
 
 
 def test_learner_kept_shadow_teaches_hit_classes() -> None:
