@@ -29,8 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -45,6 +43,7 @@ from deltaserve.models.builtin_tokenizer import (
     ENDOFTEXT,
     IM_END,
     SPECIAL_TOKENS,
+    build_once,
     build_tokenizer,
     builtin_models_dir,
 )
@@ -257,20 +256,7 @@ def add_weights_file(folder: Path, filename: str, tensors: Mapping[str, torch.Te
 def ensure_builtin_model(name: str = DEFAULT_BUILTIN, cache_dir: str | os.PathLike | None = None) -> Path:
     if name not in _BUILDERS:
         raise ValueError(f"unknown builtin model {name!r}; available: {', '.join(builtin_names())}")
-    models_dir = builtin_models_dir(cache_dir)
-    final = models_dir / f"{name}-{BUILTIN_VERSION}"
-    if final.is_dir():
-        return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=models_dir))
-    try:
-        write_builtin_model(name, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # lost a race to a concurrent builder: theirs is as good
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(
+        builtin_models_dir(cache_dir) / f"{name}-{BUILTIN_VERSION}",
+        lambda folder: write_builtin_model(name, folder),
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 BUILTIN_VERSION = "v2"
@@ -193,18 +194,15 @@ def builtin_models_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return root / "models"
 
 
-def ensure_builtin_tokenizer(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``<models dir>/tokenizer-<version>``: the built-in tokenizer's ``tokenizer.json`` and chat
-    template, built once (no model weights, no torch)."""
-    models_dir = builtin_models_dir(cache_dir)
-    final = models_dir / f"tokenizer-{BUILTIN_VERSION}"
+def build_once(final: Path, write: Callable[[Path], None]) -> Path:
+    """``final``, written once by ``write`` into a temporary sibling that is renamed into place
+    (atomic; a concurrent builder that loses the race drops its copy), and reused when present."""
     if final.is_dir():
         return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=models_dir))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        train_tokenizer().save(str(tmp / "tokenizer.json"))  # type: ignore[attr-defined]
-        (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        write(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -214,3 +212,14 @@ def ensure_builtin_tokenizer(cache_dir: str | os.PathLike | None = None) -> Path
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def ensure_builtin_tokenizer(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``<models dir>/tokenizer-<version>``: the built-in tokenizer's ``tokenizer.json`` and chat
+    template, built once (no model weights, no torch)."""
+
+    def write(folder: Path) -> None:
+        train_tokenizer().save(str(folder / "tokenizer.json"))  # type: ignore[attr-defined]
+        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+    return build_once(builtin_models_dir(cache_dir) / f"tokenizer-{BUILTIN_VERSION}", write)
