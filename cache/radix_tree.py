@@ -288,7 +288,7 @@ class RadixTree:
         below = node
         while len(below.children) == 1:
             below = next(iter(below.children.values()))
-            if below.checkpoint_slot is not None or below.host_slot is not None:
+            if self._holds_checkpoint(below):
                 found = below
                 break
         node.deeper = found

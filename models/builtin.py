@@ -45,7 +45,8 @@ from deltaserve.models.builtin_tokenizer import (
     SPECIAL_TOKENS,
     build_once,
     build_tokenizer,
-    builtin_models_dir,
+    builtin_model_dir,
+    check_builtin_name,
 )
 
 WEIGHT_SEED = 1234
@@ -254,9 +255,5 @@ def add_weights_file(folder: Path, filename: str, tensors: Mapping[str, torch.Te
 
 
 def ensure_builtin_model(name: str = DEFAULT_BUILTIN, cache_dir: str | os.PathLike | None = None) -> Path:
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown builtin model {name!r}; available: {', '.join(builtin_names())}")
-    return build_once(
-        builtin_models_dir(cache_dir) / f"{name}-{BUILTIN_VERSION}",
-        lambda folder: write_builtin_model(name, folder),
-    )
+    check_builtin_name(name)
+    return build_once(builtin_model_dir(name, cache_dir), lambda folder: write_builtin_model(name, folder))

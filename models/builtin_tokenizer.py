@@ -9,7 +9,7 @@ Contract:
 * ``ensure_builtin_tokenizer(cache_dir=None) -> Path`` returns ``<models dir>/tokenizer-<version>``
   with that tokenizer's ``tokenizer.json`` and ``chat_template.jinja``, written once (a temporary
   sibling renamed into place) and reused. ``builtin_models_dir`` is where both it and the model
-  folders (``models/builtin.py``) live.
+  folders live; ``builtin_model_dir(name)`` is a model's folder, the one place that names it.
 
 Nothing here imports torch.
 """
@@ -192,6 +192,17 @@ def builtin_models_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     env = os.environ.get("DELTASERVE_CACHE")
     root = Path(env).expanduser() if env else Path.home() / ".cache" / "deltaserve"
     return root / "models"
+
+
+def check_builtin_name(name: str) -> None:
+    """A ``ValueError`` naming the built-in models unless ``name`` is one of them."""
+    if name not in BUILTIN_NAMES:
+        raise ValueError(f"unknown builtin model {name!r}; available: {', '.join(sorted(BUILTIN_NAMES))}")
+
+
+def builtin_model_dir(name: str = DEFAULT_BUILTIN, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of built-in model ``name`` (``models/builtin.py`` builds it there)."""
+    return builtin_models_dir(cache_dir) / f"{name}-{BUILTIN_VERSION}"
 
 
 def build_once(final: Path, write: Callable[[Path], None]) -> Path:

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.models.builtin_tokenizer import (
-    BUILTIN_NAMES,
-    BUILTIN_VERSION,
     DEFAULT_BUILTIN,
-    builtin_models_dir,
+    builtin_model_dir,
+    check_builtin_name,
     ensure_builtin_tokenizer,
 )
 
@@ -159,11 +158,6 @@ class SyntheticCodec(Codec):
         return "".join(self._strings.get(i, "?") for i in ids)
 
 
-def builtin_model_dir(name: str = DEFAULT_BUILTIN) -> Path:
-    """Where ``models.builtin`` keeps a built-in model (computed without importing torch)."""
-    return builtin_models_dir() / f"{name}-{BUILTIN_VERSION}"
-
-
 def load_codec(source: str | None = None) -> Codec:
     """A torch-free codec: a folder with tokenizer.json, ``synthetic``, or (None or
     ``builtin:NAME``) the built-in models' tokenizer: the model folder's when it was built,
@@ -172,8 +166,7 @@ def load_codec(source: str | None = None) -> Codec:
         return SyntheticCodec()
     if source is None or source.startswith("builtin:"):
         name = source.split(":", 1)[1] if source else DEFAULT_BUILTIN
-        if name not in BUILTIN_NAMES:
-            raise ValueError(f"unknown builtin model {name!r}; available: {', '.join(BUILTIN_NAMES)}")
+        check_builtin_name(name)
         folder = builtin_model_dir(name)
         if not (folder / "tokenizer.json").is_file():
             folder = ensure_builtin_tokenizer()  # every built-in model ships this one
