@@ -35,8 +35,8 @@ class CacheConfig(_Section):
     """``[cache]``: the memory budget and how it is split; the prefix cache's behaviour.
 
     Split rule (``deltaserve.engine.core.sizing.plan_capacity``): the budget is
-    ``memory_bytes`` on the CPU, or ``gpu_memory_utilization`` x device memory minus the
-    weights and the measured activation peak on CUDA. Live GDN state slots come first
+    ``memory_bytes`` (on CUDA too, when it is set), else on CUDA ``gpu_memory_utilization``
+    x device memory minus the weights and the measured activation peak. Live GDN state slots come first
     (one per ``scheduler.max_num_seqs``; at most half the budget: beyond that the number
     of live slots is cut and a warning says so).
 
@@ -58,8 +58,9 @@ class CacheConfig(_Section):
     memory_bytes: Annotated[
         PosBytes | None,
         _doc(
-            "CPU: the cache memory budget in bytes (KV blocks + checkpoint slots + live state slots). "
-            "Default 1 GiB. Ignored on CUDA (see gpu_memory_utilization)."
+            "The cache memory budget in bytes (KV blocks + checkpoint slots + live state slots). CPU: default "
+            "1 GiB. CUDA: when set, the cache takes this many bytes instead of the gpu_memory_utilization share "
+            "(a ConfigError if the device has less left after the weights and activations)."
         ),
     ] = None
     gpu_memory_utilization: Annotated[

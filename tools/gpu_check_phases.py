@@ -74,10 +74,9 @@ def engine(plan: Plan, model: str, **dotted: Any) -> EngineCore:
         "model.device": plan.device,
         "model.dtype": plan.dtype,
         "kernels.backend": plan.backend,
+        # a fixed cache on CUDA too: an engine's size must not depend on what earlier engines
+        # of this process still hold when it plans its capacity
         "cache.memory_bytes": plan.memory_bytes,
-        # a share of the card, not 0.9: the CPU reference and earlier engines of this process
-        # may still hold some of it while the next one plans its capacity
-        "cache.gpu_memory_utilization": 0.5,
         "scheduler.max_num_seqs": max(plan.decode_batches),
         "scheduler.max_num_batched_tokens": 2048,
         "logging.level": "warning",
@@ -187,6 +186,7 @@ def json_request(plan: Plan) -> dict[str, Any]:
         ok = set(value) == {"ok", "c"} and isinstance(value["ok"], bool) and value["c"] in ("a", "b")
     except ValueError:
         ok = False
+    core.close()
     return {"ok": ok, "text": text, "finished": bool(outs and outs[-1].finish_reason is not None)}
 
 

@@ -12,7 +12,8 @@ DEST=.whl
 PY=${PYTHON:-python3}
 # name==version: pyproject's dependencies missing from the image, then what they need that is
 # missing too (xgrammar: pydantic and apache-tvm-ffi; pydantic: its core, annotated-types,
-# typing-inspection and a typing-extensions >= 4.16)
+# typing-inspection and a typing-extensions >= 4.16); jsonschema
+# and its referencing, specifications and rpds-py for the grammar tests (attrs is in the image)
 WHEELS=(
   msgspec==0.22.0
   structlog==26.1.0
@@ -29,6 +30,10 @@ WHEELS=(
   typing-extensions==4.16.0
   sniffio==1.3.1
   pytest-asyncio==1.5.0
+  jsonschema==4.26.0
+  jsonschema-specifications==2025.9.1
+  referencing==0.37.0
+  rpds-py==2026.9.1
 )
 mkdir -p "$DEST"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -20,6 +20,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.remote_client import MooncakeClient, mooncake_import_error
 from deltaserve.cache.remote_store import RemoteStore
 from deltaserve.cache.remote_tier import RemoteTier
+from deltaserve.engine.byte_size import format_bytes
 from deltaserve.engine.config import DType, EngineConfig, StateDType
 from deltaserve.engine.config_base import chosen_state_dtype
 from deltaserve.engine.config_spec import SpecMethod
@@ -259,17 +260,33 @@ def prefill_flops(loaded: LoadedModel, spec: CacheSpec) -> tuple[float, float]:
     return 2.0 * weights, 4.0 * heads * head_dim * spec.num_attn_layers
 
 
-def cuda_cache_budget(config: EngineConfig, runner_probe: Callable[[], Any], device: torch.device) -> int:
-    """CUDA: ``gpu_memory_utilization`` x device memory, minus what the process holds after
-    loading the weights and the activation peak of a profiling forward."""
+def cuda_cache_budget(
+    config: EngineConfig, runner_probe: Callable[[], Any], device: torch.device
+) -> int | None:
+    """The cache budget on CUDA, after loading the weights and a profiling forward: None when
+    ``cache.memory_bytes`` is set (the budget is then that many bytes, as vLLM's
+    ``kv_cache_memory_bytes``: a fixed size that does not move with what else the card holds),
+    once it is checked to fit in the memory the device has left; else
+    ``gpu_memory_utilization`` x device memory minus what the process holds and the
+    activation peak."""
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     torch.cuda.reset_peak_memory_stats(device)
     runner_probe()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    used_by_others = total - free - torch.cuda.memory_reserved(device)
-    budget = int(config.cache.gpu_memory_utilization * total) - peak - max(used_by_others, 0)
+    used_by_others = max(total - free - torch.cuda.memory_reserved(device), 0)
+    fixed = config.cache.memory_bytes
+    if fixed is not None:
+        left = total - peak - used_by_others
+        if fixed > left:
+            raise ConfigError(
+                f"cache.memory_bytes = {format_bytes(fixed)}: the device has {format_bytes(max(left, 0))} left "
+                f"of {total / 2**30:.1f} GiB after the weights and activations ({peak / 2**30:.2f} GiB) "
+                f"and other processes ({used_by_others / 2**30:.2f} GiB)"
+            )
+        return None
+    budget = int(config.cache.gpu_memory_utilization * total) - peak - used_by_others
     if budget <= 0:
         raise ConfigError(
             f"cache.gpu_memory_utilization = {config.cache.gpu_memory_utilization}: {total / 2**30:.1f} GiB device, "

@@ -79,9 +79,9 @@ def setup(dtype: torch.dtype, device: str, gen: torch.Generator) -> Setup:
     kv_rows = [p * lay.page_blocks + i for p in KV_PAGES for i in range(lay.page_blocks)]
     # each page filled as what it is used for (a state page's padding and tail stay zero)
     for t in [*caches.k_cache, *caches.v_cache]:
-        t[kv_rows] = torch.randn(len(kv_rows), *t.shape[1:], generator=gen).to(t.dtype)
+        t[kv_rows] = torch.randn(len(kv_rows), *t.shape[1:], generator=gen).to(t.device, t.dtype)
     for t in caches.state_tensors():
-        t[STATE_PAGES] = torch.randn(len(STATE_PAGES), *t.shape[1:], generator=gen).to(t.dtype)
+        t[STATE_PAGES] = torch.randn(len(STATE_PAGES), *t.shape[1:], generator=gen).to(t.device, t.dtype)
     for t in caches.state_tensors():
         assert t.stride(0) * t.element_size() == lay.page_bytes
     for t in caches.k_cache:
