@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from deltaserve.engine.byte_size import bytes_arg
 from deltaserve.engine.errors import ConfigError
 from deltaserve.logs import get_logger
 from deltaserve.server.config import API_KEY_ENV, ServerConfig
@@ -139,6 +140,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--enable-prefix-caching",), V, K, "reuse cached prefixes", "cache.enable_prefix_caching",
          arity=Arity.BOOL),
     Flag(("--block-size",), V, K, "tokens per KV block", "cache.block_size", type=int, metavar="N"),
+    Flag(("--kv-cache-memory-bytes",), V, K, "the cache's bytes (KV, checkpoints and live states; 4G, 8GiB, ...), "
+         "instead of the --gpu-memory-utilization share", "cache.memory_bytes", type=bytes_arg, metavar="SIZE"),
     Flag(("--mamba-ssm-cache-dtype",), V, K, "the recurrent state's dtype, live and checkpointed: auto | float32 | "
          "bfloat16", "model.ssm_state_dtype", metavar="DTYPE"),
     Flag(("--num-gpu-blocks-override",), V, K, "explicit number of KV blocks", "cache.num_kv_blocks",

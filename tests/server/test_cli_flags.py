@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from deltaserve.engine import EngineConfig
+from deltaserve.engine.byte_size import bytes_arg
 from deltaserve.engine.errors import ConfigError
 from deltaserve.server.app import create_app
 from deltaserve.server.cli import build_parser, engine_overrides, server_config_from_args
@@ -54,6 +55,8 @@ def sample(flag: Any) -> tuple[str, Any]:
     """A command-line value for ``flag`` and the value its key should get."""
     if flag.type is int:
         return "64", 64
+    if flag.type is bytes_arg:
+        return "4G", 4 << 30
     if flag.type is json_object:  # a whole section: its keys
         return '{"enable_kv_cache_events": true, "topic": "kv"}', {
             "enable_kv_cache_events": True,
