@@ -33,7 +33,9 @@ def card(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def budget(card: list[str], **dotted: Any) -> int | None:
-    return cuda_cache_budget(EngineConfig.load(None, dotted), lambda: card.append("probe"), torch.device("cuda"))
+    return cuda_cache_budget(
+        EngineConfig.load(None, dotted), lambda: card.append("probe"), torch.device("cuda")
+    )
 
 
 def test_the_utilization_share_minus_weights_activations_and_other_processes(card: list[str]) -> None:
@@ -56,5 +58,7 @@ def test_memory_bytes_larger_than_the_card_has_left_is_a_config_error(card: list
 
 
 def test_a_share_below_the_weights_is_a_config_error(card: list[str]) -> None:
-    with pytest.raises(ConfigError, match=r"^cache.gpu_memory_utilization = 0.1: 80.0 GiB device, weights \+ "):
+    with pytest.raises(
+        ConfigError, match=r"^cache.gpu_memory_utilization = 0.1: 80.0 GiB device, weights \+ "
+    ):
         budget(card, **{"cache.gpu_memory_utilization": 0.1})
