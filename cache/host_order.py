@@ -18,6 +18,11 @@ wins a tie), so among live, undominated items the host is an LRU. A dominated ch
 not refused on its way down: it takes room only while nothing weaker than it is held, and goes
 first. Pure functions over the tree; the deeper checkpoint is the tree's memo
 (``RadixTree.deeper_checkpoint``), so a band costs a walk only after a change on its chain.
+The victim search asks for a band only the checkpoints that can be dominated (those with a
+deeper checkpoint, tracked from the tree's memo resets) and, when none is, the LRU items up to
+the first dead one. On the first 1,000 requests of the Mooncake conversation trace (about 1,300
+host checkpoints) that is 3.1 M bands instead of the 8.8 M of a scan to the first dominated
+one, and 12.9 s of search instead of 36.9 s, with the same victims.
 """
 
 from __future__ import annotations
@@ -43,9 +48,14 @@ def band(node: Node, eviction: CheckpointEviction, tree: RadixTree) -> float:
 
 class LruCheckpoints:
     """The host checkpoints in least-recently-used order, to find the weakest without ranking
-    them all: it is the least recently used of the lowest band held (ties in ``last_access``
-    cannot occur: every touch takes a fresh tick), so a scan in LRU order stops at the first
-    dominated one and otherwise returns the first dead one, else the first one.
+    them all. It is the least recently used of the lowest band held (ties in ``last_access``
+    cannot occur: every touch takes a fresh tick):
+
+    * a dominated checkpoint has a deeper one below it, so only those are candidates: the held
+      checkpoints whose ``deeper_checkpoint`` is not None, kept as a set (``_deep``) from the
+      tree's record of the memos it clears (``RadixTree.take_deeper_reset``). The least
+      recently used dominated one goes first;
+    * else a scan in LRU order returns the first dead one, else the first one.
 
     A lazy heap of ``(last_access, seq, node)``: ``add`` when a checkpoint reaches the host,
     ``discard`` when it leaves. A touch is not reported: ``last_access`` only grows, so an
@@ -53,9 +63,11 @@ class LruCheckpoints:
     it again with the node's current key (it is met again where it now belongs). An entry is
     current while ``_seq[node]`` is its ``seq``; the others are skipped and dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, tree: RadixTree) -> None:
+        self._tree = tree
         self._heap: list[tuple[int, int, Node]] = []
         self._seq: dict[Node, int] = {}
+        self._deep: set[Node] = set()  # held checkpoints with a deeper checkpoint below
         self._count = itertools.count()
 
     def __len__(self) -> int:
@@ -64,24 +76,51 @@ class LruCheckpoints:
     def add(self, node: Node) -> None:
         seq = self._seq[node] = next(self._count)
         heapq.heappush(self._heap, (node.last_access, seq, node))
+        if self._tree.deeper_checkpoint(node) is not None:
+            self._deep.add(node)
         if len(self._heap) > 2 * len(self._seq) + 64:  # bound the dropped entries kept
             self._heap = [(n.last_access, s, n) for n, s in self._seq.items()]
             heapq.heapify(self._heap)
 
     def discard(self, node: Node) -> None:
         self._seq.pop(node, None)
+        self._deep.discard(node)
+
+    def _refresh_deep(self) -> None:
+        tree, deep = self._tree, self._deep
+        for node in tree.take_deeper_reset():
+            if node not in self._seq:
+                continue
+            if tree.deeper_checkpoint(node) is None:
+                deep.discard(node)
+            else:
+                deep.add(node)
+
+    def check(self) -> None:
+        """The dominated candidates are exactly the held checkpoints with a deeper one."""
+        self._refresh_deep()
+        want = {n for n in self._seq if self._tree.deeper_checkpoint(n) is not None}
+        assert self._deep == want, f"host dominated candidates drift: {len(self._deep)} held, {len(want)} true"
 
     def weakest(
         self, band_of: Callable[[Node], float], evictable: Callable[[Node], bool]
     ) -> tuple[Node | None, float]:
         """The evictable checkpoint with the least ``(band_of(n), n.last_access)`` and its band
-        (``(None, inf)`` when none is evictable): scanned in LRU order up to the first dominated
-        one. The scanned entries go back into the heap."""
+        (``(None, inf)`` when none is evictable): the least recently used dominated candidate,
+        else a scan in LRU order up to the first dead one. The scanned entries go back into the
+        heap."""
+        self._refresh_deep()
+        found: Node | None = None
+        for node in self._deep:
+            earlier = found is None or node.last_access < found.last_access
+            if earlier and evictable(node) and band_of(node) == DOMINATED:
+                found = node
+        if found is not None:
+            return found, DOMINATED
         heap, seqs = self._heap, self._seq
         kept: list[tuple[int, int, Node]] = []
-        found: Node | None = None
-        dead: Node | None = None
         alive: Node | None = None
+        band = math.inf
         while heap:
             entry = heapq.heappop(heap)
             access, seq, node = entry
@@ -95,20 +134,15 @@ class LruCheckpoints:
             if not evictable(node):
                 continue
             b = band_of(node)
-            if b == DOMINATED:
-                found = node
+            if b != ALIVE:  # dead (no candidate was dominated)
+                found, band = node, b
                 break
-            if b == DEAD:
-                if dead is None:
-                    dead = node
-            elif alive is None:
+            if alive is None:
                 alive = node
         for entry in kept:
             heapq.heappush(heap, entry)
         if found is not None:
-            return found, DOMINATED
-        if dead is not None:
-            return dead, DEAD
+            return found, band
         if alive is not None:
             return alive, ALIVE
         return None, math.inf

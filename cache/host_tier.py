@@ -83,7 +83,7 @@ class HostTier:
         self.num_slots = num_slots
         self._free_slots: deque[int] = deque(range(num_slots) if self.pages is None else ())
         self.attached: dict[int, Node] = {}  # host slot -> node holding it
-        self.lru = LruCheckpoints()  # ``attached``'s nodes, kept with it (``_weakest_checkpoint``)
+        self.lru = LruCheckpoints(tree)  # ``attached``'s nodes, kept with it (``_weakest_checkpoint``)
         self.owner: dict[int, Node] = {}  # host block -> node holding it
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         # the disk tier (``cache/disk_link.py``) hears of a host checkpoint evicted (its bytes
@@ -445,6 +445,7 @@ class HostTier:
         self._check_moving(nodes, self.saves + inflight_saves + [t for seq in active for t in seq.loads])
         self._check_host_blocks(nodes)
         self._check_host_slots(nodes)
+        self.lru.check()
 
     def _check_tiers(self, nodes: list[Node]) -> None:
         """Device nodes form the top of the tree; a host node holds a host block, no pin

@@ -29,7 +29,9 @@ no fork — is memoised on the node. The answer of a node ``U`` changes only whe
 comes or goes on its unforked chain, or a fork appears or disappears on it; each such event
 clears the memo of the nodes whose walk reaches it, walking up from it while the path above
 has no fork and stopping at the first checkpoint (``_forget_deeper_up``). So a host whose
-victim scan asks every checkpoint's band pays a chain walk per change, not per question.
+victim scan asks every checkpoint's band pays a chain walk per change, not per question; and
+each host checkpoint whose memo is cleared is recorded (``take_deeper_reset``), so the host
+knows which of its checkpoints have a deeper one without asking them all.
 Torch-free.
 """
 
@@ -112,6 +114,9 @@ class RadixTree:
         self.num_pinned = 0  # nodes with ref_count > 0 (O(1) usage reporting)
         self.num_checkpoints = 0  # nodes holding a checkpoint
         self.version = 0  # moves whenever a match could change
+        # host checkpoints whose ``deeper_checkpoint`` memo was cleared since the host last
+        # looked (``take_deeper_reset``): the host tier keeps its dominated candidates with it
+        self.deeper_reset: set[Node] = set()
         self._clock = itertools.count(1)
         self._leaf_heap: list[tuple[bool, int, int, Node]] = []
         self._host_heap: list[tuple[bool, int, int, Node]] = []
@@ -307,11 +312,20 @@ class RadixTree:
         while True:
             node.deeper = UNKNOWN
             if self._holds_checkpoint(node):
+                # the walk ends at the first checkpoint: every reset of a checkpoint's memo is here
+                if node.host_slot is not None:
+                    self.deeper_reset.add(node)
                 return
             parent = node.parent
             if parent is None or len(parent.children) != 1:
                 return
             node = parent
+
+    def take_deeper_reset(self) -> set[Node]:
+        """The host checkpoints whose deeper checkpoint may have changed since the last call
+        (some may have left the host since)."""
+        reset, self.deeper_reset = self.deeper_reset, set()
+        return reset
 
     def check_deeper(self, nodes: list[Node]) -> None:
         """Every memo of ``deeper_checkpoint`` still equals a fresh walk."""

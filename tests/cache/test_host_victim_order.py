@@ -1,8 +1,10 @@
-"""The host's weakest checkpoint under one budget, found by a scan in LRU order that stops at
-the first dominated one (``LruCheckpoints``), is the one the full ranking picks: over random
+"""The host's weakest checkpoint under one budget, found among the checkpoints with a deeper one
+(the dominated candidates), else by a scan in LRU order that stops at the first dead one
+(``LruCheckpoints``), is the one the full ranking picks: over random
 attach / detach / touch / fork / device-checkpoint / KV demotion / pin / verdict changes, the victim and its
 band equal those of a reference that ranks every host checkpoint by ``(band, last_access)``
-(the rule as it was first written), and so does ``floor``."""
+(the rule as it was first written), and so does ``floor``; the candidates are exactly the
+held checkpoints with a deeper one after every event."""
 
 from __future__ import annotations
 
@@ -177,6 +179,7 @@ def test_lru_scan_picks_the_victim_the_full_ranking_picks(seed: int) -> None:
     pages: set[float] = set()
     for _ in range(1500):
         rng.choices(events, weights)[0]()
+        run.host.lru.check()
         victim = run.host._weakest_checkpoint()
         assert victim == _reference_weakest(run.host)
         assert run.host.floor() == _reference_floor(run.host)
