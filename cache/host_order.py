@@ -100,7 +100,9 @@ class LruCheckpoints:
         """The dominated candidates are exactly the held checkpoints with a deeper one."""
         self._refresh_deep()
         want = {n for n in self._seq if self._tree.deeper_checkpoint(n) is not None}
-        assert self._deep == want, f"host dominated candidates drift: {len(self._deep)} held, {len(want)} true"
+        assert self._deep == want, (
+            f"host dominated candidates drift: {len(self._deep)} held, {len(want)} true"
+        )
 
     def weakest(
         self, band_of: Callable[[Node], float], evictable: Callable[[Node], bool]
