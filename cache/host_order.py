@@ -22,7 +22,7 @@ The victim search asks for a band only the checkpoints that can be dominated (th
 deeper checkpoint, tracked from the tree's memo resets) and, when none is, the LRU items up to
 the first dead one. On the first 1,000 requests of the Mooncake conversation trace (about 1,300
 host checkpoints) that is 3.1 M bands instead of the 8.8 M of a scan to the first dominated
-one, and 12.9 s of search instead of 36.9 s, with the same victims.
+one, and 11.9 s of search instead of 36.9 s, with the same victims.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from collections.abc import Callable
 
 from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.radix_tree import Node, RadixTree
 
 DOMINATED, DEAD, ALIVE = -1.0, 0.0, 1.0
+_last_access = operator.attrgetter("last_access")
 
 
 def band(node: Node, eviction: CheckpointEviction, tree: RadixTree) -> float:
@@ -113,10 +115,10 @@ class LruCheckpoints:
         heap."""
         self._refresh_deep()
         found: Node | None = None
-        for node in self._deep:
-            earlier = found is None or node.last_access < found.last_access
-            if earlier and evictable(node) and band_of(node) == DOMINATED:
+        for node in sorted(self._deep, key=_last_access):
+            if evictable(node) and band_of(node) == DOMINATED:
                 found = node
+                break
         if found is not None:
             return found, DOMINATED
         heap, seqs = self._heap, self._seq
