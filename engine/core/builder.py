@@ -285,6 +285,10 @@ def cuda_cache_budget(
                 f"of {total / 2**30:.1f} GiB after the weights and activations ({peak / 2**30:.2f} GiB) "
                 f"and other processes ({used_by_others / 2**30:.2f} GiB)"
             )
+        # said once at start: a config written for the CPU (examples/serve.toml) sizes the
+        # GPU's cache too, which the utilization share would have made larger
+        log.info("engine.cache_budget", source="cache.memory_bytes", budget=format_bytes(fixed),
+                 device_left=format_bytes(left))  # fmt: skip
         return None
     budget = int(config.cache.gpu_memory_utilization * total) - peak - used_by_others
     if budget <= 0:
