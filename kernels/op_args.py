@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import TypeVar
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor
 
 __all__ = [
     "GDN_CHUNK_SIZE",
+    "NormKind",
     "AttentionArgs",
     "Capture",
     "ConvArgs",
@@ -51,6 +53,14 @@ GDN_CHUNK_SIZE = 64
 
 Capture = tuple[int, int, int]  # (segment, tokens of it before the capture, destination slot)
 Result = TypeVar("Result")
+
+
+class NormKind(IntEnum):
+    """The RMSNorm variants of ``models/norms.py`` (the fused ``rms_norm`` op's ``kind``)."""
+
+    PLAIN = 0  # weight * normed, the product in the input dtype
+    ZERO_CENTERED = 1  # normed * (1 + weight) in float32
+    GATED = 2  # weight * normed, times silu(gate) in float32
 
 
 def _public(op: Callable[..., Result], impl: Callable[..., Result]) -> Callable[..., Result]:

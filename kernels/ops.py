@@ -52,6 +52,9 @@ class Ops:
     paged_attention: Callable[..., torch.Tensor]
     copy_state_slots: Callable[..., None]
     sample: Callable[..., torch.Tensor]
+    # fused RMSNorm (``rms_norm(x, weight, eps, kind, gate=None)``), or None: the norm modules'
+    # own torch ops are the reference (models/norms.py; the loader installs it)
+    rms_norm: Callable[..., torch.Tensor] | None = None
 
 
 # Immutable: a frozen dataclass of plain functions, safe to share between models and threads.
@@ -122,6 +125,7 @@ def _triton_table() -> Ops:
         store_kv=tk.store_kv,
         paged_attention=tk.paged_attention,
         copy_state_slots=tk.copy_state_slots,
+        rms_norm=tk.rms_norm,
     )
 
 

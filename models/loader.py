@@ -37,6 +37,7 @@ from torch import Tensor
 
 from deltaserve.models.decoder import CausalLM
 from deltaserve.models.fusion import fuse_model
+from deltaserve.models.norms import use_norm_kernel
 from deltaserve.models.qwen3 import Qwen3CausalLM
 from deltaserve.models.qwen3_5 import Qwen35CausalLM
 from deltaserve.models.qwen3_next import Qwen3NextCausalLM
@@ -147,6 +148,7 @@ def load_model(
     state.clear()  # the model holds the tensors now: fusion below frees each original it replaces
     model.tie_weights()
     fuse_model(model)  # one matmul per group of projections sharing an input
+    use_norm_kernel(model, ops.rms_norm)  # one launch per norm where the backend fuses it
     model.to(device)  # non-checkpoint buffers (rope frequencies) follow the weights
     model.eval().requires_grad_(False)
 

@@ -13,7 +13,8 @@ reference sampler (plain torch ops, fine on the GPU):
 * ``recurrent_gated_delta_rule``: fused one-token GDN decode step in place on slots (``gdn.py``);
 * ``causal_conv1d_varlen`` / ``causal_conv1d_update``: short conv + SiLU on slot state (``conv1d.py``);
 * ``store_kv`` / ``paged_attention``: paged KV scatter, online-softmax attention (``attention.py``);
-* ``copy_state_slots``: batched slot copy over all state tensors in one launch (``state_copy.py``).
+* ``copy_state_slots``: batched slot copy over all state tensors in one launch (``state_copy.py``);
+* ``rms_norm``: the three RMSNorm variants of ``models/norms.py`` in one launch each (``norm.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from deltaserve.kernels.triton._common import INTERPRET
 from deltaserve.kernels.triton.attention import paged_attention, store_kv
 from deltaserve.kernels.triton.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from deltaserve.kernels.triton.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from deltaserve.kernels.triton.norm import rms_norm
 from deltaserve.kernels.triton.state_copy import copy_state_slots
 
 __all__ = [
@@ -32,5 +34,6 @@ __all__ = [
     "copy_state_slots",
     "paged_attention",
     "recurrent_gated_delta_rule",
+    "rms_norm",
     "store_kv",
 ]

@@ -21,15 +21,18 @@ CONTRACT_OPS = {
     "copy_state_slots",
     "sample",
 }
+#: ops a backend may leave to the model's own torch ops (None in the reference table)
+OPTIONAL_OPS = {"rms_norm"}
 
 
 def test_reference_and_auto_give_the_reference_ops() -> None:
     ops = get_ops("reference")
     assert ops.name == "reference"
     assert get_ops() is ops and get_ops("auto", torch.device("cpu")) is ops
-    assert {f.name for f in dataclasses.fields(Ops)} - {"name"} == CONTRACT_OPS
+    assert {f.name for f in dataclasses.fields(Ops)} - {"name"} == CONTRACT_OPS | OPTIONAL_OPS
     for name in CONTRACT_OPS:
         assert getattr(ops, name) is getattr(deltaserve.kernels, name)
+    assert all(getattr(ops, name) is None for name in OPTIONAL_OPS)
 
 
 def test_ops_keep_the_contract_signatures() -> None:
