@@ -157,6 +157,7 @@ def speed(plan: Any, budget: Budget, reserve_s: float) -> dict[str, Any]:
     out["roofline"] = ph.rooflines(plan)
     core = ph.engine(plan, plan.speed_model, **{"cache.enable_prefix_caching": False})
     out["decode"] = ph.decode_speed(plan, core, out["roofline"], remaining)
+    out["decode_profile"] = ph.decode_profile(plan, core) if remaining() > 30 else {"skipped": "budget"}
     out["prefill"] = ph.prefill_speed(plan, core, out["roofline"], remaining)
     core.close()
     del core
@@ -242,6 +243,11 @@ def table(result: dict[str, Any]) -> str:
             lines.append(
                 f"  decode b={row['batch']:<4} {row['tok_per_s']:10.1f} tok/s  {row['of_roofline']:6.1%} of roofline"
             )
+    prof = sp.get("decode_profile", {})
+    if "launches_per_step" in prof:
+        lines.append(f"  decode b=1 step: {prof['launches_per_step']:.0f} launches, {prof['syncs_per_step']:.0f} syncs, "
+                     f"{prof['aten_ops_per_step']:.0f} torch ops, {prof['cpu_ms_per_step']:.1f} ms CPU"
+                     + (f", {prof['device_ms_per_step']:.2f} ms device" if "device_ms_per_step" in prof else ""))  # fmt: skip
     for row in sp.get("prefill", []):
         if "tok_per_s" in row:
             lines.append(

@@ -276,6 +276,49 @@ def decode_speed(
     return rows
 
 
+#: the profiler's names of a kernel launch (torch's and Triton's) and of a host-device sync
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cuLaunchKernel")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def decode_profile(plan: Plan, core: EngineCore, steps: int = 4) -> dict[str, Any]:
+    """Where a batch-1 decode step goes (``torch.profiler``), per step: kernel launches, host
+    syncs, torch ops, CPU time of the ops and device time of the kernels. On the CPU (a dry run)
+    only the torch ops and their time are counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = plan.device.startswith("cuda")
+    req = core.make_request(
+        [3, 4, 5, 6], SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    )
+    core.add_request(req)
+    for _ in range(3):  # the prefill and the first decodes off the record
+        core.step()
+    sync(plan.device)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            core.step()
+        sync(plan.device)
+    drain(core)
+    events = prof.key_averages()
+    count = lambda names: sum(e.count for e in events if e.key in names)  # noqa: E731
+    ops = [e for e in events if e.key.startswith("aten::")]
+    out = {
+        "steps": steps,
+        "launches_per_step": count(LAUNCHES) / steps,
+        "syncs_per_step": count(SYNCS) / steps,
+        "aten_ops_per_step": sum(e.count for e in ops) / steps,
+        "cpu_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1000 / steps,
+        "top_ops": sorted(((e.key, e.count // steps) for e in ops), key=lambda kv: -kv[1])[:12],
+    }
+    if cuda:
+        out["device_ms_per_step"] = (
+            sum(getattr(e, "self_device_time_total", 0) for e in events) / 1000 / steps
+        )
+    return out
+
+
 def prefill_speed(
     plan: Plan, core: EngineCore, roof: dict[str, Any], remaining: Callable[[], float]
 ) -> list[dict[str, Any]]:
