@@ -170,3 +170,22 @@ def greedy_gap_ratio(expected: torch.Tensor, tol: LogitTolerance = CPU_FP32) -> 
 def greedy_determined(expected: torch.Tensor, tol: LogitTolerance = CPU_FP32) -> torch.Tensor:
     """Per row: gap > 2 * bound, so every result within ``tol`` of ``expected`` has its argmax."""
     return greedy_gap_ratio(expected, tol) > 2
+
+
+def assert_greedy_runs_agree(
+    got: list[torch.Tensor], want: list[torch.Tensor], label: str, tol: LogitTolerance, ties_may_flip: bool
+) -> bool:
+    """Two greedy runs over the same requests, as the logits each recorded per step: every step's
+    logits within ``tol`` up to the first greedy pick that differs. Within ``tol`` a pick can
+    differ only in a row whose top-two gap ``tol`` does not determine (``greedy_determined``:
+    the element bound implies every determined argmax), so a flip is a near-tie; it is allowed
+    when ``ties_may_flip``, and the runs then continue different texts, so the comparison ends
+    there. Returns whether a pick flipped (the caller compares tokens only when none did)."""
+    for step, (g, w) in enumerate(zip(got, want, strict=False)):
+        assert_logits_close(g, w, f"{label} step {step}", tol)
+        flipped = (g.argmax(-1) != w.argmax(-1)).nonzero().flatten()
+        if flipped.numel():
+            assert ties_may_flip, f"{label} step {step}: greedy picks flip in rows {flipped.tolist()}"
+            return True
+    assert len(got) == len(want), f"{label}: {len(got)} steps against {len(want)}"
+    return False
