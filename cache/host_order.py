@@ -87,6 +87,7 @@ class LruCheckpoints:
     def discard(self, node: Node) -> None:
         self._seq.pop(node, None)
         self._deep.discard(node)
+        self._tree.deeper_reset.discard(node)  # the record holds held checkpoints only
 
     def _refresh_deep(self) -> None:
         tree, deep = self._tree, self._deep
@@ -99,7 +100,11 @@ class LruCheckpoints:
                 deep.add(node)
 
     def check(self) -> None:
-        """The dominated candidates are exactly the held checkpoints with a deeper one."""
+        """The dominated candidates are exactly the held checkpoints with a deeper one, and the
+        tree's record of resets names held checkpoints only (it cannot grow without bound
+        while the host has room and no search drains it)."""
+        stray = [n for n in self._tree.deeper_reset if n not in self._seq]
+        assert not stray, f"{len(stray)} checkpoints off the host left in the tree's reset record"
         self._refresh_deep()
         want = {n for n in self._seq if self._tree.deeper_checkpoint(n) is not None}
         assert self._deep == want, (
