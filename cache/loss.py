@@ -27,7 +27,8 @@ cache serves it then is counted on its own (``recompute``).
 
 Memory is bounded: the evicted block hashes and the checkpoint outcomes are two LRU records
 of ``capacity`` entries each; a hash forgotten past that counts as ``cold`` (and a boundary
-forgotten as never captured). Hooks are O(1); an attribution is O(blocks past the hit).
+forgotten as never captured). The simulator lifts the bound (``remember_all``): on a long
+trace a forgotten eviction would read as a compulsory miss. Hooks are O(1); an attribution is O(blocks past the hit).
 Torch-free.
 """
 
@@ -71,9 +72,10 @@ PLAIN = Asked()
 
 
 class _Record:
-    """An LRU map of at most ``capacity`` entries: the newest write of a key wins."""
+    """An LRU map of at most ``capacity`` entries (None: unbounded): the newest write of a key
+    wins."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int | None) -> None:
         self.capacity = capacity
         self.items: OrderedDict[int, str] = OrderedDict()
 
@@ -81,7 +83,7 @@ class _Record:
         items = self.items
         items[key] = value
         items.move_to_end(key)
-        if len(items) > self.capacity:
+        if self.capacity is not None and len(items) > self.capacity:
             items.popitem(last=False)
 
     def get(self, key: int) -> str | None:
@@ -119,6 +121,12 @@ class LossAttribution:
         kv.tree.on_checkpoint_gone = loss.checkpoint_gone
         ckpts.note_skip = loss.checkpoint_skipped
         return loss
+
+    def remember_all(self) -> None:
+        """Forget nothing from now on: both records grow with every block evicted (about
+        150 bytes each). For the simulator, whose ``cold`` is read against the compulsory
+        misses of its bounds; a serving engine keeps the bound."""
+        self.evicted.capacity = self.outcomes.capacity = None
 
     # ------------------------------------------------------------------ hooks (O(1))
     def kv_gone(self, node: Node) -> None:
@@ -264,7 +272,8 @@ class LossAttribution:
         misses = counters["prefix_cache.query_tokens"] - counters["prefix_cache.hit_tokens"]
         total = sum(self.counters[MISS_PREFIX + c] for c in QUERY_CAUSES)
         assert total == misses, f"miss causes sum to {total}, misses are {misses}"
-        assert len(self.evicted) <= self.evicted.capacity and len(self.outcomes) <= self.outcomes.capacity
+        for record in (self.evicted, self.outcomes):
+            assert record.capacity is None or len(record) <= record.capacity
 
 
 def record_capacity(cache_blocks: int) -> int:

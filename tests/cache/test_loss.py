@@ -216,6 +216,24 @@ def test_record_capacity_bounds() -> None:
     assert record_capacity(10**9) == 1 << 20
 
 
+@pytest.mark.parametrize("remember_all", [False, True])
+def test_a_forgotten_eviction_reads_cold_unless_all_are_remembered(remember_all: bool) -> None:
+    cm = make()
+    cm.loss.evicted.capacity = 2  # the two evicted last: the prompt's first two blocks
+    if remember_all:
+        cm.loss.remember_all()
+    run_prefill(cm, "a", TOKS)
+    while (leaf := cm.tree.peek_evictable_leaf()) is not None:
+        cm.tiers.evict_leaf(leaf)
+    assert ask(cm, "b") == 0
+    if remember_all:
+        assert len(cm.loss.evicted) == 6
+        assert misses(cm) == {"kv_evicted_device": 96, "granularity": 4}
+    else:
+        assert len(cm.loss.evicted) == 2
+        assert misses(cm) == {"kv_evicted_device": 32, "cold": 64, "granularity": 4}
+
+
 def test_the_records_hold_the_host_tier_s_blocks_too() -> None:
     # one host budget of checkpoint-sized pages: 10 pages of ceil(1000 / 64) = 16 blocks
     cm = make(num_host_pages=10, checkpoint_bytes=1000, kv_block_bytes=64, num_kv_blocks=10_000)

@@ -300,6 +300,9 @@ class Simulation:
             engine, cfg.capacity(kv_blocks, slots, shared=shared), checkpoint_policy=admission
         )
         self.cache = self.sched.cache
+        # every eviction remembered: a forgotten one would count as cold, and cold is read
+        # against the bounds' compulsory misses
+        self.cache.loss.remember_all()
         if oracle:
             _unlimited_eviction(self.cache.eviction)
         if cfg.prefill_cost is not None:
