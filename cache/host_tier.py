@@ -83,7 +83,10 @@ class HostTier:
         self.num_slots = num_slots
         self._free_slots: deque[int] = deque(range(num_slots) if self.pages is None else ())
         self.attached: dict[int, Node] = {}  # host slot -> node holding it
-        self.lru = LruCheckpoints(tree)  # ``attached``'s nodes, kept with it (``_weakest_checkpoint``)
+        # ``attached``'s nodes, kept with it (``_weakest_checkpoint``); one budget under a
+        # per-byte strategy ranks live checkpoints by recency shifted by size
+        sized = self.pages is not None and eviction.per_byte
+        self.lru = LruCheckpoints(tree, self.pages.page_blocks if self.pages is not None and sized else None)
         self.owner: dict[int, Node] = {}  # host block -> node holding it
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         # the disk tier (``cache/disk_link.py``) hears of a host checkpoint evicted (its bytes
@@ -308,7 +311,9 @@ class HostTier:
         if self.pages is not None and (leaf is None or leaf.host_slot is not None):
             victim, worth = self._weakest_checkpoint()
             if victim is not None and (
-                leaf is None or (worth, victim.last_access) <= (self.worth(leaf), leaf.last_access)
+                leaf is None
+                or (worth, self.lru.rank(victim, worth))
+                <= (leaf_worth := self.worth(leaf), self.lru.rank(leaf, leaf_worth))
             ):
                 self._evict_checkpoints([victim])
                 self.drop_checkpoint(victim)

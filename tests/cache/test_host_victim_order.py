@@ -2,8 +2,8 @@
 (the dominated candidates), else by a scan in LRU order that stops at the first dead one
 (``LruCheckpoints``), is the one the full ranking picks: over random
 attach / detach / touch / fork / device-checkpoint / KV demotion / pin / verdict changes, the victim and its
-band equal those of a reference that ranks every host checkpoint by ``(band, last_access)``
-(the rule as it was first written), and so does ``floor``; the candidates are exactly the
+band equal those of a reference that ranks every host checkpoint by ``(band, rank)`` (its last
+access; a live one's moved back by its share of KV, ``LruCheckpoints.rank``), and so does ``floor``; the candidates are exactly the
 held checkpoints with a deeper one after every event."""
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from .test_host_pages import _Worth
 
 
 def _reference_weakest(host: HostTier) -> tuple[Node | None, float]:
-    """Every evictable host checkpoint ranked by (band, last_access); the first held wins a tie."""
+    """Every evictable host checkpoint ranked by (band, rank, last_access)."""
     best: Node | None = None
-    key = (math.inf, 0)
+    key: tuple[float, float, int] = (math.inf, 0.0, 0)
     for n in host.attached.values():
         if not n.ckpt_pins and not n.ckpt_moving:
-            k = (band(n, host.eviction, host.tree), n.last_access)
+            b = band(n, host.eviction, host.tree)
+            k = (b, host.lru.rank(n, b), n.last_access)  # (a tie in rank: the least recent)
             if k < key:
                 best, key = n, k
     return best, key[0]
@@ -180,8 +181,9 @@ def test_lru_scan_picks_the_victim_the_full_ranking_picks(seed: int) -> None:
     for _ in range(1500):
         rng.choices(events, weights)[0]()
         run.host.lru.check()
+        want = _reference_weakest(run.host)  # (before the scan measures the live ones' mean age)
         victim = run.host._weakest_checkpoint()
-        assert victim == _reference_weakest(run.host)
+        assert victim == want
         assert run.host.floor() == _reference_floor(run.host)
         bands.add(victim[1])
         pages.add(run.host._page_victim()[1])
@@ -190,3 +192,38 @@ def test_lru_scan_picks_the_victim_the_full_ranking_picks(seed: int) -> None:
             assert ours == _take(run.host, *victim, run.host._page_victim(), worth)
     assert {-1.0, 0.0} <= bands and len(bands) >= 3  # the bands took turns as the weakest
     assert len(pages) >= 3  # and KV pages of each kind were next in line
+
+
+def test_a_live_checkpoint_on_a_long_path_outlasts_a_newer_one_on_a_short_path() -> None:
+    """Among live checkpoints, a conversation whose path holds many KV blocks per checkpoint
+    page is kept past a newer one that holds few: recency shifted by the KV's share."""
+    tree = RadixTree()
+    table: dict[int, float] = {}
+    eviction = _Worth(tree, table)
+    eviction.unlikely = set()
+    host = HostTier(
+        tree, eviction, num_blocks=0, num_slots=0, kv_block_bytes=100, checkpoint_bytes=300, num_pages=4
+    )
+    assert host.lru.page_blocks == 3
+
+    def chain(n: int, first: int) -> Node:
+        node = tree.root
+        for k in range(first, first + n):
+            node = tree.insert(node, k, block_id=k)
+        table[node.key] = 1.0  # alive
+        host.demote_checkpoint(node, device_slot=0)
+        for t in host.saves:
+            host.save_landed(t)
+        host.saves.clear()
+        return node
+
+    long = chain(60, 1)  # share 60 / 63
+    short = chain(1, 100)  # share 1 / 4, newer
+    assert host.lru.rank(long, 1.0) == long.last_access  # no mean age measured yet: recency
+    assert host._weakest_checkpoint() == (long, 1.0)
+    # that scan measured the mean age: (short - long) / 2 behind the newest; the long path's
+    # larger share moves it back by 4 x that x (60/63 - 1/4), past the short one's recency
+    assert host.lru.mean_age == (short.last_access - long.last_access) / 2
+    assert host._weakest_checkpoint() == (short, 1.0)
+    assert host.lru.rank(short, 1.0) < host.lru.rank(long, 1.0)
+    assert host.lru.rank(long, 0.0) == long.last_access  # dead or dominated: recency only
