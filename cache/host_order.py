@@ -76,14 +76,17 @@ def band(node: Node, eviction: CheckpointEviction, tree: RadixTree) -> float:
 
 class LruCheckpoints:
     """The host checkpoints in least-recently-used order, to find the weakest without ranking
-    them all. It is the least recently used of the lowest band held (ties in ``last_access``
-    cannot occur: every touch takes a fresh tick):
+    them all. It is the one of least ``rank`` in the lowest band held (recency; for live ones
+    under a size order, shifted by size; ties in ``last_access`` cannot occur: every touch
+    takes a fresh tick, and a tie in rank goes to the less recent):
 
     * a dominated checkpoint has a deeper one below it, so only those are candidates: the held
       checkpoints whose ``deeper_checkpoint`` is not None, kept as a set (``_deep``) from the
       tree's record of the memos it clears (``RadixTree.take_deeper_reset``). The least
       recently used dominated one goes first;
-    * else a scan in LRU order returns the first dead one, else the first one.
+    * else a scan in LRU order returns the first dead one, else the first one (under a size
+      order: the live one of least rank; the scan has seen them all by then, and measures
+      their mean age for the next search).
 
     A lazy heap of ``(last_access, seq, node)``: ``add`` when a checkpoint reaches the host,
     ``discard`` when it leaves. A touch is not reported: ``last_access`` only grows, so an
@@ -95,7 +98,8 @@ class LruCheckpoints:
         self._tree = tree
         # live checkpoints rank by recency shifted by size (``rank``) when set, else by recency
         self.page_blocks = page_blocks
-        self.mean_age = 0.0  # ticks: the live checkpoints' mean age behind the newest (last full scan)
+        # ticks: the live checkpoints' mean age behind the newest of them, at the last full scan
+        self.mean_age = 0.0
         self._heap: list[tuple[int, int, Node]] = []
         self._seq: dict[Node, int] = {}
         self._deep: set[Node] = set()  # held checkpoints with a deeper checkpoint below

@@ -85,8 +85,8 @@ class HostTier:
         self.attached: dict[int, Node] = {}  # host slot -> node holding it
         # ``attached``'s nodes, kept with it (``_weakest_checkpoint``); one budget under a
         # per-byte strategy ranks live checkpoints by recency shifted by size
-        sized = self.pages is not None and eviction.per_byte
-        self.lru = LruCheckpoints(tree, self.pages.page_blocks if self.pages is not None and sized else None)
+        page_blocks = self.pages.page_blocks if self.pages is not None and eviction.per_byte else None
+        self.lru = LruCheckpoints(tree, page_blocks)
         self.owner: dict[int, Node] = {}  # host block -> node holding it
         self.saves: list[Transfer] = []  # planned, not yet handed to a step plan
         # the disk tier (``cache/disk_link.py``) hears of a host checkpoint evicted (its bytes

@@ -28,8 +28,8 @@ cache serves it then is counted on its own (``recompute``).
 Memory is bounded: the evicted block hashes and the checkpoint outcomes are two LRU records
 of ``capacity`` entries each; a hash forgotten past that counts as ``cold`` (and a boundary
 forgotten as never captured). The simulator lifts the bound (``remember_all``): on a long
-trace a forgotten eviction would read as a compulsory miss. Hooks are O(1); an attribution is O(blocks past the hit).
-Torch-free.
+trace a forgotten eviction would read as a compulsory miss. Hooks are O(1); an attribution
+is O(blocks past the hit). Torch-free.
 """
 
 from __future__ import annotations
