@@ -111,8 +111,8 @@ class LruCheckpoints:
     def rank(self, node: Node, band: float) -> float:
         """Where ``node`` stands within ``band`` (lower goes first): its last access, and for a
         live checkpoint under a size order, moved back by its share of KV."""
-        if band != ALIVE or self.page_blocks is None:
-            return float(node.last_access)
+        if band != ALIVE or self.page_blocks is None or not self.mean_age:
+            return float(node.last_access)  # (no mean age yet: the shift is 0, skip the walk)
         return node.last_access + SIZE_WEIGHT * self.mean_age * kv_share(node, self.page_blocks)
 
     def add(self, node: Node) -> None:
@@ -163,11 +163,10 @@ class LruCheckpoints:
             if evictable(node) and band_of(node) == DOMINATED:
                 return node, DOMINATED
         kept: list[tuple[int, int, Node]] = []
-        try:
-            return self._scan(band_of, evictable, kept)
-        finally:
-            for entry in kept:
-                heapq.heappush(self._heap, entry)
+        found = self._scan(band_of, evictable, kept)
+        for entry in kept:
+            heapq.heappush(self._heap, entry)
+        return found
 
     def _scan(
         self,
