@@ -19,8 +19,9 @@ checkpoint ranks by ``last_access + SIZE_WEIGHT x mean age x share``, where shar
 KV's part of the bytes its path holds (its blocks up to the fork above, and one page for
 the checkpoint). A conversation keeps one checkpoint, so a short one pays a page for few
 tokens of hit and a long one for many: per byte, the long one is worth more at the same
-age. On long reuse with a host tier (2.5 + 10 GiB, seeds 0-2) that is +0.5 / +0.9 / +0.8
-points of hit over recency alone (docs/cache.md). A dominated checkpoint is
+age; a checkpoint with KV below it ends no path and counts as all KV. On long reuse with a
+host tier (2.5 + 10 GiB, seeds 0-2) that is +0.9 / +1.1 / +1.9 points of hit over recency
+alone (docs/cache.md). A dominated checkpoint is
 not refused on its way down: it takes room only while nothing weaker than it is held, and goes
 first. Pure functions over the tree; the deeper checkpoint is the tree's memo
 (``RadixTree.deeper_checkpoint``), so a band costs a walk only after a change on its chain.
@@ -46,16 +47,24 @@ DOMINATED, DEAD, ALIVE = -1.0, 0.0, 1.0
 _last_access = operator.attrgetter("last_access")
 
 #: how far a live checkpoint's share of KV moves it back in the LRU order, in mean ages of
-#: the live checkpoints held (measured: 2 / 4 / 6 gave 53.5 / 54.2 / 54.2 % on long reuse
-#: seed 1, recency alone 53.3 %)
-SIZE_WEIGHT = 4.0
+#: the live checkpoints held (long reuse seeds 0-2, hit % summed over the seeds: 8 / 10 / 12 /
+#: 16 gave 164.9 / 164.9 / 165.6 / 164.7, recency alone 161.7: docs/cache.md)
+SIZE_WEIGHT = 12.0
 
 
 def kv_share(node: Node, page_blocks: int) -> float:
     """The KV's part of the bytes that ``node``'s checkpoint and its path up to the nearest
     fork (or the root) hold, a checkpoint counted as ``page_blocks`` blocks: what evicting
     the conversation frees, against the hit it would give. The checkpoints above on that
-    unforked path are dominated (they go first), so they are not counted as ends."""
+    unforked path are dominated (they go first), so they are not counted as ends.
+
+    1 for a checkpoint with KV below it (a fork's, or one its conversation went on past
+    without a deeper checkpoint that dominates it): it ends no path, so evicting it frees its
+    page and no KV, while every request that parts there loses its whole prefix. Ranked by
+    its short path to the fork above instead, such checkpoints went first at any weight that
+    kept the long conversations (a new app's system prompt among them)."""
+    if node.children:
+        return 1.0
     blocks, n = 0, node
     while n.parent is not None:
         blocks += 1

@@ -5,6 +5,8 @@ KV (``page_blocks`` host blocks) or CHECKPOINT (host slot id = the page). The ho
 
 from __future__ import annotations
 
+import heapq
+
 from deltaserve.cache.radix_tree import Node
 
 FREE, KV, CHECKPOINT = 0, 1, 2  # what a host page holds
@@ -29,6 +31,7 @@ class HostPages:
         self.used = [0] * num_pages
         self.free_blocks: list[list[int]] = [[] for _ in range(num_pages)]
         self.open_pages: dict[int, None] = {}  # KV pages with a free block
+        self.open_free = 0  # free blocks on the open pages
 
     @property
     def num_blocks(self) -> int:
@@ -40,20 +43,26 @@ class HostPages:
     def can_allocate_block(self) -> bool:
         return bool(self.open_pages or self.free_pages)
 
-    def allocate_block(self) -> int:
-        """A host block: from a KV page with room, else a free page turned KV."""
-        if self.open_pages:
-            page = next(iter(self.open_pages))
-        else:
+    def allocate_block(self, avoid: int = -1) -> int:
+        """A host block: from a KV page with room (not page ``avoid``), else a free page
+        turned KV."""
+        page = next((p for p in self.open_pages if p != avoid), -1)
+        if page < 0:
             page = self._take_page(KV)
             n = self.page_blocks
             self.free_blocks[page] = list(range(page * n + n - 1, page * n - 1, -1))
             self.open_pages[page] = None
+            self.open_free += n
         block = self.free_blocks[page].pop()
         self.used[page] += 1
+        self.open_free -= 1
         if not self.free_blocks[page]:
             del self.open_pages[page]
         return block
+
+    def emptiest_open(self, count: int) -> list[int]:
+        """Up to ``count`` open KV pages, fewest blocks held first: the cheapest to vacate."""
+        return heapq.nsmallest(count, self.open_pages, key=self.used.__getitem__)
 
     def free_block(self, block: int) -> None:
         page = self.page_of(block)
@@ -61,12 +70,14 @@ class HostPages:
             raise RuntimeError(f"free of host block {block}: not held")
         self.used[page] -= 1
         if self.used[page] == 0:  # wholly free: a page again, for either kind
+            self.open_free -= len(self.free_blocks[page])
             self.free_blocks[page] = []
             self.open_pages.pop(page, None)
             self.kind[page] = FREE
             self.free_pages[page] = None
             return
         self.free_blocks[page].append(block)
+        self.open_free += 1
         self.open_pages[page] = None
 
     def allocate_slot(self) -> int:
@@ -115,3 +126,6 @@ class HostPages:
             )
             assert (page in self.open_pages) == bool(free), f"host page {page}: open list drift"
         assert all(self.kind[p] == KV for p in self.open_pages), "open page not a KV page"
+        assert self.open_free == sum(len(self.free_blocks[p]) for p in self.open_pages), (
+            "free blocks on open pages: count drift"
+        )

@@ -6,9 +6,14 @@ in their own id spaces; or one byte budget of *pages* (``num_pages``), each the 
 checkpoint and each exactly one of FREE, KV (``page_blocks`` = ceil(checkpoint bytes / KV
 block bytes) host blocks, ids ``page * page_blocks ...``) or CHECKPOINT (host slot id = the
 page), so KV and checkpoints trade bytes by value (``HostPages``, ``cache/host_pages.py``).
-A KV page turns back into a free page only when wholly free: when a checkpoint needs a page, the victim is the weakest
-host checkpoint or the KV page whose blocks are worth least — its nodes go (with the host
-nodes below them), no block is migrated. The radix tree records each item's tier
+A KV page turns back into a free page only when wholly free. When a checkpoint needs a page
+and the KV pages' free blocks add up to one, the emptiest KV page whose nodes can move is
+vacated first: its blocks move into free blocks of the other KV pages (host copies,
+``KV_MOVE``, planned with the saves and run before them). An eviction frees a whole
+conversation's blocks where one was wanted, so its scattered remainder would otherwise wait
+for KV while checkpoints evict live items (long reuse at 2.5 + 10 GiB: about 570 such blocks,
+3 % of the host, docs/cache.md). Else the victim is the weakest host checkpoint or the KV
+page whose blocks are worth least — its nodes go (with the host nodes below them). The radix tree records each item's tier
 (``cache/radix_tree.py``). This part owns the host
 pools, plans the *saves* (device -> host copies) of what the device tier gives up, and
 evicts on the host. Loads (host -> device) are the cache manager's: they belong to the
@@ -51,6 +56,10 @@ from deltaserve.cache.host_order import ALIVE, LruCheckpoints, band
 from deltaserve.cache.host_pages import CHECKPOINT, FREE, KV, HostPages
 from deltaserve.cache.radix_tree import Node, RadixTree
 from deltaserve.cache.types import SeqCache, Tier, Transfer, TransferKind
+
+#: partly used KV pages looked at per vacate (the fewest blocks held first)
+VACATE_CANDIDATES = 8
+_KV_TO_HOST = (TransferKind.KV_SAVE, TransferKind.KV_MOVE)  # the host saves that write KV
 
 
 class HostTier:
@@ -95,7 +104,7 @@ class HostTier:
         self.counters: dict[str, int] = dict.fromkeys(
             ("host.kv_demoted_blocks", "host.kv_evicted_blocks", "host.checkpoints_demoted",
              "host.checkpoints_evicted", "host.checkpoints_refused", "host.bytes_saved",
-             "host.failed_saves"), 0)  # fmt: skip
+             "host.failed_saves", "host.kv_moved_blocks"), 0)  # fmt: skip
 
     @property
     def kv_enabled(self) -> bool:
@@ -196,11 +205,12 @@ class HostTier:
         return nodes, worth
 
     def floor(self) -> float:
-        """The worth a demoted checkpoint must reach to be kept on the host (0: there is room;
-        -1: only worthless items would go; inf: no host checkpoints, or nothing can go)."""
+        """The worth a demoted checkpoint must reach to be kept on the host (0: there is room,
+        or likely by vacating a KV page; -1: only worthless items would go; inf: no host
+        checkpoints, or nothing can go)."""
         if self.num_slots == 0:
             return math.inf
-        if self._has_slot():
+        if self._has_slot() or (self.pages is not None and self.pages.open_free >= self.pages.page_blocks):
             return 0.0
         _, worth = self._weakest_checkpoint()
         if self.pages is not None:
@@ -240,6 +250,8 @@ class HostTier:
         """A host slot for a checkpoint worth ``worth``: a free one, else the place of the
         weakest item if that is not worth more (a checkpoint, or a KV page's nodes); -1."""
         while not self._has_slot():
+            if self._vacate_kv_page():
+                continue
             victim, victim_worth = self._weakest_checkpoint()
             nodes, page_worth = self._victim_page(victim, victim_worth)
             weakest = min(victim_worth, page_worth)
@@ -255,6 +267,31 @@ class HostTier:
                 self._evict_checkpoints(nodes, below=True)
                 self._drop_nodes(nodes)
         return self._take()
+
+    def _vacate_kv_page(self) -> bool:
+        """Free a page by moving the blocks of the emptiest KV page whose nodes can move (on
+        the host only, no copy of theirs pending) into free blocks of the other KV pages;
+        False when the free blocks do not add up to a page, or no such page fits in them."""
+        pages = self.pages
+        if pages is None or pages.open_free < pages.page_blocks:
+            return False
+        n = pages.page_blocks
+        for page in pages.emptiest_open(VACATE_CANDIDATES):
+            if pages.open_free - len(pages.free_blocks[page]) < pages.used[page]:
+                return False  # the rest hold more still
+            nodes = [self.owner[b] for b in range(page * n, page * n + n) if b in self.owner]
+            if any(node.moving or node.block_id >= 0 for node in nodes):
+                continue
+            for node in nodes:
+                block = pages.allocate_block(avoid=page)
+                old, node.host_block = node.host_block, block
+                self._free_block(old)
+                self.owner[block] = node
+                self.tree.set_moving(node, True)  # not matched (nor written to disk) meanwhile
+                self.saves.append(Transfer(TransferKind.KV_MOVE, node, old, block))
+            self.counters["host.kv_moved_blocks"] += len(nodes)
+            return True
+        return False
 
     def _victim_page(self, victim: Node | None, victim_worth: float) -> tuple[list[Node], float]:
         """``_page_victim`` as far as ``_take_slot`` needs it beside ``victim``: under the bands a
@@ -364,7 +401,7 @@ class HostTier:
         if node.host_slot is not None:
             self.drop_checkpoint(node)
         if node.moving:  # its save never ran: forget it
-            self.saves = [t for t in self.saves if not (t.node is node and t.kind is TransferKind.KV_SAVE)]
+            self.saves = [t for t in self.saves if not (t.node is node and t.kind in _KV_TO_HOST)]
             node.moving = False
         self._free_block(node.host_block)
         node.host_block = -1
@@ -394,18 +431,19 @@ class HostTier:
     def _current(self, t: Transfer) -> bool:
         """The save's item is still there (a failed save may have dropped a node with its
         other pending save)."""
-        if t.kind is TransferKind.KV_SAVE:
+        if t.kind in _KV_TO_HOST:
             return t.node.parent is not None and t.node.host_block == t.dst
         return t.node.host_slot == t.dst
 
     def save_landed(self, t: Transfer) -> None:
         if not self._current(t):
             return
-        if t.kind is TransferKind.KV_SAVE:
+        if t.kind in _KV_TO_HOST:
             self.tree.set_moving(t.node, False)
         else:
             self.tree.set_ckpt_moving(t.node, False)
-        self.counters["host.bytes_saved"] += self.nbytes(t.kind)
+        if t.kind is not TransferKind.KV_MOVE:  # (a move within the host crosses no link)
+            self.counters["host.bytes_saved"] += self.nbytes(t.kind)
 
     def save_failed(self, t: Transfer) -> None:
         """The copy did not happen: the host item holds nothing; it is dropped (a KV node

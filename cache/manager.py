@@ -88,7 +88,7 @@ COUNTER_KEYS = (
     "host.bytes_saved", "host.bytes_loaded", "host.failed_saves", "host.failed_loads",
     "kv.moved_blocks", "cache.pages_to_kv", "cache.pages_to_checkpoints", "checkpoints.evicted_for_kv",
     "cache.kv_refused",
-    "host.checkpoints_refused",
+    "host.checkpoints_refused", "host.kv_moved_blocks",
     "prefix_cache.hit_tokens_disk", "disk.loads_completed", "disk.kv_loaded_blocks",
     "disk.checkpoints_loaded", "disk.bytes_loaded", "disk.failed_loads", "disk.load_wait_ms",
     *MISS_KEYS,

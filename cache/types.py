@@ -95,6 +95,9 @@ class TransferKind(enum.Enum):
     CKPT_SAVE = "ckpt_save"  # device checkpoint slot -> host checkpoint slot (demotion)
     KV_LOAD = "kv_load"  # host block -> device block (promotion of a hit)
     STATE_LOAD = "state_load"  # host checkpoint slot -> the request's live slot (a restore)
+    # host KV block -> another host block: a KV page vacated for a checkpoint (one host budget);
+    # planned with the saves and run before them (a checkpoint's save may write that page)
+    KV_MOVE = "kv_move"
     # a disk hit, read and verified before admission (``Transfer.payload``): its KV into the
     # request's private blocks, its checkpoint into the request's live slot
     DISK_KV_LOAD = "disk_kv_load"
@@ -110,7 +113,7 @@ class TransferKind(enum.Enum):
 
     @property
     def is_kv(self) -> bool:
-        return self in (TransferKind.KV_SAVE, TransferKind.KV_LOAD)
+        return self in (TransferKind.KV_SAVE, TransferKind.KV_LOAD, TransferKind.KV_MOVE)
 
 
 @dataclass(eq=False)

@@ -6,7 +6,9 @@ where the device pools are CPU tensors too and every copy is a memcpy through th
 code path, so everything is tested without a GPU.
 
 ``transfer(plan)`` runs a step's copies before its forward: first the saves (device ->
-host: a demoted block's device copy may be reused by this very step), then ``between``
+host: a demoted block's device copy may be reused by this very step; host KV blocks moved
+out of a page vacated for a checkpoint go before them, as that checkpoint's save may
+write the page), then ``between``
 (the runner's device block moves, on the compute stream), then each request's
 loads (host -> device block, host checkpoint -> the request's live slot). A request's
 loads are one unit: a failure fails only them (and is returned, for the engine to end
@@ -117,13 +119,19 @@ class HostPool:
             self._loads_done = None
 
     def _copy(self, transfers: Sequence[Transfer], device: ModelCaches) -> None:
-        """One batched copy per kind and tensor."""
+        """One batched copy per kind and tensor, the host's own block moves first."""
         host = self.caches
         by_kind: dict[TransferKind, tuple[list[int], list[int]]] = {}
         for t in transfers:
             src, dst = by_kind.setdefault(t.kind, ([], []))
             src.append(t.src)
             dst.append(t.dst)
+        moves = by_kind.pop(TransferKind.KV_MOVE, None)
+        if moves is not None:
+            # a gather then a scatter: every source is read before any block is written
+            src_idx, dst_idx = (torch.tensor(ids, dtype=torch.int64) for ids in moves)
+            for hst in host.k_cache + host.v_cache:
+                _move(hst, src_idx, hst, dst_idx)
         for kind, (src, dst) in by_kind.items():
             if kind.is_kv:
                 pairs = list(zip(device.k_cache + device.v_cache, host.k_cache + host.v_cache, strict=True))

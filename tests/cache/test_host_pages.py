@@ -23,6 +23,7 @@ from deltaserve.cache.eviction import CheckpointEviction, EvictionParams
 from deltaserve.cache.host_pages import CHECKPOINT, FREE, KV, HostPages
 from deltaserve.cache.host_tier import HostTier
 from deltaserve.cache.radix_tree import Node, RadixTree
+from deltaserve.cache.types import TransferKind
 
 from .test_host_tier import BS, Memory, TwoTierMachine
 
@@ -339,3 +340,61 @@ def test_one_budget_trades_pages_between_kv_and_checkpoints() -> None:
     assert usage["host.kv_pages"] > 0 and usage["host.checkpoint_pages"] > 0
     assert usage["host.kv_pages"] + usage["host.checkpoint_pages"] + usage["host.free_pages"] == 40
     assert cm.match(convos[0] + [1, 2, 3], b"s").hit_tokens >= 128  # the first one, from the host
+
+
+def _scattered_host(fail: bool) -> tuple[HostTier, RadixTree, list[Node], Node]:
+    """Two KV pages of three blocks, one third free and one two thirds free, and the other
+    two pages checkpoints; then a live checkpoint comes down (``fail``: its copies fail)."""
+    tree = RadixTree()
+    table: dict[int, float] = {}
+    host = HostTier(
+        tree, _Worth(tree, table), num_blocks=0, num_slots=0, kv_block_bytes=100, checkpoint_bytes=300,
+        num_pages=4,
+    )  # fmt: skip
+    leaves = [tree.insert(tree.root, 10 + i, block_id=i) for i in range(6)]
+    for node in leaves:
+        assert host.demote_kv(node) is not None
+    for node in (leaves[1], leaves[3], leaves[4]):
+        host.remove(node)  # page 0 holds leaves 0 and 2, page 1 leaf 5
+    for i in range(2):
+        node = tree.insert(tree.root, 50 + i, block_id=50 + i)
+        table[node.key] = 1.0
+        assert host.demote_checkpoint(node, device_slot=i)
+    for t in host.saves:
+        host.save_landed(t)
+    host.saves.clear()
+    assert host.pages is not None and not host.pages.free_pages and host.pages.open_free == 3
+    newcomer = tree.insert(tree.root, 99, block_id=99)
+    table[newcomer.key] = 1.0
+    assert host.floor() == 0.0  # the free blocks add up to a page
+    assert host.demote_checkpoint(newcomer, device_slot=5)
+    return host, tree, leaves, newcomer
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_checkpoint_takes_a_kv_page_vacated_into_the_others_free_blocks(fail: bool) -> None:
+    """A checkpoint needs a page and none is free, but the KV pages' free blocks add up to
+    one: the emptiest KV page's blocks move into the others' (host copies run before the
+    checkpoint's save writes the page) and no live item is evicted. Until the move lands the
+    moved node is not matchable; a failed move drops it, nothing else."""
+    host, tree, leaves, newcomer = _scattered_host(fail)
+    moved = leaves[5]
+    moves = [t for t in host.saves if t.kind is TransferKind.KV_MOVE]
+    assert [(t.node, t.src, t.dst) for t in moves] == [(moved, 5, moved.host_block)]
+    assert moved.host_block // 3 == 0 and moved.moving  # into page 0's free block
+    assert host.saves.index(moves[0]) < next(
+        i for i, t in enumerate(host.saves) if t.kind is TransferKind.CKPT_SAVE
+    )  # planned before the save that writes the vacated page
+    assert newcomer.host_slot == 1  # page 1, vacated
+    assert host.counters["host.checkpoints_evicted"] == 0 and host.counters["host.kv_evicted_blocks"] == 3
+    assert host.counters["host.kv_moved_blocks"] == 1
+    assert host.pages is not None and host.pages.counts() == {FREE: 0, KV: 1, CHECKPOINT: 3}
+    for t in host.saves:
+        host.save_failed(t) if fail else host.save_landed(t)
+    host.saves.clear()
+    if fail:
+        assert moved.parent is None and newcomer.host_slot is None  # both copies lost: dropped
+        assert host.pages.counts() == {FREE: 1, KV: 1, CHECKPOINT: 2}
+    else:
+        assert not moved.moving and tree.root.children[moved.key] is moved
+    host.pages.check(host.owner, host.attached)

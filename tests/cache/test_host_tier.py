@@ -186,7 +186,9 @@ class TwoTierMachine(RuleBasedStateMachine):
         return items
 
     def _copy_tiers(self, plan: Any, items: list[tuple[str, StepItem]], failed: list[Any]) -> None:
-        """Run the plan's saves and loads on the fake memory, except those picked to fail."""
+        """Run the plan's saves and loads on the fake memory, except those picked to fail: the
+        host's block moves first (all read, then all written), as the runner does. With one
+        host budget a checkpoint saved into a page overwrites the KV blocks it held."""
         mem = self.mem
         failed_ids = {id(t) for t in failed}
         spaces = {  # (source, destination) of each kind of copy
@@ -195,12 +197,21 @@ class TwoTierMachine(RuleBasedStateMachine):
             TransferKind.KV_LOAD: (mem.host_kv, mem.kv),
             TransferKind.STATE_LOAD: (mem.host_slot, mem.slot),
         }
+        moves = [t for t in plan.saves if t.kind is TransferKind.KV_MOVE and id(t) not in failed_ids]
+        read = [mem.host_kv.get(t.src) for t in moves]
+        for t, value in zip(moves, read, strict=True):
+            mem.host_kv[t.dst] = value
+        pages = self.cm.host.pages
         for t in plan.saves + plan.loads:
             if t.kind.is_load:
                 assert all(it.seq is not t.seq for _, it in items), "a loading request computes"
-            if id(t) not in failed_ids:
+            if id(t) not in failed_ids and t.kind is not TransferKind.KV_MOVE:
                 src, dst = spaces[t.kind]
                 dst[t.dst] = src.get(t.src)
+                if t.kind is TransferKind.CKPT_SAVE and pages is not None:
+                    n = pages.page_blocks
+                    for b in range(t.dst * n, t.dst * n + n):
+                        mem.host_kv.pop(b, None)
 
     def _forward(self, plan: Any, it: StepItem) -> None:
         """One piece's forward: what it reads must be right, then it writes its KV and states."""

@@ -27,7 +27,7 @@ from deltaserve.cache.eviction import CheckpointEviction
 from deltaserve.cache.loss import MISS_CAUSES, MISS_PREFIX
 from deltaserve.cache.manager import checkpoint_unit
 from deltaserve.cache.radix_tree import Node
-from deltaserve.cache.types import CaptureKind
+from deltaserve.cache.types import CaptureKind, TransferKind
 from deltaserve.cache.v1_eviction import V1Eviction, V1State
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.core.sizing import Capacity, build_scheduler
@@ -427,6 +427,7 @@ class Simulation:
         moved = sum(
             t.nbytes_hint if t.kind.from_disk else cache.host.nbytes(t.kind)
             for t in out.plan.saves + out.plan.loads
+            if t.kind is not TransferKind.KV_MOVE  # (within the host: not over the link)
         )
         if self.disk is not None:  # the writer's puts, at once (the write rate paced their plan)
             for s in out.plan.disk_saves:
