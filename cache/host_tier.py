@@ -206,11 +206,11 @@ class HostTier:
 
     def floor(self) -> float:
         """The worth a demoted checkpoint must reach to be kept on the host (0: there is room,
-        or likely by vacating a KV page; -1: only worthless items would go; inf: no host
+        or a KV page can be vacated for it; -1: only worthless items would go; inf: no host
         checkpoints, or nothing can go)."""
         if self.num_slots == 0:
             return math.inf
-        if self._has_slot() or (self.pages is not None and self.pages.open_free >= self.pages.page_blocks):
+        if self._has_slot() or self._vacatable() is not None:
             return 0.0
         _, worth = self._weakest_checkpoint()
         if self.pages is not None:
@@ -268,30 +268,37 @@ class HostTier:
                 self._drop_nodes(nodes)
         return self._take()
 
-    def _vacate_kv_page(self) -> bool:
-        """Free a page by moving the blocks of the emptiest KV page whose nodes can move (on
-        the host only, no copy of theirs pending) into free blocks of the other KV pages;
-        False when the free blocks do not add up to a page, or no such page fits in them."""
+    def _vacatable(self) -> tuple[int, list[Node]] | None:
+        """The emptiest KV page whose nodes can move (on the host only, no copy of theirs
+        pending) into free blocks of the other KV pages, and its nodes; None when none can.
+        Any open page's blocks fit in the others' free blocks exactly when all the open
+        pages' free blocks add up to a page (used + the others' free = free in all - n + used)."""
         pages = self.pages
         if pages is None or pages.open_free < pages.page_blocks:
-            return False
+            return None
         n = pages.page_blocks
         for page in pages.emptiest_open(VACATE_CANDIDATES):
-            if pages.open_free - len(pages.free_blocks[page]) < pages.used[page]:
-                return False  # the rest hold more still
             nodes = [self.owner[b] for b in range(page * n, page * n + n) if b in self.owner]
-            if any(node.moving or node.block_id >= 0 for node in nodes):
-                continue
-            for node in nodes:
-                block = pages.allocate_block(avoid=page)
-                old, node.host_block = node.host_block, block
-                self._free_block(old)
-                self.owner[block] = node
-                self.tree.set_moving(node, True)  # not matched (nor written to disk) meanwhile
-                self.saves.append(Transfer(TransferKind.KV_MOVE, node, old, block))
-            self.counters["host.kv_moved_blocks"] += len(nodes)
-            return True
-        return False
+            if not any(node.moving or node.block_id >= 0 for node in nodes):
+                return page, nodes
+        return None
+
+    def _vacate_kv_page(self) -> bool:
+        """Free a page by moving the blocks of a ``_vacatable`` page; False when none is."""
+        found = self._vacatable()
+        if found is None:
+            return False
+        page, nodes = found
+        assert self.pages is not None
+        for node in nodes:
+            block = self.pages.allocate_block(avoid=page)
+            old, node.host_block = node.host_block, block
+            self._free_block(old)
+            self.owner[block] = node
+            self.tree.set_moving(node, True)  # not matched (nor written to disk) meanwhile
+            self.saves.append(Transfer(TransferKind.KV_MOVE, node, old, block))
+        self.counters["host.kv_moved_blocks"] += len(nodes)
+        return True
 
     def _victim_page(self, victim: Node | None, victim_worth: float) -> tuple[list[Node], float]:
         """``_page_victim`` as far as ``_take_slot`` needs it beside ``victim``: under the bands a

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from deltaserve.cache.host_order import band, kv_share
-from deltaserve.cache.host_tier import HostTier
+from deltaserve.cache.host_tier import VACATE_CANDIDATES, HostTier
 from deltaserve.cache.radix_tree import Node, RadixTree
 
 from .test_host_pages import _Worth
@@ -33,10 +33,25 @@ def _reference_weakest(host: HostTier) -> tuple[Node | None, float]:
     return best, key[0]
 
 
-def _reference_floor(host: HostTier) -> float:
+def _reference_vacatable(host: HostTier) -> bool:
+    """One of the emptiest open KV pages holds only host nodes with no copy pending, and the
+    other open pages' free blocks can take them."""
     pages = host.pages
-    if host._has_slot() or (pages is not None and pages.open_free >= pages.page_blocks):
-        return 0.0  # a page is free, or the free blocks of the KV pages add up to one
+    if pages is None:
+        return False
+    n = pages.page_blocks
+    free = {p: n - pages.used[p] for p in pages.open_pages}
+    for page in sorted(free, key=lambda p: pages.used[p])[:VACATE_CANDIDATES]:
+        nodes = [node for node in host.tree.nodes() if node.host_block >= 0 and node.host_block // n == page]
+        movable = all(not node.moving and node.block_id < 0 for node in nodes)
+        if movable and sum(free.values()) - free[page] >= len(nodes):
+            return True
+    return False
+
+
+def _reference_floor(host: HostTier) -> float:
+    if host._has_slot() or _reference_vacatable(host):
+        return 0.0
     worth = min(_reference_weakest(host)[1], host._page_victim()[1])
     return worth if worth < 1.0 else math.inf
 
