@@ -11,10 +11,10 @@ and the KV pages' free blocks add up to one, the emptiest KV page whose nodes ca
 vacated first: its blocks move into free blocks of the other KV pages (host copies,
 ``KV_MOVE``, planned with the saves and run before them). An eviction frees a whole
 conversation's blocks where one was wanted, so its scattered remainder would otherwise wait
-for KV while checkpoints evict live items (long reuse at 2.5 + 10 GiB: about 570 such blocks,
-3 % of the host, docs/cache.md). Else the victim is the weakest host checkpoint or the KV
-page whose blocks are worth least — its nodes go (with the host nodes below them). The radix tree records each item's tier
-(``cache/radix_tree.py``). This part owns the host
+for KV while checkpoints evict live items (long reuse at 2.5 + 10 GiB: about 570 such
+blocks, 3 % of the host, docs/cache.md). Else the victim is the weakest host checkpoint or
+the KV page whose blocks are worth least: its nodes go (with the host nodes below them).
+The radix tree records each item's tier (``cache/radix_tree.py``). This part owns the host
 pools, plans the *saves* (device -> host copies) of what the device tier gives up, and
 evicts on the host. Loads (host -> device) are the cache manager's: they belong to the
 request whose hit needs them.

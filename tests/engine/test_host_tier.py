@@ -162,3 +162,23 @@ def test_one_budget_on_both_tiers_changes_nothing(core_factory: Any, overlap: bo
     assert s["host.checkpoints_demoted"] > 0 and s["host.checkpoints_restored"] > 0
     assert s["prefix_cache.hit_tokens_host"] > 0
     assert s["cache.pages_to_kv"] > 0 and s["cache.pages_to_checkpoints"] > 0
+
+
+def test_a_full_host_vacates_kv_pages_and_changes_nothing(core_factory: Any) -> None:
+    """A host of one budget too small for the conversations: checkpoints coming down find no
+    free page and KV pages are vacated into the others' free blocks (host-to-host copies run
+    before the saves that overwrite the page); outputs equal to cache-off."""
+    page = core_factory().capacity.kv_block_bytes * 14
+    core = core_factory(
+        **{
+            "cache.num_kv_blocks": None,
+            "cache.memory_bytes": (8 + 8) * page,
+            "cache.checkpoint_interval": 0,
+            "cache.host_memory_bytes": 10 * page,
+        }
+    )
+    plain = core_factory(**{"cache.enable_prefix_caching": False})
+    _turns(core, plain, random.Random(34), n_turns=4)
+    s = core.stats()
+    assert s["host.kv_moved_blocks"] > 0 and s["host.checkpoints_evicted"] > 0
+    assert s["prefix_cache.hit_tokens_host"] > 0
