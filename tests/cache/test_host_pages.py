@@ -172,22 +172,24 @@ class _Worth(CheckpointEviction):
     unlikely: set[int] = set()  # checkpoints the "learner" expects not to serve
 
 
+def _paged_host(*, checkpoint_bytes: int, pages: int) -> tuple[HostTier, RadixTree, dict[int, float]]:
+    """An empty host tier of one budget over a new tree, its checkpoints worth ``table``'s
+    values (KV blocks of 100 bytes, pages of ``checkpoint_bytes``)."""
+    tree = RadixTree()
+    table: dict[int, float] = {}
+    host = HostTier(
+        tree, _Worth(tree, table), num_blocks=0, num_slots=0, kv_block_bytes=100,
+        checkpoint_bytes=checkpoint_bytes, num_pages=pages,
+    )  # fmt: skip
+    return host, tree, table
+
+
 def _host_with_checkpoints(
     worths: list[float], *, pages: int
 ) -> tuple[HostTier, RadixTree, dict[int, float]]:
     """A host tier of ``pages`` one-block pages whose checkpoints were demoted from
     device nodes (one per entry of ``worths``), saves landed."""
-    tree = RadixTree()
-    table: dict[int, float] = {}
-    host = HostTier(
-        tree,
-        _Worth(tree, table),
-        num_blocks=0,
-        num_slots=0,
-        kv_block_bytes=100,
-        checkpoint_bytes=100,
-        num_pages=pages,
-    )
+    host, tree, table = _paged_host(checkpoint_bytes=100, pages=pages)
     for i, w in enumerate(worths):
         node = tree.insert(tree.root, 1000 + i, block_id=i)
         table[node.key] = w
@@ -267,12 +269,7 @@ def test_a_host_checkpoint_evicted_takes_the_kv_only_it_made_servable() -> None:
     """A host checkpoint the host gives up for a newcomer leaves its path's host KV below the
     nearest other checkpoint or fork unable to end a hybrid hit: that KV goes at once, with
     it, so its pages are free for what can serve (not left to wait until KV needs room)."""
-    tree = RadixTree()
-    table: dict[int, float] = {}
-    host = HostTier(
-        tree, _Worth(tree, table), num_blocks=0, num_slots=0, kv_block_bytes=100, checkpoint_bytes=100,
-        num_pages=5,
-    )  # fmt: skip
+    host, tree, table = _paged_host(checkpoint_bytes=100, pages=5)
     shared = tree.insert(tree.root, 1, block_id=0)  # a fork: two conversations below it
     chain = [shared]
     for key in (2, 3, 4):
@@ -342,15 +339,10 @@ def test_one_budget_trades_pages_between_kv_and_checkpoints() -> None:
     assert cm.match(convos[0] + [1, 2, 3], b"s").hit_tokens >= 128  # the first one, from the host
 
 
-def _scattered_host(fail: bool) -> tuple[HostTier, RadixTree, list[Node], Node]:
+def _scattered_host() -> tuple[HostTier, RadixTree, list[Node], Node]:
     """Two KV pages of three blocks, one third free and one two thirds free, and the other
-    two pages checkpoints; then a live checkpoint comes down (``fail``: its copies fail)."""
-    tree = RadixTree()
-    table: dict[int, float] = {}
-    host = HostTier(
-        tree, _Worth(tree, table), num_blocks=0, num_slots=0, kv_block_bytes=100, checkpoint_bytes=300,
-        num_pages=4,
-    )  # fmt: skip
+    two pages checkpoints; then a live checkpoint comes down."""
+    host, tree, table = _paged_host(checkpoint_bytes=300, pages=4)
     leaves = [tree.insert(tree.root, 10 + i, block_id=i) for i in range(6)]
     for node in leaves:
         assert host.demote_kv(node) is not None
@@ -377,7 +369,7 @@ def test_a_checkpoint_takes_a_kv_page_vacated_into_the_others_free_blocks(fail: 
     one: the emptiest KV page's blocks move into the others' (host copies run before the
     checkpoint's save writes the page) and no live item is evicted. Until the move lands the
     moved node is not matchable; a failed move drops it, nothing else."""
-    host, tree, leaves, newcomer = _scattered_host(fail)
+    host, tree, leaves, newcomer = _scattered_host()
     moved = leaves[5]
     moves = [t for t in host.saves if t.kind is TransferKind.KV_MOVE]
     assert [(t.node, t.src, t.dst) for t in moves] == [(moved, 5, moved.host_block)]
