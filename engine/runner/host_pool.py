@@ -7,11 +7,10 @@ code path, so everything is tested without a GPU.
 
 ``transfer(plan)`` runs a step's copies before its forward: first the saves (device ->
 host: a demoted block's device copy may be reused by this very step; host KV blocks moved
-out of a page vacated for a checkpoint go before them, as that checkpoint's save may
-write the page), then ``between``
-(the runner's device block moves, on the compute stream), then each request's
-loads (host -> device block, host checkpoint -> the request's live slot). A request's
-loads are one unit: a failure fails only them (and is returned, for the engine to end
+out of a page vacated for a checkpoint go before them, as that checkpoint's save may write
+the page), then ``between`` (the runner's device block moves, on the compute stream), then
+each request's loads (host -> device block, host checkpoint -> the request's live slot).
+A request's loads are one unit: a failure fails only them (and is returned, for the engine to end
 that request); a failed batch of saves is returned too (the cache drops those items).
 
 On CUDA the copies run on a separate stream. The step's forward waits for the saves
