@@ -135,10 +135,16 @@ class HostTier:
             return self.pages.can_allocate_block()
         return self.blocks is not None and self.blocks.num_free > 0
 
-    def _allocate_block(self, node: Node) -> int:
-        block = self.pages.allocate_block() if self.pages is not None else self.blocks.allocate()  # type: ignore[union-attr]
+    def _allocate_block(self, node: Node, avoid: int = -1) -> int:
+        """A host block for ``node`` (one budget: not on page ``avoid``)."""
+        block = self.pages.allocate_block(avoid) if self.pages is not None else self.blocks.allocate()  # type: ignore[union-attr]
         self.owner[block] = node
         return block
+
+    def _page_nodes(self, page: int) -> list[Node]:
+        """The nodes holding blocks of KV page ``page``."""
+        n = self.pages.page_blocks  # type: ignore[union-attr]
+        return [self.owner[b] for b in range(page * n, page * n + n) if b in self.owner]
 
     def _free_block(self, block: int) -> None:
         del self.owner[block]
@@ -190,9 +196,7 @@ class HostTier:
         leaf = self.tree.peek_host_leaf()
         if pages is None or leaf is None:
             return [], math.inf
-        page = pages.page_of(leaf.host_block)
-        n = pages.page_blocks
-        nodes = [self.owner[b] for b in range(page * n, page * n + n) if b in self.owner]
+        nodes = self._page_nodes(pages.page_of(leaf.host_block))
         worth = 0.0
         stack = list(nodes)
         while stack:
@@ -276,9 +280,8 @@ class HostTier:
         pages = self.pages
         if pages is None or pages.open_free < pages.page_blocks:
             return None
-        n = pages.page_blocks
         for page in pages.emptiest_open(VACATE_CANDIDATES):
-            nodes = [self.owner[b] for b in range(page * n, page * n + n) if b in self.owner]
+            nodes = self._page_nodes(page)
             if not any(node.moving or node.block_id >= 0 for node in nodes):
                 return page, nodes
         return None
@@ -289,14 +292,11 @@ class HostTier:
         if found is None:
             return False
         page, nodes = found
-        assert self.pages is not None
         for node in nodes:
-            block = self.pages.allocate_block(avoid=page)
-            old, node.host_block = node.host_block, block
+            old, node.host_block = node.host_block, self._allocate_block(node, avoid=page)
             self._free_block(old)
-            self.owner[block] = node
             self.tree.set_moving(node, True)  # not matched (nor written to disk) meanwhile
-            self.saves.append(Transfer(TransferKind.KV_MOVE, node, old, block))
+            self.saves.append(Transfer(TransferKind.KV_MOVE, node, old, node.host_block))
         self.counters["host.kv_moved_blocks"] += len(nodes)
         return True
 
