@@ -20,10 +20,10 @@ KV's part of the bytes its path holds (its blocks up to the fork above, and one 
 the checkpoint). A conversation keeps one checkpoint, so a short one pays a page for few
 tokens of hit and a long one for many: per byte, the long one is worth more at the same
 age; a checkpoint with KV below it ends no path and counts as all KV. On long reuse with a
-host tier (2.5 + 10 GiB, seeds 0-2) that is +0.9 / +1.1 / +1.9 points of hit over recency
-alone (docs/cache.md). A dominated checkpoint is
-not refused on its way down: it takes room only while nothing weaker than it is held, and goes
-first. Pure functions over the tree; the deeper checkpoint is the tree's memo
+host tier (2.5 + 10 GiB, seeds 0-2), with the host's KV pages vacated for checkpoints, that
+is +1.0 / +2.3 / +2.1 points of hit over recency alone (docs/cache.md). A dominated
+checkpoint is not refused on its way down: it takes room only while nothing weaker than it is
+held, and goes first. Pure functions over the tree; the deeper checkpoint is the tree's memo
 (``RadixTree.deeper_checkpoint``), so a band costs a walk only after a change on its chain.
 The victim search asks for a band only the checkpoints that can be dominated (those with a
 deeper checkpoint, tracked from the tree's memo resets) and, when none is, the LRU items up to
@@ -47,9 +47,10 @@ DOMINATED, DEAD, ALIVE = -1.0, 0.0, 1.0
 _last_access = operator.attrgetter("last_access")
 
 #: how far a live checkpoint's share of KV moves it back in the LRU order, in mean ages of
-#: the live checkpoints held (long reuse seeds 0-2, hit % summed over the seeds: 8 / 10 / 12 /
-#: 16 gave 164.9 / 164.9 / 165.6 / 164.7, recency alone 161.7: docs/cache.md)
-SIZE_WEIGHT = 12.0
+#: the live checkpoints held (long reuse seeds 0-2, hit % summed over the seeds: 10 / 12 /
+#: 12.5 / 13 / 14 / 16 gave 166.1 / 166.2 / 167.1 / 166.9 / 166.4 / 166.2, recency alone
+#: 161.7: docs/cache.md; one seed moves by up to half a point between neighbouring weights)
+SIZE_WEIGHT = 12.5
 
 
 def kv_share(node: Node, page_blocks: int) -> float:
